@@ -1,0 +1,148 @@
+"""Architecture knowledge as data: one template per model family.
+
+A template says where decoder layers live, what each layer tensor is (its role, used by the
+OT-DUS builder), which tensors are zeroed to make a new layer an exact identity, and which
+config fields depend on depth. Adding a family means adding a template here, nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from otdus_cli.errors import OtdusError
+
+# Role names shared by every family. Values in a template are the tensor path inside a layer,
+# without the trailing ".weight" / ".bias".
+LLAMA_ROLES = {
+    "attn_norm": "input_layernorm",
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "mlp_norm": "post_attention_layernorm",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+# Zeroing these makes a layer's attention and MLP contributions vanish: the residual passes through.
+DENSE_ZERO = (r"self_attn\.o_proj\.(weight|bias)", r"mlp\.down_proj\.(weight|bias)")
+MOE_ZERO = (
+    r"self_attn\.o_proj\.(weight|bias)",
+    r"(mlp|block_sparse_moe)\.experts\.\d+\.(down_proj|w2)\.(weight|bias)",  # per-expert (on-disk format)
+    r"(mlp|block_sparse_moe)\.experts\.down_proj",  # fused experts (newer saves)
+    r"mlp\.shared_experts?\.down_proj\.(weight|bias)",
+    r"mlp\.down_proj\.(weight|bias)",  # dense layers of mixed stacks
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """Template for one architecture family."""
+
+    name: str
+    model_types: tuple[str, ...]
+    roles: dict[str, str]
+    zero_init: tuple[str, ...] = DENSE_ZERO
+    layer_prefix: str = "model.layers.{i}."
+    norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by (1 + w)
+    moe: bool = False
+    # fused tensors: role -> the roles stacked along its rows, in order (sizes from the config)
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def is_zero_target(self, suffix: str) -> bool:
+        return any(re.fullmatch(p, suffix) for p in self.zero_init)
+
+    def layer_regex(self) -> re.Pattern[str]:
+        return re.compile(re.escape(self.layer_prefix).replace(r"\{i\}", r"(\d+)") + r"(.+)")
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", ("llama",), LLAMA_ROLES),
+    Family("mistral", ("mistral",), LLAMA_ROLES),
+    Family("qwen2", ("qwen2",), LLAMA_ROLES),
+    Family("qwen3", ("qwen3",), {**LLAMA_ROLES, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}),
+    Family(
+        "gemma2",
+        ("gemma2",),
+        {
+            **LLAMA_ROLES,
+            "mlp_norm": "pre_feedforward_layernorm",
+            "attn_out_norm": "post_attention_layernorm",
+            "mlp_out_norm": "post_feedforward_layernorm",
+        },
+        norm_offset=1.0,
+    ),
+    Family(
+        "gemma3",
+        ("gemma3_text",),
+        {
+            **LLAMA_ROLES,
+            "mlp_norm": "pre_feedforward_layernorm",
+            "attn_out_norm": "post_attention_layernorm",
+            "mlp_out_norm": "post_feedforward_layernorm",
+            "q_norm": "self_attn.q_norm",
+            "k_norm": "self_attn.k_norm",
+        },
+        norm_offset=1.0,
+    ),
+    Family(
+        "phi3",
+        ("phi3",),
+        {
+            "attn_norm": "input_layernorm",
+            "qkv": "self_attn.qkv_proj",
+            "o": "self_attn.o_proj",
+            "mlp_norm": "post_attention_layernorm",
+            "gate_up": "mlp.gate_up_proj",
+            "down": "mlp.down_proj",
+        },
+        fused={"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")},
+    ),
+    Family("mixtral", ("mixtral",), {}, zero_init=MOE_ZERO, moe=True),
+    Family("qwen2_moe", ("qwen2_moe",), {}, zero_init=MOE_ZERO, moe=True),
+    Family("qwen3_moe", ("qwen3_moe",), {}, zero_init=MOE_ZERO, moe=True),
+    Family("olmoe", ("olmoe",), {}, zero_init=MOE_ZERO, moe=True),
+)
+
+# Used only with --allow-unknown-arch, for methods that copy layers whole.
+GENERIC = Family("generic", (), {}, zero_init=())
+
+_BY_MODEL_TYPE = {mt: fam for fam in FAMILIES for mt in fam.model_types}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_BY_MODEL_TYPE)
+
+
+def family_for(config: dict, allow_unknown: bool = False) -> Family:
+    """Pick the template for a config, refusing quantized or unknown checkpoints."""
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "unknown")
+        raise OtdusError(f"quantized checkpoints are not supported (quant_method={method}); use the unquantized model")
+    model_type = config.get("model_type")
+    if model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    if allow_unknown:
+        return GENERIC
+    raise OtdusError(
+        f"unknown architecture model_type={model_type!r}; supported: {', '.join(supported_model_types())} "
+        "(--allow-unknown-arch copies layers generically for copy-type methods)"
+    )
+
+
+# Config fields whose meaning depends on depth, and how each is rewritten (reference.md section 5).
+#   per_layer: a list with one entry per layer; a new layer inherits its source layer's entry.
+#   index_list: a list of layer indices; an output layer is listed if its source layer was.
+#   threshold: "the first t layers"; becomes the number of output layers whose source is below t.
+#   refuse: a field we cannot rewrite faithfully; refuse the expansion if present and non-trivial.
+DEPTH_FIELDS: dict[str, str] = {
+    "layer_types": "per_layer",
+    "no_rope_layers": "per_layer",
+    "mlp_only_layers": "index_list",
+    "moe_layers": "index_list",
+    "max_window_layers": "threshold",
+    "first_k_dense_replace": "threshold",
+    "num_nextn_predict_layers": "refuse",
+}

@@ -1,0 +1,195 @@
+"""Lazy, validated reading of a Hugging Face checkpoint folder, one tensor at a time.
+
+Tensors are located through the index's weight_map (or the single `model.safetensors`); shards are
+never globbed, since some repos ship extra files such as Mistral's `consolidated.safetensors`.
+Every header is validated up front, so a missing, truncated or corrupt shard, or an index entry
+that points outside the model folder, is one clear error before any output exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.io.safetensors_format import CODES, DTYPES, TensorInfo, read_header
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, dtype code and shape of a tensor, wherever it is stored."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _inside(folder: Path, relative: str) -> Path:
+    """Resolve a shard path from an index, refusing anything that leaves the model folder."""
+    if os.path.isabs(relative):
+        raise OtdusError(f"index names an absolute shard path {relative!r}; refusing to read outside the model")
+    resolved = (folder / relative).resolve()
+    if not resolved.is_relative_to(folder.resolve()):
+        raise OtdusError(f"index names shard {relative!r}, which escapes the model folder; refusing to read it")
+    return resolved
+
+
+def file_sha256(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class CheckpointReader:
+    """Read-only view of a checkpoint folder: its config and lazily loaded tensors."""
+
+    def __init__(self, folder: str | os.PathLike[str]):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise OtdusError(f"model folder not found: {self.folder}")
+        self.config = self._read_config()
+        self.index_file: str | None = None
+        self._infos: dict[str, TensorInfo] = {}
+        self._bin_files: dict[str, Path] = {}  # tensor name -> pickle shard (weights_only loading)
+        self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
+        self._metas: dict[str, TensorMeta] = {}
+        self._locate_tensors()
+
+    # -- discovery -------------------------------------------------------------------------
+    def _read_config(self) -> dict:
+        path = self.folder / "config.json"
+        if not path.is_file():
+            raise OtdusError(f"no config.json in {self.folder}")
+        try:
+            config = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise OtdusError(f"config.json in {self.folder} is not valid JSON") from None
+        if not isinstance(config, dict):
+            raise OtdusError(f"config.json in {self.folder} is not a JSON object")
+        return config
+
+    def _read_index(self, name: str) -> dict[str, Path]:
+        try:
+            index = json.loads((self.folder / name).read_text())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise OtdusError(f"{name} is corrupt (no valid weight_map)") from None
+        self.index_file = name
+        return {tensor: _inside(self.folder, str(shard)) for tensor, shard in weight_map.items()}
+
+    def _locate_tensors(self) -> None:
+        f = self.folder
+        if (f / SAFE_INDEX).is_file():
+            self._locate_safetensors(self._read_index(SAFE_INDEX))
+        elif (f / SAFE_SINGLE).is_file():
+            infos, _ = read_header(str(f / SAFE_SINGLE))
+            self._infos = infos
+        elif (f / BIN_INDEX).is_file():
+            self._bin_files = self._read_index(BIN_INDEX)
+        elif (f / BIN_SINGLE).is_file():
+            self._bin_files = {name: f / BIN_SINGLE for name in self._bin_state(f / BIN_SINGLE)}
+        else:
+            raise OtdusError(f"no weights in {f} (expected {SAFE_INDEX}, {SAFE_SINGLE} or {BIN_SINGLE})")
+        for name, info in self._infos.items():
+            self._metas[name] = TensorMeta(name, info.dtype, info.shape)
+        for name, path in self._bin_files.items():
+            state = self._bin_state(path)
+            if name not in state:
+                raise OtdusError(f"{path.name} does not contain {name}, which the index lists")
+            t = state[name]
+            if t.dtype not in CODES:
+                raise OtdusError(f"tensor {name} has unsupported dtype {t.dtype}")
+            self._metas[name] = TensorMeta(name, CODES[t.dtype], tuple(t.shape))
+        if not self._metas:
+            raise OtdusError(f"{f} holds no tensors")
+
+    def _locate_safetensors(self, weight_map: dict[str, Path]) -> None:
+        headers: dict[Path, dict[str, TensorInfo]] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not shard.is_file():
+                raise OtdusError(f"missing shard {shard.name} (listed in {SAFE_INDEX})")
+            headers[shard], _ = read_header(str(shard))
+        for name, shard in weight_map.items():
+            info = headers[shard].get(name)
+            if info is None:
+                raise OtdusError(f"{shard.name} does not contain {name}, which {SAFE_INDEX} lists")
+            self._infos[name] = info
+
+    def _bin_state(self, path: Path) -> dict[str, torch.Tensor]:
+        """Load a pickle shard safely: weights_only (no code execution), memory-mapped."""
+        if path not in self._bin_cache:
+            if not path.is_file():
+                raise OtdusError(f"missing shard {path.name}")
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # torch raises many types for bad pickles
+                raise OtdusError(f"{path.name}: cannot load safely with weights_only ({exc.__class__.__name__})") from None
+            if not isinstance(state, dict):
+                raise OtdusError(f"{path.name}: not a state dict")
+            self._bin_cache[path] = state
+        return self._bin_cache[path]
+
+    # -- access ----------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return list(self._metas)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._metas
+
+    def meta(self, name: str) -> TensorMeta:
+        try:
+            return self._metas[name]
+        except KeyError:
+            raise OtdusError(f"tensor {name} not found in {self.folder}") from None
+
+    def raw(self, name: str) -> TensorInfo | None:
+        """Byte location of a tensor, when it is stored in safetensors (for byte-exact copies)."""
+        return self._infos.get(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        """Load one tensor into memory (a fresh CPU tensor; nothing else is kept)."""
+        info = self._infos.get(name)
+        if info is not None:
+            buf = bytearray(info.nbytes)
+            with open(info.file, "rb") as f:
+                f.seek(info.begin)
+                if f.readinto(buf) != info.nbytes:
+                    raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {name}")
+            if info.nbytes == 0:
+                return torch.empty(info.shape, dtype=DTYPES[info.dtype])
+            return torch.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(info.shape)
+        if name in self._bin_files:
+            return self._bin_state(self._bin_files[name])[name].clone()
+        raise OtdusError(f"tensor {name} not found in {self.folder}")
+
+    def total_bytes(self) -> int:
+        from otdus_cli.io.safetensors_format import itemsize
+
+        total = 0
+        for m in self._metas.values():
+            n = itemsize(m.dtype)
+            for s in m.shape:
+                n *= s
+            total += n
+        return total
+
+    def fingerprint(self) -> dict[str, str | None]:
+        """Hashes that identify the source in the manifest (config and index, not the weights)."""
+        index = self.folder / self.index_file if self.index_file else None
+        return {
+            "config_sha256": file_sha256(self.folder / "config.json"),
+            "index_sha256": file_sha256(index) if index else None,
+        }

@@ -1,0 +1,56 @@
+"""The interface between the expansion engine and the layer builders.
+
+A builder makes the tensors of one new layer from its parent layers (one parent for copy-type
+builders, the adjacent pair (f_i, f_{i+1}) for pair builders). Parents are read lazily, one
+tensor at a time, so a builder holds only what its formulas need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from otdus_cli.arch.families import Family
+
+
+class ParentLayer(Protocol):
+    """One base layer, read lazily from the source checkpoint."""
+
+    index: int
+
+    def suffixes(self) -> list[str]:
+        """Tensor names inside the layer, e.g. "self_attn.q_proj.weight"."""
+        ...
+
+    def get(self, suffix: str) -> torch.Tensor:
+        """Load one tensor (source dtype, CPU)."""
+        ...
+
+
+@dataclass
+class BuildContext:
+    """What a builder may consult besides its parents."""
+
+    family: Family
+    config: dict  # the source config.json
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    options: dict[str, Any] = field(default_factory=dict)  # method-specific options
+    seed: int = 0
+    output_index: int = 0  # index of the new layer in the output stack
+    stats: dict[str, Any] = field(default_factory=dict)  # builders record per-layer statistics here
+
+
+class LayerBuilder(Protocol):
+    """Builds one new layer. Yields (suffix, tensor) for every suffix of parents[0].
+
+    Tensors may be any float dtype and device; the writer casts to the output dtype. Zeroing of
+    the family's zero-init targets is applied by the engine afterwards when --zero-init is on,
+    so builders need not know about it unless their formulas depend on it.
+    """
+
+    parents_needed: int  # 1 (copy-type) or 2 (pair)
+
+    def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]: ...
