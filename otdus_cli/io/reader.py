@@ -9,6 +9,7 @@ that points outside the model folder, is one clear error before any output exist
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.safetensors_format import CODES, DTYPES, TensorInfo, read_header
+from otdus_cli.io.safetensors_format import CODES, DTYPES, TensorInfo, itemsize, read_header
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -176,15 +177,7 @@ class CheckpointReader:
         raise OtdusError(f"tensor {name} not found in {self.folder}")
 
     def total_bytes(self) -> int:
-        from otdus_cli.io.safetensors_format import itemsize
-
-        total = 0
-        for m in self._metas.values():
-            n = itemsize(m.dtype)
-            for s in m.shape:
-                n *= s
-            total += n
-        return total
+        return sum(math.prod(m.shape) * itemsize(m.dtype) for m in self._metas.values())
 
     def fingerprint(self) -> dict[str, str | None]:
         """Hashes that identify the source in the manifest (config and index, not the weights)."""

@@ -1,0 +1,108 @@
+"""Rewriting config.json for a new depth, driven by the DEPTH_FIELDS table."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+from otdus_cli.arch.families import DEPTH_FIELDS
+from otdus_cli.errors import OtdusError
+from otdus_cli.plan.layer_map import OutputLayer
+
+
+def derived_layer_types(config: dict) -> list[str] | None:
+    """The per-layer attention types transformers derives for this config, if the family has them.
+
+    Families such as Qwen2 (max_window_layers), Gemma 2/3 (alternating / sliding_window_pattern)
+    compute layer_types when it is absent; we write it explicitly so each new layer keeps its
+    source layer's type whatever the derivation rule would say at the new depth.
+    """
+    if isinstance(config.get("layer_types"), list):
+        return list(config["layer_types"])
+    try:
+        from transformers import AutoConfig
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = AutoConfig.for_model(**config)
+    except Exception:
+        return None
+    types = getattr(loaded, "layer_types", None)
+    return list(types) if isinstance(types, list) else None
+
+
+def rewrite_config(config: dict, layer_map: list[OutputLayer]) -> dict:
+    """A copy of `config` describing the expanded stack."""
+    base_layers = int(config["num_hidden_layers"])
+    sources = [lay.source for lay in layer_map]
+    out = copy.deepcopy(config)
+    out["num_hidden_layers"] = len(layer_map)
+    types = derived_layer_types(config)
+    if types is not None:
+        if len(types) != base_layers:
+            raise OtdusError(f"config layer_types has {len(types)} entries for {base_layers} layers")
+        out["layer_types"] = [types[i] for i in sources]
+    for name, kind in DEPTH_FIELDS.items():
+        value = config.get(name)
+        if value is None or name == "layer_types":
+            continue
+        if kind == "per_layer" and isinstance(value, list):
+            if len(value) != base_layers:
+                raise OtdusError(f"config {name} has {len(value)} entries for {base_layers} layers")
+            out[name] = [value[i] for i in sources]
+        elif kind == "index_list" and isinstance(value, list):
+            listed = set(value)
+            out[name] = [j for j, i in enumerate(sources) if i in listed]
+        elif kind == "threshold" and isinstance(value, int):
+            below = [j for j, i in enumerate(sources) if i < value]
+            if below != list(range(len(below))):
+                raise OtdusError(
+                    f"config {name}={value} marks the first layers; this layer map interleaves them with "
+                    "later ones, which the field cannot express"
+                )
+            out[name] = len(below)
+        elif kind == "refuse" and value:
+            raise OtdusError(f"config {name}={value}: layers stored after the decoder stack are not supported yet")
+    _rewrite_sparse_step(config, out, sources)
+    return out
+
+
+def _rewrite_sparse_step(config: dict, out: dict, sources: list[int]) -> None:
+    """Qwen MoE puts experts on layers with (i + 1) % decoder_sparse_step == 0; depth changes move them.
+
+    Dense source layers that land on an expert slot are listed in mlp_only_layers; an expert layer
+    that lands on a dense slot cannot be expressed, so that placement is refused.
+    """
+    step = config.get("decoder_sparse_step")
+    if not step or step == 1 or not config.get("num_experts"):
+        return
+    only = set(config.get("mlp_only_layers") or [])
+
+    def sparse(i: int) -> bool:
+        return i not in only and (i + 1) % step == 0
+
+    for j, i in enumerate(sources):
+        if sparse(i) and (j + 1) % step:
+            raise OtdusError(
+                f"decoder_sparse_step={step}: MoE base layer {i} would land on dense slot {j}; "
+                "choose placements that keep the MoE pattern"
+            )
+    out["mlp_only_layers"] = [j for j, i in enumerate(sources) if not sparse(i) and (j + 1) % step == 0]
+
+
+def validate_with_transformers(folder: Path, expected_layers: int) -> None:
+    """Load the written config the way users will, so a bad config fails here and not in their job."""
+    from transformers import AutoConfig
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as exc:
+        raise OtdusError(f"transformers rejects the rewritten config: {exc}") from None
+    if loaded.num_hidden_layers != expected_layers:
+        raise OtdusError(f"rewritten config loads with {loaded.num_hidden_layers} layers, expected {expected_layers}")
+    types = getattr(loaded, "layer_types", None)
+    if isinstance(types, list) and len(types) != expected_layers:
+        raise OtdusError(f"rewritten config has {len(types)} layer_types for {expected_layers} layers")

@@ -1,0 +1,360 @@
+"""The `otdus` command line: a thin Typer + rich layer over the library.
+
+Errors in the user's input are one line on stderr and exit code 2; broken parity in `verify` is
+exit code 1. Set OTDUS_DEBUG=1 to see tracebacks of unexpected failures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from otdus_cli import __version__
+from otdus_cli.errors import OtdusError
+
+app = typer.Typer(
+    help="Depth up-scaling checkpoint surgery for Hugging Face LLMs: OT-DUS and its baselines, streamed.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out_console = Console()
+err_console = Console(stderr=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
+
+
+def _fail(message: str, code: int) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _user_errors():
+    """Turn library errors into one line and an exit code; keep tracebacks for OTDUS_DEBUG."""
+    try:
+        yield
+    except OtdusError as exc:
+        _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("interrupted; no output was left behind")
+        raise typer.Exit(130) from None
+    except typer.Exit:
+        raise
+    except Exception as exc:
+        if os.environ.get("OTDUS_DEBUG"):
+            raise
+        _fail(f"unexpected {exc.__class__.__name__}: {exc} (OTDUS_DEBUG=1 shows the traceback)", 3)
+
+
+def _emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+@contextmanager
+def _byte_progress(enabled: bool, description: str):
+    """A rich progress bar over bytes written (on stderr), or a no-op; yields (set_total, advance)."""
+    if not enabled:
+        yield (lambda total: None), (lambda n: None)
+        return
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task(description, total=None)
+        yield (lambda total: progress.update(task, total=total)), (lambda n: progress.advance(task, n))
+
+
+# -- shared options -----------------------------------------------------------------------------
+Model = Annotated[str | None, typer.Argument(help="Source model: a local folder or a Hugging Face hub id.")]
+Recipe = Annotated[
+    Path | None, typer.Option("--recipe", help="YAML recipe with the model and expand options (flags override it).")
+]
+Method = Annotated[
+    str | None,
+    typer.Option(
+        help="How new layers are made: ot, average, copy, interpose, random, llama-pro, solar, stack. [default: ot]"
+    ),
+]
+Position = Annotated[
+    str | None,
+    typer.Option(help="Where new layers go: top, bottom, mid, top-bottom, uniform. [default: top]"),
+]
+Layers = Annotated[int | None, typer.Option(help="Number of new layers. [default: half the base depth; stack: L]")]
+Ratio = Annotated[float | None, typer.Option(help="New layers as a fraction of the base depth (instead of --layers).")]
+After = Annotated[
+    str | None,
+    typer.Option(help="Explicit base indices to insert after, e.g. '3,7,11' (overrides --position)."),
+]
+ZeroInit = Annotated[
+    bool | None,
+    typer.Option(
+        "--zero-init/--no-zero-init",
+        help="Zero o_proj and down_proj (and MoE expert downs) of new layers, making them exact identities. "
+        "[default: on for ot and llama-pro, off otherwise]",
+        show_default=False,
+    ),
+]
+OtVariant = Annotated[
+    str | None, typer.Option(help="OT-DUS variant: paper, official (the released code), structured. [default: paper]")
+]
+Solver = Annotated[str | None, typer.Option(help="Transport solver: sinkhorn or emd (exact). [default: sinkhorn]")]
+Reg = Annotated[float | None, typer.Option(help="Sinkhorn entropic regularisation. [default: 0.06]")]
+Tol = Annotated[float | None, typer.Option(help="Sinkhorn stopping tolerance on the marginal error. [default: 1e-6]")]
+MaxIter = Annotated[int | None, typer.Option(help="Sinkhorn iteration cap. [default: 2000]")]
+Device = Annotated[str | None, typer.Option(help="Device for transport: auto, cpu, cuda, cuda:N. [default: auto]")]
+Dtype = Annotated[
+    str | None, typer.Option(help="Output dtype: auto (keep the source's), float32, bfloat16, float16. [default: auto]")
+]
+ShardSize = Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")]
+Seed = Annotated[int | None, typer.Option(help="Seed for random initialisation. [default: 0]")]
+Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
+AllowUnknown = Annotated[
+    bool,
+    typer.Option(help="Copy layers generically for an unknown architecture (copy-type methods only)."),
+]
+
+
+def _options(recipe: Path | None, model: str | None, **flags: Any):
+    """Merge recipe and flags (flags win) into validated ExpandOptions."""
+    from pydantic import ValidationError
+
+    from otdus_cli.options import ExpandOptions, OTOptions, load_recipe
+
+    base = load_recipe(recipe) if recipe else None
+    model = model or (base.model if base else None)
+    if not model:
+        raise OtdusError("give a model (folder or hub id) or --recipe")
+    options = base.expand if base else ExpandOptions()
+    after = flags.pop("after")
+    ot_flags = {k: flags.pop(k) for k in ("variant", "solver", "reg", "tol", "max_iter")}
+    updates = {k: v for k, v in flags.items() if v is not None}
+    if after is not None:
+        try:
+            updates["after"] = [int(x) for x in after.split(",") if x.strip()]
+        except ValueError:
+            raise OtdusError(f"--after takes comma-separated layer indices, got {after!r}") from None
+    try:
+        ot = OTOptions.model_validate({**options.ot.model_dump(), **{k: v for k, v in ot_flags.items() if v is not None}})
+        merged = ExpandOptions.model_validate({**options.model_dump(), **updates, "ot": ot.model_dump()})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise OtdusError(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}") from None
+    return model, merged, base
+
+
+def _layer_table(plan) -> Table:
+    table = Table(title=f"{plan.method.name}: {plan.source.depth} -> {len(plan.layer_map)} layers")
+    for col in ("out", "kind", "source", "parents", "builder", "zero-init"):
+        table.add_column(col)
+    for lay in plan.layer_map:
+        table.add_row(
+            str(lay.index),
+            "[green]new[/]" if lay.new else "base",
+            str(lay.source),
+            ",".join(map(str, lay.parents)) if lay.new else "",
+            lay.builder if lay.new else "copy",
+            "yes" if lay.zero_init else "",
+        )
+    return table
+
+
+def _plan_json(plan) -> dict:
+    return {
+        "source": plan.source.resolved.id,
+        "family": plan.source.family.name,
+        "method": plan.method.name,
+        "base_layers": plan.source.depth,
+        "num_hidden_layers": len(plan.layer_map),
+        "function_preserving": plan.function_preserving,
+        "layers": [lay.to_json() for lay in plan.layer_map],
+        "options": plan.options.model_dump(),
+        "output_bytes": sum(t.nbytes for t in plan.tensors),
+    }
+
+
+# -- commands -----------------------------------------------------------------------------------
+@app.command()
+def expand(
+    model: Model = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")] = None,
+    recipe: Recipe = None,
+    method: Method = None,
+    position: Position = None,
+    layers: Layers = None,
+    ratio: Ratio = None,
+    after: After = None,
+    zero_init: ZeroInit = None,
+    ot_variant: OtVariant = None,
+    solver: Solver = None,
+    reg: Reg = None,
+    tol: Tol = None,
+    max_iter: MaxIter = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    max_shard_size: ShardSize = None,
+    seed: Seed = None,
+    revision: Revision = None,
+    allow_unknown_arch: AllowUnknown = False,
+    force: Annotated[bool, typer.Option(help="Replace --out if it exists (only once the new one is complete).")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Insert new decoder layers and write the deeper checkpoint (streamed, atomic)."""
+    from otdus_cli.expand import expand as run_expand
+
+    with _user_errors():
+        model, options, recipe_obj = _options(
+            recipe, model, method=method, position=position, layers=layers, ratio=ratio, after=after,
+            zero_init=zero_init, variant=ot_variant, solver=solver, reg=reg, tol=tol, max_iter=max_iter,
+            device=device, dtype=dtype, max_shard_size=max_shard_size, seed=seed, revision=revision,
+            allow_unknown_arch=allow_unknown_arch or None,
+        )
+        out = out or (Path(recipe_obj.out) if recipe_obj and recipe_obj.out else None)
+        if out is None:
+            raise OtdusError("give --out (the output folder)")
+        with _byte_progress(not json_out and err_console.is_terminal, "expanding") as (set_total, advance):
+            result = run_expand(
+                model, out, options, force=force, progress=advance,
+                on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
+            )
+    summary = {
+        "out": str(result.out),
+        **_plan_json(result.plan),
+        "bytes_written": result.bytes_written,
+        "seconds": round(result.seconds, 3),
+        "new_parameters": len(result.manifest["new_parameters"]),
+    }
+    if json_out:
+        _emit_json(summary)
+        return
+    preserved = "function-preserving" if result.plan.function_preserving else "not function-preserving"
+    out_console.print(
+        f"[bold green]wrote[/] {result.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} layers "
+        f"with {summary['method']} ({preserved}), {result.bytes_written / 1e9:.2f} GB in {result.seconds:.1f} s"
+    )
+
+
+@app.command()
+def plan(
+    model: Model = None,
+    recipe: Recipe = None,
+    method: Method = None,
+    position: Position = None,
+    layers: Layers = None,
+    ratio: Ratio = None,
+    after: After = None,
+    zero_init: ZeroInit = None,
+    revision: Revision = None,
+    allow_unknown_arch: AllowUnknown = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Show the layer map an expansion would produce; nothing is written."""
+    from otdus_cli.expand import make_plan, open_source
+
+    with _user_errors():
+        model, options, _ = _options(
+            recipe, model, method=method, position=position, layers=layers, ratio=ratio, after=after,
+            zero_init=zero_init, variant=None, solver=None, reg=None, tol=None, max_iter=None,
+            revision=revision, allow_unknown_arch=allow_unknown_arch or None,
+        )
+        the_plan = make_plan(open_source(model, options.revision, options.allow_unknown_arch), options)
+    if json_out:
+        _emit_json(_plan_json(the_plan))
+        return
+    out_console.print(_layer_table(the_plan))
+    out_console.print(
+        "function-preserving" if the_plan.function_preserving else "not function-preserving (perplexity will move)"
+    )
+
+
+@app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(help="A checkpoint folder (expanded or not) or an otdus.json manifest.")],
+    json_out: JsonFlag = False,
+) -> None:
+    """Describe a checkpoint or manifest: layers, parameters, dtypes, size, and how it was made."""
+    from otdus_cli.expand import MANIFEST, read_manifest
+    from otdus_cli.io.reader import CheckpointReader
+
+    with _user_errors():
+        folder = path.parent if path.name == MANIFEST else path
+        manifest = read_manifest(folder)
+        info: dict[str, Any] = {"path": str(folder)}
+        if (folder / "config.json").is_file():
+            reader = CheckpointReader(folder)
+            dtypes = Counter(reader.meta(n).dtype for n in reader.names)
+            params = sum(_numel(reader.meta(n).shape) for n in reader.names)
+            info.update(
+                model_type=reader.config.get("model_type"),
+                num_hidden_layers=reader.config.get("num_hidden_layers"),
+                parameters=params,
+                tensors=len(reader.names),
+                dtypes=dict(dtypes),
+                bytes=reader.total_bytes(),
+                tie_word_embeddings=reader.config.get("tie_word_embeddings"),
+            )
+        elif manifest is None:
+            raise OtdusError(f"{path} is neither a checkpoint folder nor an otdus manifest")
+        if manifest:
+            info["manifest"] = manifest
+    if json_out:
+        _emit_json(info)
+        return
+    table = Table(title=str(folder), show_header=False)
+    for key in ("model_type", "num_hidden_layers", "parameters", "tensors", "dtypes", "bytes", "tie_word_embeddings"):
+        if key in info:
+            value = info[key]
+            table.add_row(key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value))
+    if manifest:
+        table.add_row("made by", f"otdus {manifest['otdus_version']} {manifest['method']} from {manifest['source']['id']}")
+        table.add_row("function-preserving", str(manifest["function_preserving"]))
+        new = [str(lay["index"]) for lay in manifest["layers"] if lay["new"]]
+        table.add_row("new layers", ", ".join(new))
+        table.add_row("new parameters", f"{len(manifest['new_parameters'])} tensors")
+    out_console.print(table)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@app.command()
+def version() -> None:
+    """Print the otdus version."""
+    out_console.print(__version__)
+
+
+def main(argv: list[str] | None = None) -> Callable | None:
+    app(args=argv)
+    return None
+
+
+if __name__ == "__main__":
+    main()

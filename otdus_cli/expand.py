@@ -1,0 +1,346 @@
+"""`otdus expand`: plan the new stack, then stream every output tensor to its final place.
+
+Base layers and copies move bytes (no decode); built layers are made one at a time from their
+parents, read lazily; only the current tensor (and what a builder's formulas need) is in memory.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from otdus_cli import __version__
+from otdus_cli.arch.config_rules import rewrite_config, validate_with_transformers
+from otdus_cli.arch.families import Family, family_for
+from otdus_cli.errors import OtdusError
+from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.io.safetensors_format import CODES, FLOAT_CODES
+from otdus_cli.io.writer import PlannedTensor, ShardedWriter, atomic_output_dir, parse_size
+from otdus_cli.methods.base import BuildContext
+from otdus_cli.methods.registry import Method, get_method, make_builder, plan_layers
+from otdus_cli.options import ExpandOptions
+from otdus_cli.plan.layer_map import OutputLayer, is_function_preserving
+from otdus_cli.source import SIDE_FILE_PATTERNS, ResolvedSource, resolve_source
+
+MANIFEST = "otdus.json"
+_NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", MANIFEST}
+
+ProgressFn = Callable[[int], None]
+
+
+class SourceLayer:
+    """A base layer of the source checkpoint, read lazily (implements methods.base.ParentLayer)."""
+
+    def __init__(self, reader: CheckpointReader, prefix: str, index: int, suffixes: list[str]):
+        self.reader = reader
+        self.prefix = prefix
+        self.index = index
+        self._suffixes = suffixes
+
+    def suffixes(self) -> list[str]:
+        return list(self._suffixes)
+
+    def name(self, suffix: str) -> str:
+        return self.prefix + suffix
+
+    def get(self, suffix: str) -> torch.Tensor:
+        return self.reader.get(self.name(suffix))
+
+    def shape(self, suffix: str) -> tuple[int, ...]:
+        return self.reader.meta(self.name(suffix)).shape
+
+
+@dataclass
+class SourceModel:
+    """A checkpoint seen as: tensors before the stack, the decoder layers, tensors after."""
+
+    resolved: ResolvedSource
+    reader: CheckpointReader
+    family: Family
+    layers: list[SourceLayer]
+    head: list[str]  # embeddings and anything else outside the stack, written first
+    tail: list[str]  # final norm, lm_head ...
+
+    @property
+    def config(self) -> dict:
+        return self.reader.config
+
+    @property
+    def depth(self) -> int:
+        return len(self.layers)
+
+
+def open_source(model: str, revision: str | None = None, allow_unknown_arch: bool = False) -> SourceModel:
+    resolved = resolve_source(model, revision)
+    reader = CheckpointReader(resolved.folder)
+    family = family_for(reader.config, allow_unknown_arch)
+    depth = reader.config.get("num_hidden_layers")
+    if not isinstance(depth, int) or depth < 1:
+        raise OtdusError("config.json has no valid num_hidden_layers (multimodal wrappers are not supported)")
+    pattern = family.layer_regex()
+    by_layer: dict[int, list[str]] = {}
+    others: list[str] = []
+    for name in reader.names:
+        m = pattern.fullmatch(name)
+        if m:
+            by_layer.setdefault(int(m.group(1)), []).append(m.group(2))
+        else:
+            others.append(name)
+    extra = sorted(i for i in by_layer if i >= depth)
+    if extra:
+        raise OtdusError(f"checkpoint has tensors for layer {extra[0]} but config says {depth} layers")
+    missing = [i for i in range(depth) if i not in by_layer]
+    if missing:
+        raise OtdusError(f"checkpoint has no tensors for layer {missing[0]} (config says {depth} layers)")
+    layers = [
+        SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i])) for i in range(depth)
+    ]
+    others.sort()
+    head = [n for n in others if "embed" in n]
+    tail = [n for n in others if "embed" not in n]
+    return SourceModel(resolved, reader, family, layers, head, tail)
+
+
+@dataclass
+class Plan:
+    source: SourceModel
+    method: Method
+    options: ExpandOptions
+    layer_map: list[OutputLayer]
+    config: dict  # the rewritten config.json
+    tensors: list[PlannedTensor]
+
+    @property
+    def function_preserving(self) -> bool:
+        return is_function_preserving(self.layer_map, self.source.depth)
+
+    @property
+    def new_parameter_names(self) -> list[str]:
+        prefix = self.source.family.layer_prefix
+        return [
+            prefix.format(i=lay.index) + s
+            for lay in self.layer_map
+            if lay.new
+            for s in self.source.layers[lay.source].suffixes()
+        ]
+
+
+def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
+    method = get_method(options.method)
+    if source.family.name == "generic" and method.builder != "copy":
+        raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+    layer_map = plan_layers(
+        source.depth, method, options.position, options.layers, options.ratio, options.after, options.zero_init
+    )
+    if source.family.name == "generic" and any(lay.zero_init for lay in layer_map):
+        raise OtdusError("zero-init needs a known architecture (which tensors to zero); add --no-zero-init")
+    config = rewrite_config(source.config, layer_map)
+    if options.dtype != "auto":
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
+    return Plan(source, method, options, layer_map, config, _planned_tensors(source, layer_map, options.dtype))
+
+
+def _out_dtype(code: str, dtype: str) -> str:
+    if dtype == "auto" or code not in FLOAT_CODES:
+        return code
+    return CODES[getattr(torch, dtype)]
+
+
+def _planned_tensors(source: SourceModel, layer_map: list[OutputLayer], dtype: str) -> list[PlannedTensor]:
+    def planned(src_name: str, out_name: str) -> PlannedTensor:
+        meta = source.reader.meta(src_name)
+        return PlannedTensor(out_name, _out_dtype(meta.dtype, dtype), meta.shape)
+
+    out = [planned(n, n) for n in source.head]
+    for lay in layer_map:
+        src = source.layers[lay.source]
+        prefix = source.family.layer_prefix.format(i=lay.index)
+        out += [planned(src.name(s), prefix + s) for s in src.suffixes()]
+    out += [planned(n, n) for n in source.tail]
+    return out
+
+
+@dataclass
+class ExpandResult:
+    out: Path
+    plan: Plan
+    manifest: dict
+    bytes_written: int
+    seconds: float
+    stats: dict = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise OtdusError(f"unknown device {name!r} (auto, cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OtdusError(f"--device {name}: no CUDA GPU is available here")
+    return device
+
+
+class _Engine:
+    """Writes one planned expansion into a folder."""
+
+    def __init__(self, plan: Plan, folder: Path, progress: ProgressFn | None):
+        self.plan = plan
+        self.src = plan.source
+        self.writer = ShardedWriter(folder, plan.tensors, parse_size(plan.options.max_shard_size))
+        self.progress = progress or (lambda n: None)
+        self.stats: dict[int, dict] = {}
+
+    def _copy(self, src_name: str, out_name: str) -> None:
+        raw = self.src.reader.raw(src_name)
+        planned = self.writer.slots[out_name].tensor
+        if raw is not None and raw.dtype == planned.dtype:
+            n = self.writer.copy_raw(out_name, raw)
+        else:
+            n = self.writer.write_tensor(out_name, self.src.reader.get(src_name))
+        self.progress(n)
+
+    def run(self) -> None:
+        for name in self.src.head:
+            self._copy(name, name)
+        device = resolve_device(self.plan.options.device)
+        builders: dict[str, object] = {}
+        for lay in self.plan.layer_map:
+            if lay.builder in ("base", "copy"):
+                self._copy_layer(lay)
+            else:
+                if lay.builder not in builders:
+                    builders[lay.builder] = make_builder(lay.builder)
+                self._build_layer(lay, builders[lay.builder], device)
+        for name in self.src.tail:
+            self._copy(name, name)
+
+    def _out_name(self, lay: OutputLayer, suffix: str) -> str:
+        return self.src.family.layer_prefix.format(i=lay.index) + suffix
+
+    def _copy_layer(self, lay: OutputLayer) -> None:
+        src = self.src.layers[lay.source]
+        for suffix in src.suffixes():
+            out = self._out_name(lay, suffix)
+            if lay.zero_init and self.src.family.is_zero_target(suffix):
+                self.progress(self.writer.write_zeros(out))
+            else:
+                self._copy(src.name(suffix), out)
+
+    def _build_layer(self, lay: OutputLayer, builder, device: torch.device) -> None:
+        parents = [self.src.layers[i] for i in lay.parents]
+        if len(parents) != builder.parents_needed:
+            raise OtdusError(f"layer {lay.index}: {lay.builder} needs {builder.parents_needed} parent layers")
+        ctx = BuildContext(
+            family=self.src.family,
+            config=self.src.config,
+            device=device,
+            options=self.plan.options.ot.model_dump() if lay.builder == "ot" else {},
+            seed=self.plan.options.seed,
+            output_index=lay.index,
+        )
+        expected = set(parents[0].suffixes())
+        for suffix, tensor in builder.build(parents, ctx):
+            if suffix not in expected:
+                raise RuntimeError(f"builder {lay.builder} produced unknown tensor {suffix}")
+            expected.discard(suffix)
+            out = self._out_name(lay, suffix)
+            if lay.zero_init and self.src.family.is_zero_target(suffix):
+                self.progress(self.writer.write_zeros(out))
+            else:
+                self.progress(self.writer.write_tensor(out, tensor))
+            del tensor
+        if expected:
+            raise RuntimeError(f"builder {lay.builder} did not produce {sorted(expected)[0]}")
+        if ctx.stats:
+            self.stats[lay.index] = ctx.stats
+
+
+def _copy_side_files(source_folder: Path, folder: Path) -> list[str]:
+    copied = []
+    for path in sorted(source_folder.iterdir()):
+        if not path.is_file() or path.name in _NOT_SIDE_FILES:
+            continue
+        if any(fnmatch.fnmatch(path.name, p) for p in SIDE_FILE_PATTERNS):
+            shutil.copyfile(path, folder / path.name)  # follows hub-cache symlinks
+            copied.append(path.name)
+    return copied
+
+
+def build_manifest(plan: Plan, stats: dict[int, dict], side_files: list[str]) -> dict:
+    src = plan.source
+    return {
+        "otdus_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": {
+            "id": src.resolved.id,
+            "revision": src.resolved.revision,
+            "path": str(src.resolved.folder.absolute()),
+            "model_type": src.config.get("model_type"),
+            "family": src.family.name,
+            "num_hidden_layers": src.depth,
+            **src.reader.fingerprint(),
+        },
+        "method": plan.method.name,
+        "options": plan.options.model_dump(),
+        "num_hidden_layers": len(plan.layer_map),
+        "function_preserving": plan.function_preserving,
+        "layers": [lay.to_json() for lay in plan.layer_map],
+        "new_parameters": plan.new_parameter_names,
+        "transport": {str(k): v for k, v in sorted(stats.items())},
+        "copied_files": side_files,
+    }
+
+
+def expand(
+    model: str,
+    out: str | Path,
+    options: ExpandOptions | None = None,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
+) -> ExpandResult:
+    """Expand `model` (folder or hub id) into `out` atomically; returns what was written."""
+    options = options or ExpandOptions()
+    start = time.perf_counter()
+    source = open_source(model, options.revision, options.allow_unknown_arch)
+    plan = make_plan(source, options)
+    if on_plan:
+        on_plan(plan)
+    out = Path(out)
+    src_folder = source.resolved.folder.resolve()
+    if out.resolve() == src_folder or out.resolve().is_relative_to(src_folder):
+        raise OtdusError("--out is inside the source model folder; the input is never modified")
+    with atomic_output_dir(out, force) as tmp:
+        engine = _Engine(plan, tmp, progress)
+        try:
+            engine.run()
+            engine.writer.finish()
+        finally:
+            engine.writer.close()
+        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+        side_files = _copy_side_files(source.resolved.folder, tmp)
+        validate_with_transformers(tmp, len(plan.layer_map))
+        manifest = build_manifest(plan, engine.stats, side_files)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    written = sum(t.nbytes for t in plan.tensors)
+    return ExpandResult(out, plan, manifest, written, time.perf_counter() - start, engine.stats)
+
+
+def read_manifest(folder: Path) -> dict | None:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise OtdusError(f"{path} is not valid JSON") from None
+

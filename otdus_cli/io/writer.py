@@ -1,0 +1,223 @@
+"""Streaming, atomic output of a sharded safetensors checkpoint.
+
+The full layout (every tensor's name, dtype, shape, shard and byte offset) is decided before any
+data is written, so each tensor can be written straight to its final place, in any order, and
+memory holds at most one tensor. Output goes to a temporary folder beside the destination and is
+renamed into place only when complete; any failure or Ctrl-C removes the temporary folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.io.safetensors_format import CODES, DTYPES, TensorInfo, build_header, itemsize
+
+COPY_CHUNK = 64 * 1024 * 1024
+ZERO_CHUNK = 16 * 1024 * 1024
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000 (decimal units as in transformers; KiB/MiB/GiB are binary)."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().upper().replace(" ", "")
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if s.endswith(unit):
+            number = s[: -len(unit)]
+            break
+    else:
+        unit, number = "B", s
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise OtdusError(f"cannot read size {text!r} (examples: 5GB, 500MB, 2GiB)") from None
+    if value <= 0:
+        raise OtdusError(f"size must be positive, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one output tensor goes."""
+
+    file: str  # shard file name
+    offset: int
+    tensor: PlannedTensor
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+
+def partition(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Split tensors, in order, into shards of at most max_shard_bytes (a bigger tensor gets its own)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+class ShardedWriter:
+    """Writes tensors into pre-laid-out shard files inside a folder."""
+
+    def __init__(self, folder: Path, tensors: list[PlannedTensor], max_shard_bytes: int):
+        self.folder = folder
+        groups = partition(tensors, max_shard_bytes)
+        self.files = shard_names(len(groups))
+        self.slots: dict[str, Slot] = {}
+        self._fds: dict[str, int] = {}
+        self._written: set[str] = set()
+        for fname, group in zip(self.files, groups):
+            header, offsets = build_header([(t.name, t.dtype, t.shape) for t in group], {"format": "pt"})
+            fd = os.open(folder / fname, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fds[fname] = fd
+            os.pwrite(fd, header, 0)
+            for t, off in zip(group, offsets):
+                self.slots[t.name] = Slot(fname, off, t)
+        self.total_size = sum(t.nbytes for t in tensors)
+
+    def _slot(self, name: str) -> Slot:
+        if name in self._written:
+            raise RuntimeError(f"tensor {name} written twice")
+        self._written.add(name)
+        return self.slots[name]
+
+    def write_tensor(self, name: str, tensor: torch.Tensor) -> int:
+        """Cast to the planned dtype and write; returns bytes written."""
+        slot = self._slot(name)
+        planned = slot.tensor
+        if tuple(tensor.shape) != planned.shape:
+            raise RuntimeError(f"{name}: built shape {tuple(tensor.shape)} differs from planned {planned.shape}")
+        data = tensor.detach().to(device="cpu", dtype=DTYPES[planned.dtype]).contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy()
+        _pwrite_all(self._fds[slot.file], memoryview(raw), slot.offset)
+        return planned.nbytes
+
+    def copy_raw(self, name: str, source: TensorInfo) -> int:
+        """Copy a tensor's bytes unchanged from a source shard (no decode, no re-encode)."""
+        slot = self._slot(name)
+        if source.nbytes != slot.tensor.nbytes or source.dtype != slot.tensor.dtype:
+            raise RuntimeError(f"{name}: raw copy between different dtypes or sizes")
+        dst = self._fds[slot.file]
+        with open(source.file, "rb") as src:
+            _copy_range(src.fileno(), source.begin, dst, slot.offset, source.nbytes)
+        return source.nbytes
+
+    def write_zeros(self, name: str) -> int:
+        slot = self._slot(name)
+        fd = self._fds[slot.file]
+        zeros = bytes(min(ZERO_CHUNK, slot.tensor.nbytes))
+        done = 0
+        while done < slot.tensor.nbytes:
+            n = min(len(zeros), slot.tensor.nbytes - done)
+            _pwrite_all(fd, memoryview(zeros)[:n], slot.offset + done)
+            done += n
+        return slot.tensor.nbytes
+
+    def finish(self) -> dict[str, str]:
+        """Check completeness, flush, close; returns the weight_map."""
+        missing = set(self.slots) - self._written
+        if missing:
+            raise RuntimeError(f"{len(missing)} planned tensors were never written, e.g. {sorted(missing)[0]}")
+        self.close(sync=True)
+        weight_map = {name: slot.file for name, slot in self.slots.items()}
+        if len(self.files) > 1:
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return weight_map
+
+    def close(self, sync: bool = False) -> None:
+        for fd in self._fds.values():
+            if sync:
+                os.fsync(fd)
+            os.close(fd)
+        self._fds.clear()
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    return CODES[dtype]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data = data[n:]
+        offset += n
+
+
+def _copy_range(src: int, src_off: int, dst: int, dst_off: int, count: int) -> None:
+    """Kernel-side copy where the OS supports it (copy_file_range), else chunked pread/pwrite."""
+    while count > 0:
+        step = min(count, COPY_CHUNK)
+        n = 0
+        if hasattr(os, "copy_file_range"):
+            with contextlib.suppress(OSError):
+                n = os.copy_file_range(src, dst, step, src_off, dst_off)
+        if n <= 0:
+            chunk = os.pread(src, step, src_off)
+            if not chunk:
+                raise OtdusError("source shard ended early while copying (truncated file?)")
+            _pwrite_all(dst, memoryview(chunk), dst_off)
+            n = len(chunk)
+        src_off += n
+        dst_off += n
+        count -= n
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary folder beside `out`; on success it becomes `out`, on any failure it vanishes."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise OtdusError(f"output folder {out} already exists (use --force to replace it)")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise OtdusError(f"parent folder of --out does not exist: {parent}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.otdus-tmp-", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any folder
+    try:
+        yield tmp
+        if out.exists():  # --force: swap, then remove the old one
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.otdus-old-", dir=parent))
+            os.rename(out, trash / "old")
+            os.rename(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno == 28:
+            raise OtdusError(f"disk full while writing {out}; nothing was left behind") from None
+        raise

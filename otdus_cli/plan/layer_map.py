@@ -1,0 +1,129 @@
+"""Layer maps: for every output layer, where it comes from.
+
+A plan is computed from the base depth, the method and the placement, before any tensor is read,
+so `otdus plan` can show it and every bad request fails before output exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from otdus_cli.errors import OtdusError
+
+POSITIONS = ("top", "bottom", "mid", "top-bottom", "uniform")
+
+
+@dataclass(frozen=True)
+class OutputLayer:
+    """One layer of the expanded stack.
+
+    `source` is the base layer whose tensor names, shapes and per-layer config (layer_types...)
+    the output layer inherits. Base layers (`new` false) are byte copies of `source`; new layers
+    are built by `builder` from `parents`.
+    """
+
+    index: int
+    source: int
+    new: bool
+    parents: tuple[int, ...]
+    builder: str  # "base", "copy", "average", "random", "ot"
+    zero_init: bool
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["parents"] = list(self.parents)
+        return d
+
+
+def _count(base_layers: int, layers: int | None, ratio: float | None) -> int:
+    if layers is not None and ratio is not None:
+        raise OtdusError("give --layers or --ratio, not both")
+    if ratio is not None:
+        if ratio <= 0:
+            raise OtdusError(f"--ratio must be positive, got {ratio}")
+        count = round(base_layers * ratio)
+    else:
+        count = base_layers // 2 if layers is None else layers
+    if count < 1:
+        raise OtdusError(f"the expansion adds {count} layers; it must add at least one")
+    return count
+
+
+def insertion_points(base_layers: int, count: int, position: str, pair: bool) -> list[int]:
+    """Base indices i after which a new layer goes (built from f_i, and f_{i+1} for pair methods)."""
+    L = base_layers
+    gaps = L - 1  # a pair method can only use the gaps between two base layers
+    limit = gaps if pair else L
+    if position != "uniform" and count > limit:
+        raise OtdusError(
+            f"cannot insert {count} layers at position {position!r} into a {L}-layer model "
+            f"(at most {limit}{' pairs' if pair else ''}); use --after for repeated positions"
+        )
+    if position == "top":
+        # the pairs (L-k-1, L-k) .. (L-2, L-1); a copy method asked for all L layers takes every one
+        return list(range(L - 1 - count, L - 1)) if count <= gaps else list(range(L))
+    if position == "bottom":
+        return list(range(count))
+    if position == "mid":
+        start = (limit - count) // 2
+        return list(range(start, start + count))
+    if position == "top-bottom":
+        bottom = count // 2
+        top = count - bottom
+        points = list(range(bottom)) + list(range(L - 1 - top, L - 1))
+        if len(set(points)) != count:
+            raise OtdusError(f"{count} layers do not fit at top and bottom of a {L}-layer model without overlap")
+        return points
+    if position == "uniform":
+        if L % count:
+            raise OtdusError(f"uniform placement needs the base depth {L} to be a multiple of the new layers {count}")
+        group = L // count
+        points = [group * (j + 1) - 1 for j in range(count)]
+        if pair and points[-1] == L - 1:
+            raise OtdusError(
+                "uniform placement puts a new layer after the last base layer, which a pair-based method "
+                "cannot build (it has no f_{i+1}); use --position top/mid/bottom or --after"
+            )
+        return points
+    raise OtdusError(f"unknown position {position!r}; choose one of {', '.join(POSITIONS)}")
+
+
+def validate_after(base_layers: int, after: list[int], pair: bool) -> list[int]:
+    for i in after:
+        if not 0 <= i < base_layers:
+            raise OtdusError(f"--after {i} is not a base layer index (0..{base_layers - 1})")
+        if pair and i == base_layers - 1:
+            raise OtdusError(
+                f"--after {i}: a pair-based method cannot insert after the last layer (no f_{{i+1}} to pair with)"
+            )
+    return sorted(after)
+
+
+def interleave(base_layers: int, points: list[int], builder: str, zero_init: bool, pair: bool) -> list[OutputLayer]:
+    """Base stack with new layers inserted after the given base indices (repeats allowed)."""
+    out: list[OutputLayer] = []
+    for i in range(base_layers):
+        out.append(OutputLayer(len(out), i, False, (i,), "base", False))
+        for _ in range(points.count(i)):
+            parents = (i, i + 1) if pair else (i,)
+            out.append(OutputLayer(len(out), i, True, parents, builder, zero_init))
+    return out
+
+
+def from_sources(sources: list[int], zero_init: bool) -> list[OutputLayer]:
+    """A stack given as a list of base layers; repeats of a base layer are new copies."""
+    seen: set[int] = set()
+    out: list[OutputLayer] = []
+    for j, i in enumerate(sources):
+        if i in seen:
+            out.append(OutputLayer(j, i, True, (i,), "copy", zero_init))
+        else:
+            seen.add(i)
+            out.append(OutputLayer(j, i, False, (i,), "base", False))
+    return out
+
+
+def is_function_preserving(layer_map: list[OutputLayer], base_layers: int) -> bool:
+    """True when the output computes the base function: base layers in order, every new layer an identity."""
+    base_order = [lay.source for lay in layer_map if not lay.new]
+    return base_order == list(range(base_layers)) and all(lay.zero_init for lay in layer_map if lay.new)

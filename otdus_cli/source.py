@@ -1,0 +1,94 @@
+"""Resolving a model argument to a local folder: a path, or a hub id fetched into the local cache.
+
+Only the files expansion needs are fetched: config, index, the shards the index names, tokenizer
+and generation files. With HF_HUB_OFFLINE=1 (or no network) a cached model works and a missing one
+is one clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from otdus_cli.bundled import BUNDLED_MODELS
+from otdus_cli.errors import OtdusError
+
+# Small files worth carrying to the expanded model (everything else a repo holds is left behind).
+SIDE_FILE_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template.*",
+    "preprocessor_config.json",
+    "LICENSE*",
+    "NOTICE*",
+    "USE_POLICY*",
+]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    folder: Path
+    id: str  # what the user gave: a hub id or the folder path
+    revision: str | None  # resolved commit for hub models
+
+
+def resolve_source(model: str, revision: str | None = None) -> ResolvedSource:
+    if model in BUNDLED_MODELS:
+        return ResolvedSource(BUNDLED_MODELS[model], model, None)
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise OtdusError(f"{model} is a file; give the model folder")
+        return ResolvedSource(path, str(path), None)
+    if not _HUB_ID.match(model):
+        raise OtdusError(f"model folder not found: {model}")
+    return _download(model, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> ResolvedSource:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        raise OtdusError("huggingface_hub is required to download models") from None
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=SIDE_FILE_PATTERNS))
+        shards = _weight_files(folder)
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=shards))
+        if shards == ["model.safetensors"] and not (folder / "model.safetensors").is_file():
+            # an old repo with only a pickle checkpoint (read later with weights_only=True)
+            folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=["pytorch_model.bin"]))
+    except LocalEntryNotFoundError:
+        raise OtdusError(
+            f"{repo_id} is not in the local Hugging Face cache and the hub cannot be reached "
+            "(offline?); download it once with network access, or give a local folder"
+        ) from None
+    except HfHubHTTPError as exc:
+        raise OtdusError(f"cannot fetch {repo_id} from the hub: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:
+        raise OtdusError(f"cannot fetch {repo_id}: {exc}") from None
+    return ResolvedSource(folder, repo_id, folder.name)
+
+
+def _weight_files(folder: Path) -> list[str]:
+    """The weight files to fetch: those an index names, else the single-file checkpoint."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            try:
+                return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise OtdusError(f"{index_name} of the downloaded model is corrupt") from None
+    return ["model.safetensors"]

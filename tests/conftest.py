@@ -1,0 +1,94 @@
+"""Shared test fixtures: the real bundled stories260K model and tiny random models of every family.
+
+The tiny models are built in-process with transformers' own classes and saved with save_pretrained,
+so they have exactly the tensor names, config fields and on-disk layout of real checkpoints.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from otdus_cli.bundled import STORIES260K
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+# model_type -> extra config fields (small, but exercising each family's particular features)
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": {"tie_word_embeddings": False},
+    "mistral": {"sliding_window": 16},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2, "tie_word_embeddings": True},
+    "qwen3": {"head_dim": 8},
+    "gemma2": {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 8},
+    "gemma3_text": {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 8, "num_hidden_layers": 6},
+    "phi3": {"pad_token_id": 0},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 24},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+}
+DENSE_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+MOE_TYPES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+def build_tiny(model_type: str, folder: Path, max_shard_size: str | None = None, seed: int = 0) -> Path:
+    """Save a tiny random model of `model_type` (weights drawn so no tensor is trivially zero)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(model_type, **{**COMMON, **TINY_CONFIGS[model_type]})
+        model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms start at exactly 1 (or 0 for Gemma); perturb them so mistakes show
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {mt: build_tiny(mt, root / mt) for mt in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def sharded_llama(tmp_path_factory) -> Path:
+    return build_tiny("llama", tmp_path_factory.mktemp("sharded") / "llama", max_shard_size="20KB")
+
+
+@pytest.fixture()
+def stories(tmp_path) -> Path:
+    """A private copy of the real stories260K model (tests may damage it)."""
+    return Path(shutil.copytree(STORIES260K, tmp_path / "stories260k"))
+
+
+def load_causal_lm(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def logits(model, seed: int = 0, vocab: int | None = None, length: int = 24) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab or model.config.vocab_size, (2, length), generator=gen)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
