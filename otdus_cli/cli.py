@@ -92,20 +92,26 @@ def _byte_progress(enabled: bool, description: str):
 # -- shared options -----------------------------------------------------------------------------
 Model = Annotated[str | None, typer.Argument(help="Source model: a local folder or a Hugging Face hub id.")]
 Recipe = Annotated[
-    Path | None, typer.Option("--recipe", help="YAML recipe with the model and expand options (flags override it).")
+    Path | None,
+    typer.Option("--recipe", help="YAML recipe with the model and expand options (flags override it)."),
 ]
 Method = Annotated[
     str | None,
     typer.Option(
-        help="How new layers are made: ot, average, copy, interpose, random, llama-pro, solar, stack. [default: ot]"
+        help="How new layers are made: ot, average, copy, interpose, random, llama-pro, solar, stack. "
+        "[default: ot]"
     ),
 ]
 Position = Annotated[
     str | None,
     typer.Option(help="Where new layers go: top, bottom, mid, top-bottom, uniform. [default: top]"),
 ]
-Layers = Annotated[int | None, typer.Option(help="Number of new layers. [default: half the base depth; stack: L]")]
-Ratio = Annotated[float | None, typer.Option(help="New layers as a fraction of the base depth (instead of --layers).")]
+Layers = Annotated[
+    int | None, typer.Option(help="Number of new layers. [default: half the base depth; stack: L]")
+]
+Ratio = Annotated[
+    float | None, typer.Option(help="New layers as a fraction of the base depth (instead of --layers).")
+]
 After = Annotated[
     str | None,
     typer.Option(help="Explicit base indices to insert after, e.g. '3,7,11' (overrides --position)."),
@@ -120,15 +126,23 @@ ZeroInit = Annotated[
     ),
 ]
 OtVariant = Annotated[
-    str | None, typer.Option(help="OT-DUS variant: paper, official (the released code), structured. [default: paper]")
+    str | None,
+    typer.Option(help="OT-DUS variant: paper, official (the released code), structured. [default: paper]"),
 ]
-Solver = Annotated[str | None, typer.Option(help="Transport solver: sinkhorn or emd (exact). [default: sinkhorn]")]
+Solver = Annotated[
+    str | None, typer.Option(help="Transport solver: sinkhorn or emd (exact). [default: sinkhorn]")
+]
 Reg = Annotated[float | None, typer.Option(help="Sinkhorn entropic regularisation. [default: 0.06]")]
-Tol = Annotated[float | None, typer.Option(help="Sinkhorn stopping tolerance on the marginal error. [default: 1e-6]")]
+Tol = Annotated[
+    float | None, typer.Option(help="Sinkhorn stopping tolerance on the marginal error. [default: 1e-6]")
+]
 MaxIter = Annotated[int | None, typer.Option(help="Sinkhorn iteration cap. [default: 2000]")]
-Device = Annotated[str | None, typer.Option(help="Device for transport: auto, cpu, cuda, cuda:N. [default: auto]")]
+Device = Annotated[
+    str | None, typer.Option(help="Device for transport: auto, cpu, cuda, cuda:N. [default: auto]")
+]
 Dtype = Annotated[
-    str | None, typer.Option(help="Output dtype: auto (keep the source's), float32, bfloat16, float16. [default: auto]")
+    str | None,
+    typer.Option(help="Output dtype: auto (keep the source's), float32, bfloat16, float16. [default: auto]"),
 ]
 ShardSize = Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")]
 Seed = Annotated[int | None, typer.Option(help="Seed for random initialisation. [default: 0]")]
@@ -159,11 +173,15 @@ def _options(recipe: Path | None, model: str | None, **flags: Any):
         except ValueError:
             raise OtdusError(f"--after takes comma-separated layer indices, got {after!r}") from None
     try:
-        ot = OTOptions.model_validate({**options.ot.model_dump(), **{k: v for k, v in ot_flags.items() if v is not None}})
+        ot = OTOptions.model_validate(
+            {**options.ot.model_dump(), **{k: v for k, v in ot_flags.items() if v is not None}}
+        )
         merged = ExpandOptions.model_validate({**options.model_dump(), **updates, "ot": ot.model_dump()})
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise OtdusError(f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}") from None
+        raise OtdusError(
+            f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}"
+        ) from None
     return model, merged, base
 
 
@@ -220,7 +238,9 @@ def expand(
     seed: Seed = None,
     revision: Revision = None,
     allow_unknown_arch: AllowUnknown = False,
-    force: Annotated[bool, typer.Option(help="Replace --out if it exists (only once the new one is complete).")] = False,
+    force: Annotated[
+        bool, typer.Option(help="Replace --out if it exists (only once the new one is complete).")
+    ] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Insert new decoder layers and write the deeper checkpoint (streamed, atomic)."""
@@ -228,9 +248,24 @@ def expand(
 
     with _user_errors():
         model, options, recipe_obj = _options(
-            recipe, model, method=method, position=position, layers=layers, ratio=ratio, after=after,
-            zero_init=zero_init, variant=ot_variant, solver=solver, reg=reg, tol=tol, max_iter=max_iter,
-            device=device, dtype=dtype, max_shard_size=max_shard_size, seed=seed, revision=revision,
+            recipe,
+            model,
+            method=method,
+            position=position,
+            layers=layers,
+            ratio=ratio,
+            after=after,
+            zero_init=zero_init,
+            variant=ot_variant,
+            solver=solver,
+            reg=reg,
+            tol=tol,
+            max_iter=max_iter,
+            device=device,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            seed=seed,
+            revision=revision,
             allow_unknown_arch=allow_unknown_arch or None,
         )
         out = out or (Path(recipe_obj.out) if recipe_obj and recipe_obj.out else None)
@@ -238,7 +273,11 @@ def expand(
             raise OtdusError("give --out (the output folder)")
         with _byte_progress(not json_out and err_console.is_terminal, "expanding") as (set_total, advance):
             result = run_expand(
-                model, out, options, force=force, progress=advance,
+                model,
+                out,
+                options,
+                force=force,
+                progress=advance,
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
             )
     summary = {
@@ -253,8 +292,9 @@ def expand(
         return
     preserved = "function-preserving" if result.plan.function_preserving else "not function-preserving"
     out_console.print(
-        f"[bold green]wrote[/] {result.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} layers "
-        f"with {summary['method']} ({preserved}), {result.bytes_written / 1e9:.2f} GB in {result.seconds:.1f} s"
+        f"[bold green]wrote[/] {result.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} "
+        f"layers with {summary['method']} ({preserved}), {result.bytes_written / 1e9:.2f} GB "
+        f"in {result.seconds:.1f} s"
     )
 
 
@@ -277,9 +317,21 @@ def plan(
 
     with _user_errors():
         model, options, _ = _options(
-            recipe, model, method=method, position=position, layers=layers, ratio=ratio, after=after,
-            zero_init=zero_init, variant=None, solver=None, reg=None, tol=None, max_iter=None,
-            revision=revision, allow_unknown_arch=allow_unknown_arch or None,
+            recipe,
+            model,
+            method=method,
+            position=position,
+            layers=layers,
+            ratio=ratio,
+            after=after,
+            zero_init=zero_init,
+            variant=None,
+            solver=None,
+            reg=None,
+            tol=None,
+            max_iter=None,
+            revision=revision,
+            allow_unknown_arch=allow_unknown_arch or None,
         )
         the_plan = make_plan(open_source(model, options.revision, options.allow_unknown_arch), options)
     if json_out:
@@ -287,13 +339,17 @@ def plan(
         return
     out_console.print(_layer_table(the_plan))
     out_console.print(
-        "function-preserving" if the_plan.function_preserving else "not function-preserving (perplexity will move)"
+        "function-preserving"
+        if the_plan.function_preserving
+        else "not function-preserving (perplexity will move)"
     )
 
 
 @app.command()
 def inspect(
-    path: Annotated[Path, typer.Argument(help="A checkpoint folder (expanded or not) or an otdus.json manifest.")],
+    path: Annotated[
+        Path, typer.Argument(help="A checkpoint folder (expanded or not) or an otdus.json manifest.")
+    ],
     json_out: JsonFlag = False,
 ) -> None:
     """Describe a checkpoint or manifest: layers, parameters, dtypes, size, and how it was made."""
@@ -325,12 +381,25 @@ def inspect(
         _emit_json(info)
         return
     table = Table(title=str(folder), show_header=False)
-    for key in ("model_type", "num_hidden_layers", "parameters", "tensors", "dtypes", "bytes", "tie_word_embeddings"):
+    for key in (
+        "model_type",
+        "num_hidden_layers",
+        "parameters",
+        "tensors",
+        "dtypes",
+        "bytes",
+        "tie_word_embeddings",
+    ):
         if key in info:
             value = info[key]
-            table.add_row(key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value))
+            table.add_row(
+                key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+            )
     if manifest:
-        table.add_row("made by", f"otdus {manifest['otdus_version']} {manifest['method']} from {manifest['source']['id']}")
+        table.add_row(
+            "made by",
+            f"otdus {manifest['otdus_version']} {manifest['method']} from {manifest['source']['id']}",
+        )
         table.add_row("function-preserving", str(manifest["function_preserving"]))
         new = [str(lay["index"]) for lay in manifest["layers"] if lay["new"]]
         table.add_row("new layers", ", ".join(new))

@@ -137,14 +137,22 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
     if source.family.name == "generic" and method.builder != "copy":
         raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
     layer_map = plan_layers(
-        source.depth, method, options.position, options.layers, options.ratio, options.after, options.zero_init
+        source.depth,
+        method,
+        options.position,
+        options.layers,
+        options.ratio,
+        options.after,
+        options.zero_init,
     )
     if source.family.name == "generic" and any(lay.zero_init for lay in layer_map):
         raise OtdusError("zero-init needs a known architecture (which tensors to zero); add --no-zero-init")
     config = rewrite_config(source.config, layer_map)
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
-    return Plan(source, method, options, layer_map, config, _planned_tensors(source, layer_map, options.dtype))
+    return Plan(
+        source, method, options, layer_map, config, _planned_tensors(source, layer_map, options.dtype)
+    )
 
 
 def _out_dtype(code: str, dtype: str) -> str:
@@ -343,4 +351,3 @@ def read_manifest(folder: Path) -> dict | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         raise OtdusError(f"{path} is not valid JSON") from None
-

@@ -29,14 +29,23 @@ COMMON = dict(
 TINY_CONFIGS: dict[str, dict] = {
     "llama": {"tie_word_embeddings": False},
     "mistral": {"sliding_window": 16},
-    "qwen2": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2, "tie_word_embeddings": True},
+    "qwen2": {
+        "use_sliding_window": True,
+        "sliding_window": 16,
+        "max_window_layers": 2,
+        "tie_word_embeddings": True,
+    },
     "qwen3": {"head_dim": 8},
     "gemma2": {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 8},
     "gemma3_text": {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 8, "num_hidden_layers": 6},
     "phi3": {"pad_token_id": 0},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                  "shared_expert_intermediate_size": 24},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24,
+    },
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
 }
@@ -54,7 +63,7 @@ def build_tiny(model_type: str, folder: Path, max_shard_size: str | None = None,
         config = AutoConfig.for_model(model_type, **{**COMMON, **TINY_CONFIGS[model_type]})
         model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms start at exactly 1 (or 0 for Gemma); perturb them so mistakes show
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -56,14 +56,19 @@ def rewrite_config(config: dict, layer_map: list[OutputLayer]) -> dict:
             out[name] = [j for j, i in enumerate(sources) if i in listed]
         elif kind == "threshold" and isinstance(value, int):
             below = [j for j, i in enumerate(sources) if i < value]
-            if below != list(range(len(below))):
+            prefix = next((j for j, i in enumerate(sources) if i >= value), len(sources))
+            if below != list(range(len(below))) and "layer_types" not in out:
                 raise OtdusError(
                     f"config {name}={value} marks the first layers; this layer map interleaves them with "
                     "later ones, which the field cannot express"
                 )
-            out[name] = len(below)
+            # with explicit layer_types (what transformers reads) the threshold is kept as the
+            # longest prefix it still describes, for loaders that read only the threshold
+            out[name] = prefix
         elif kind == "refuse" and value:
-            raise OtdusError(f"config {name}={value}: layers stored after the decoder stack are not supported yet")
+            raise OtdusError(
+                f"config {name}={value}: layers stored after the decoder stack are not supported yet"
+            )
     _rewrite_sparse_step(config, out, sources)
     return out
 
@@ -102,7 +107,9 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> None:
     except Exception as exc:
         raise OtdusError(f"transformers rejects the rewritten config: {exc}") from None
     if loaded.num_hidden_layers != expected_layers:
-        raise OtdusError(f"rewritten config loads with {loaded.num_hidden_layers} layers, expected {expected_layers}")
+        raise OtdusError(
+            f"rewritten config loads with {loaded.num_hidden_layers} layers, expected {expected_layers}"
+        )
     types = getattr(loaded, "layer_types", None)
     if isinstance(types, list) and len(types) != expected_layers:
         raise OtdusError(f"rewritten config has {len(types)} layer_types for {expected_layers} layers")

@@ -120,7 +120,9 @@ def family_for(config: dict, allow_unknown: bool = False) -> Family:
     """Pick the template for a config, refusing quantized or unknown checkpoints."""
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "unknown")
-        raise OtdusError(f"quantized checkpoints are not supported (quant_method={method}); use the unquantized model")
+        raise OtdusError(
+            f"quantized checkpoints are not supported (quant_method={method}); use the unquantized model"
+        )
     model_type = config.get("model_type")
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]

@@ -9,8 +9,8 @@ that points outside the model folder, is one clear error before any output exist
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +38,18 @@ class TensorMeta:
 def _inside(folder: Path, relative: str) -> Path:
     """Resolve a shard path from an index, refusing anything that leaves the model folder."""
     if os.path.isabs(relative):
-        raise OtdusError(f"index names an absolute shard path {relative!r}; refusing to read outside the model")
-    resolved = (folder / relative).resolve()
-    if not resolved.is_relative_to(folder.resolve()):
-        raise OtdusError(f"index names shard {relative!r}, which escapes the model folder; refusing to read it")
-    return resolved
+        raise OtdusError(
+            f"index names an absolute shard path {relative!r}; refusing to read outside the model"
+        )
+    # Checked lexically, not by resolving symlinks: the Hugging Face cache links every file in a
+    # snapshot folder to a blob elsewhere, and that is fine; a "../" path in an index is not.
+    base = os.path.normpath(os.path.abspath(folder))
+    candidate = os.path.normpath(os.path.join(base, relative))
+    if os.path.commonpath([base, candidate]) != base:
+        raise OtdusError(
+            f"index names shard {relative!r}, which escapes the model folder; refusing to read it"
+        )
+    return Path(candidate)
 
 
 def file_sha256(path: Path) -> str | None:
@@ -136,7 +143,9 @@ class CheckpointReader:
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:  # torch raises many types for bad pickles
-                raise OtdusError(f"{path.name}: cannot load safely with weights_only ({exc.__class__.__name__})") from None
+                raise OtdusError(
+                    f"{path.name}: cannot load safely with weights_only ({exc.__class__.__name__})"
+                ) from None
             if not isinstance(state, dict):
                 raise OtdusError(f"{path.name}: not a state dict")
             self._bin_cache[path] = state

@@ -74,7 +74,9 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 raise OtdusError(f"{name}: not a safetensors file (shorter than its 8-byte header length)")
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                raise OtdusError(f"{name}: corrupt or truncated safetensors file (header length {header_len})")
+                raise OtdusError(
+                    f"{name}: corrupt or truncated safetensors file (header length {header_len})"
+                )
             header = json.loads(f.read(header_len))
     except FileNotFoundError:
         raise OtdusError(f"missing shard: {path}") from None
@@ -108,7 +110,9 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return tensors, {str(k): str(v) for k, v in metadata.items()}
 
 
-def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+def build_header(
+    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]
+) -> tuple[bytes, list[int]]:
     """Serialise a header for tensors laid out in the given order.
 
     Returns the header bytes (length prefix included, padded to 8 bytes so data stays aligned)

@@ -25,7 +25,16 @@ from otdus_cli.io.safetensors_format import CODES, DTYPES, TensorInfo, build_hea
 
 COPY_CHUNK = 64 * 1024 * 1024
 ZERO_CHUNK = 16 * 1024 * 1024
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -97,12 +106,12 @@ class ShardedWriter:
         self.slots: dict[str, Slot] = {}
         self._fds: dict[str, int] = {}
         self._written: set[str] = set()
-        for fname, group in zip(self.files, groups):
+        for fname, group in zip(self.files, groups, strict=True):
             header, offsets = build_header([(t.name, t.dtype, t.shape) for t in group], {"format": "pt"})
             fd = os.open(folder / fname, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             self._fds[fname] = fd
             os.pwrite(fd, header, 0)
-            for t, off in zip(group, offsets):
+            for t, off in zip(group, offsets, strict=True):
                 self.slots[t.name] = Slot(fname, off, t)
         self.total_size = sum(t.nbytes for t in tensors)
 
@@ -117,7 +126,9 @@ class ShardedWriter:
         slot = self._slot(name)
         planned = slot.tensor
         if tuple(tensor.shape) != planned.shape:
-            raise RuntimeError(f"{name}: built shape {tuple(tensor.shape)} differs from planned {planned.shape}")
+            raise RuntimeError(
+                f"{name}: built shape {tuple(tensor.shape)} differs from planned {planned.shape}"
+            )
         data = tensor.detach().to(device="cpu", dtype=DTYPES[planned.dtype]).contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy()
         _pwrite_all(self._fds[slot.file], memoryview(raw), slot.offset)
@@ -148,7 +159,9 @@ class ShardedWriter:
         """Check completeness, flush, close; returns the weight_map."""
         missing = set(self.slots) - self._written
         if missing:
-            raise RuntimeError(f"{len(missing)} planned tensors were never written, e.g. {sorted(missing)[0]}")
+            raise RuntimeError(
+                f"{len(missing)} planned tensors were never written, e.g. {sorted(missing)[0]}"
+            )
         self.close(sync=True)
         weight_map = {name: slot.file for name, slot in self.slots.items()}
         if len(self.files) > 1:

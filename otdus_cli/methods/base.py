@@ -53,4 +53,6 @@ class LayerBuilder(Protocol):
 
     parents_needed: int  # 1 (copy-type) or 2 (pair)
 
-    def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def build(
+        self, parents: Sequence[ParentLayer], ctx: BuildContext
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...

@@ -36,15 +36,34 @@ class Method:
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("ot", "OT-DUS: neurons of f_i aligned to f_{i+1} by optimal transport, then averaged", True,
-               "placed", "ot", pair=True),
-        Method("average", "plain average 1/2 (f_i + f_{i+1}) (the paper's Avg-DeUS)", False, "placed", "average",
-               pair=True),
+        Method(
+            "ot",
+            "OT-DUS: neurons of f_i aligned to f_{i+1} by optimal transport, then averaged",
+            True,
+            "placed",
+            "ot",
+            pair=True,
+        ),
+        Method(
+            "average",
+            "plain average 1/2 (f_i + f_{i+1}) (the paper's Avg-DeUS)",
+            False,
+            "placed",
+            "average",
+            pair=True,
+        ),
         Method("copy", "a copy of f_i inserted after it", False, "placed", "copy"),
-        Method("interpose", "each chosen layer duplicated in place (l1 l1 l2 l2 ...)", False, "placed", "copy"),
+        Method(
+            "interpose", "each chosen layer duplicated in place (l1 l1 l2 l2 ...)", False, "placed", "copy"
+        ),
         Method("random", "a freshly initialised layer", False, "placed", "random"),
-        Method("llama-pro", "LLaMA PRO: after every L/k layers, a copy of the group's last layer", True,
-               "uniform", "copy"),
+        Method(
+            "llama-pro",
+            "LLaMA PRO: after every L/k layers, a copy of the group's last layer",
+            True,
+            "uniform",
+            "copy",
+        ),
         Method("solar", "SOLAR DUS: layers 0..L-m-1 followed by m..L-1", False, "solar", "copy"),
         Method("stack", "the whole stack repeated", False, "stack", "copy"),
     )
@@ -72,7 +91,9 @@ def plan_layers(
     if method.layout == "stack":
         count = _count(base_layers, base_layers if layers is None and ratio is None else layers, ratio)
         if count % base_layers:
-            raise OtdusError(f"stack repeats the whole {base_layers}-layer stack: --layers must be a multiple of it")
+            raise OtdusError(
+                f"stack repeats the whole {base_layers}-layer stack: --layers must be a multiple of it"
+            )
         return from_sources(list(range(base_layers)) * (count // base_layers + 1), zero)
     count = _count(base_layers, layers, ratio)
     if method.layout == "solar":

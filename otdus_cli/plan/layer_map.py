@@ -72,11 +72,15 @@ def insertion_points(base_layers: int, count: int, position: str, pair: bool) ->
         top = count - bottom
         points = list(range(bottom)) + list(range(L - 1 - top, L - 1))
         if len(set(points)) != count:
-            raise OtdusError(f"{count} layers do not fit at top and bottom of a {L}-layer model without overlap")
+            raise OtdusError(
+                f"{count} layers do not fit at top and bottom of a {L}-layer model without overlap"
+            )
         return points
     if position == "uniform":
         if L % count:
-            raise OtdusError(f"uniform placement needs the base depth {L} to be a multiple of the new layers {count}")
+            raise OtdusError(
+                f"uniform placement needs the base depth {L} to be a multiple of the new layers {count}"
+            )
         group = L // count
         points = [group * (j + 1) - 1 for j in range(count)]
         if pair and points[-1] == L - 1:
@@ -94,12 +98,15 @@ def validate_after(base_layers: int, after: list[int], pair: bool) -> list[int]:
             raise OtdusError(f"--after {i} is not a base layer index (0..{base_layers - 1})")
         if pair and i == base_layers - 1:
             raise OtdusError(
-                f"--after {i}: a pair-based method cannot insert after the last layer (no f_{{i+1}} to pair with)"
+                f"--after {i}: a pair-based method cannot insert after the last layer "
+                "(no f_{i+1} to pair with)"
             )
     return sorted(after)
 
 
-def interleave(base_layers: int, points: list[int], builder: str, zero_init: bool, pair: bool) -> list[OutputLayer]:
+def interleave(
+    base_layers: int, points: list[int], builder: str, zero_init: bool, pair: bool
+) -> list[OutputLayer]:
     """Base stack with new layers inserted after the given base indices (repeats allowed)."""
     out: list[OutputLayer] = []
     for i in range(base_layers):

@@ -1,0 +1,80 @@
+"""Depth-dependent config fields are rewritten per reference.md section 5, and transformers accepts them."""
+
+import pytest
+
+from otdus_cli.arch.config_rules import rewrite_config
+from otdus_cli.errors import OtdusError
+from otdus_cli.methods.registry import get_method, plan_layers
+
+
+def layer_map(base, method="copy", **kw):
+    return plan_layers(base, get_method(method), **kw)
+
+
+def test_per_layer_index_list_and_threshold_fields():
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "no_rope_layers": [1, 1, 1, 0],
+        "mlp_only_layers": [0, 3],
+        "max_window_layers": 2,
+    }
+    out = rewrite_config(cfg, layer_map(4, after=[0, 3]))  # sources 0 0 1 2 3 3
+    assert out["num_hidden_layers"] == 6
+    assert (
+        out["layer_types"]
+        == ["sliding_attention"] * 2 + ["full_attention", "sliding_attention"] + ["full_attention"] * 2
+    )
+    assert out["no_rope_layers"] == [1, 1, 1, 1, 0, 0]
+    assert out["mlp_only_layers"] == [0, 1, 4, 5]
+    assert out["max_window_layers"] == 3
+    assert cfg["num_hidden_layers"] == 4  # the source config is untouched
+
+
+def test_qwen2_layer_types_are_derived_then_written_explicitly():
+    cfg = {
+        "model_type": "qwen2",
+        "num_hidden_layers": 4,
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        "max_window_layers": 2,
+    }
+    out = rewrite_config(cfg, layer_map(4, "solar", layers=2))  # sources 0 1 2 1 2 3
+    assert out["layer_types"] == [
+        "full_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+    ]
+    assert out["max_window_layers"] == 2
+
+
+def test_threshold_without_layer_types_cannot_be_interleaved():
+    cfg = {"model_type": "llama", "num_hidden_layers": 4, "first_k_dense_replace": 2}
+    with pytest.raises(OtdusError, match="first_k_dense_replace"):
+        rewrite_config(cfg, layer_map(4, "solar", layers=2))
+
+
+def test_sparse_step_keeps_moe_slots():
+    cfg = {
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 4,
+        "num_experts": 4,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [],
+    }
+    # sources 0 1 2 3 0 1 2 3: MoE layers 1 and 3 land on slots 1, 3, 5, 7 (all MoE slots)
+    out = rewrite_config(cfg, layer_map(4, "stack"))
+    assert out["mlp_only_layers"] == []
+    with pytest.raises(OtdusError, match="decoder_sparse_step"):
+        rewrite_config(cfg, layer_map(4, after=[0]))  # sources 0 0 1 ...: MoE layer 1 lands on dense slot 2
+
+
+def test_mtp_layers_are_refused():
+    with pytest.raises(OtdusError, match="num_nextn_predict_layers"):
+        rewrite_config(
+            {"model_type": "llama", "num_hidden_layers": 4, "num_nextn_predict_layers": 1}, layer_map(4)
+        )

@@ -1,0 +1,184 @@
+"""Bad input ends in one clear error line, exit code 2, and no output folder (nor temporary leftovers)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from otdus_cli.cli import app
+from otdus_cli.errors import OtdusError
+from otdus_cli.expand import expand
+from otdus_cli.io import writer
+from otdus_cli.options import ExpandOptions
+
+runner = CliRunner()
+
+
+def run_cli(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_clean_failure(result, message: str, parent: Path, code: int = 2) -> None:
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in result.output
+    assert not (parent / "out").exists()
+    assert not [p for p in parent.iterdir() if "otdus-tmp" in p.name]
+
+
+def test_missing_shard(sharded_llama, tmp_path):
+    src = tmp_path / "model"
+    src.mkdir()
+    for f in sharded_llama.iterdir():
+        os.symlink(f, src / f.name)
+    victim = sorted(src.glob("model-0000*.safetensors"))[1]
+    victim.unlink()
+    assert_clean_failure(
+        run_cli("expand", src, "--out", tmp_path / "out", "--method", "copy"),
+        f"missing shard {victim.name}",
+        tmp_path,
+    )
+
+
+def test_truncated_shard(stories, tmp_path):
+    f = stories / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    assert_clean_failure(run_cli("expand", stories, "--out", tmp_path / "out"), "truncated", tmp_path)
+
+
+def test_corrupt_header(stories, tmp_path):
+    f = stories / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:16] = b"\xff\xfe{{{{{{"
+    f.write_bytes(bytes(data))
+    assert_clean_failure(run_cli("expand", stories, "--out", tmp_path / "out"), "corrupt", tmp_path)
+
+
+def test_not_a_safetensors_file(stories, tmp_path):
+    (stories / "model.safetensors").write_bytes(b"abc")
+    assert_clean_failure(
+        run_cli("expand", stories, "--out", tmp_path / "out"), "not a safetensors file", tmp_path
+    )
+
+
+def test_unknown_architecture(stories, tmp_path):
+    cfg = json.loads((stories / "config.json").read_text())
+    cfg["model_type"] = "mystery"
+    (stories / "config.json").write_text(json.dumps(cfg))
+    assert_clean_failure(
+        run_cli("expand", stories, "--out", tmp_path / "out"), "unknown architecture", tmp_path
+    )
+
+
+def test_unknown_architecture_copies_generically_when_allowed(stories, tmp_path):
+    cfg = json.loads((stories / "config.json").read_text())
+    cfg["model_type"] = "mystery"
+    (stories / "config.json").write_text(json.dumps(cfg))
+    result = run_cli("plan", stories, "--method", "copy", "--allow-unknown-arch", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["family"] == "generic"
+    bad = run_cli("plan", stories, "--method", "average", "--allow-unknown-arch")
+    assert bad.exit_code == 2 and "copy-type" in bad.stderr
+
+
+def test_quantized_checkpoint(stories, tmp_path):
+    cfg = json.loads((stories / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (stories / "config.json").write_text(json.dumps(cfg))
+    assert_clean_failure(run_cli("expand", stories, "--out", tmp_path / "out"), "quantized", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--layers", "9"], "at most 4 pairs"),
+        (["--method", "average", "--after", "4"], "after the last layer"),
+        (["--method", "solar"], "parity"),
+        (["--method", "nope"], "unknown method"),
+        (["--position", "sideways"], "position"),
+        (["--after", "1,x"], "comma-separated"),
+        (["--max-shard-size", "lots"], "cannot read size"),
+        (["--device", "cuda:0"], "no CUDA GPU"),
+    ],
+)
+def test_impossible_options(stories, tmp_path, args, message):
+    import torch
+
+    if "cuda:0" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert_clean_failure(run_cli("expand", stories, "--out", tmp_path / "out", *args), message, tmp_path)
+
+
+def test_existing_output_folder(stories, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    result = run_cli("expand", stories, "--out", tmp_path / "out", "--method", "copy")
+    assert result.exit_code == 2 and "already exists" in result.stderr
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_index_path_escaping_the_model_folder(sharded_llama, tmp_path):
+    src = tmp_path / "model"
+    src.mkdir()
+    for f in sharded_llama.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "../model/" + index["weight_map"][name]  # still inside: allowed
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert run_cli("plan", src, "--method", "copy").exit_code == 0
+    index["weight_map"][name] = "../../etc/passwd"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_clean_failure(
+        run_cli("expand", src, "--out", tmp_path / "out"), "escapes the model folder", tmp_path
+    )
+
+
+def test_missing_model_and_bad_recipe(tmp_path):
+    assert_clean_failure(
+        run_cli("expand", tmp_path / "nothing", "--out", tmp_path / "out"), "not found", tmp_path
+    )
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: bundled:stories260k\nexpand:\n  method: ot\n  layerz: 3\n")
+    assert_clean_failure(run_cli("expand", "--recipe", recipe, "--out", tmp_path / "out"), "layerz", tmp_path)
+
+
+def test_out_inside_source_is_refused(stories, tmp_path):
+    result = run_cli("expand", stories, "--out", stories / "deeper", "--method", "copy")
+    assert result.exit_code == 2 and "inside the source" in result.stderr
+    assert not (stories / "deeper").exists()
+
+
+def test_interrupt_leaves_nothing(stories, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = writer.ShardedWriter.copy_raw
+
+    def interrupted(self, name, source):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        return real(self, name, source)
+
+    monkeypatch.setattr(writer.ShardedWriter, "copy_raw", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        expand(str(stories), tmp_path / "out", ExpandOptions(method="copy"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stories260k"]
+    calls["n"] = 0
+    result = run_cli("expand", stories, "--out", tmp_path / "out", "--method", "copy")
+    assert result.exit_code == 130 and not (tmp_path / "out").exists()
+
+
+def test_full_disk_leaves_nothing(stories, tmp_path, monkeypatch):
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer, "_pwrite_all", full)
+    with pytest.raises(OtdusError, match="disk full"):
+        expand(str(stories), tmp_path / "out", ExpandOptions(method="average"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stories260k"]

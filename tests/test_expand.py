@@ -1,0 +1,193 @@
+"""End-to-end expansions of real-format checkpoints, checked the way users load them."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DENSE_TYPES, MOE_TYPES, TINY_CONFIGS, load_causal_lm, logits
+
+from otdus_cli.expand import expand
+from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.options import ExpandOptions
+
+COPY_METHODS = ["copy", "interpose", "llama-pro", "solar", "stack"]
+BUILT_METHODS = ["average", "random"]
+
+
+def method_options(method: str, depth: int, **extra) -> ExpandOptions:
+    layers = {"solar": depth - 2, "stack": depth, "llama-pro": depth // 2 if depth % 2 == 0 else depth}.get(
+        method
+    )
+    return ExpandOptions(method=method, layers=layers, **extra)
+
+
+def assert_base_layers_byte_identical(src: Path, out: Path, manifest: dict) -> None:
+    """Every non-new output layer holds exactly the bytes of its source layer."""
+    a, b = CheckpointReader(src), CheckpointReader(out)
+    prefix = "model.layers.{i}."
+    for lay in manifest["layers"]:
+        if lay["new"]:
+            continue
+        src_prefix = prefix.format(i=lay["source"])
+        names = [n for n in a.names if n.startswith(src_prefix)]
+        assert names
+        for n in names:
+            m = prefix.format(i=lay["index"]) + n[len(src_prefix) :]
+            assert torch.equal(a.get(n).view(torch.uint8), b.get(m).view(torch.uint8)), m
+    for n in a.names:
+        if not n.startswith("model.layers."):
+            assert torch.equal(a.get(n), b.get(n)), n
+
+
+def check_expansion(src: Path, out: Path, method: str, zero_init: bool | None = None) -> dict:
+    base_cfg = json.loads((src / "config.json").read_text())
+    depth = base_cfg["num_hidden_layers"]
+    result = expand(str(src), out, method_options(method, depth, zero_init=zero_init))
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert manifest == json.loads(json.dumps(result.manifest))
+    new_depth = len(manifest["layers"])
+    model = load_causal_lm(out)
+    assert model.config.num_hidden_layers == new_depth
+    types = getattr(model.config, "layer_types", None)
+    base_types = getattr(load_causal_lm(src).config, "layer_types", None)
+    if base_types is not None:
+        assert types == [base_types[lay["source"]] for lay in manifest["layers"]]
+    if base_cfg.get("tie_word_embeddings", True):
+        assert "lm_head.weight" not in CheckpointReader(out).names
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert_base_layers_byte_identical(src, out, manifest)
+    if manifest["function_preserving"]:
+        assert torch.equal(logits(load_causal_lm(src)), logits(model))
+    return manifest
+
+
+@pytest.mark.parametrize("model_type", DENSE_TYPES + MOE_TYPES)
+@pytest.mark.parametrize("method", COPY_METHODS + BUILT_METHODS)
+def test_every_family_and_method(tiny_models, tmp_path, model_type, method):
+    manifest = check_expansion(tiny_models[model_type], tmp_path / "out", method)
+    assert manifest["source"]["family"]
+
+
+@pytest.mark.parametrize("model_type", DENSE_TYPES + MOE_TYPES)
+@pytest.mark.parametrize("method", ["average", "copy", "random"])
+def test_zero_init_makes_any_method_function_preserving(tiny_models, tmp_path, model_type, method):
+    manifest = check_expansion(tiny_models[model_type], tmp_path / "out", method, zero_init=True)
+    assert manifest["function_preserving"]
+
+
+@pytest.mark.parametrize("position", ["top", "bottom", "mid", "top-bottom"])
+@pytest.mark.parametrize("method", ["llama-pro", "copy", "average", "solar", "interpose", "stack", "random"])
+def test_stories260k_every_method_and_position(stories, tmp_path, method, position):
+    from transformers import AutoTokenizer
+
+    if method in ("llama-pro", "solar", "stack") and position != "top":
+        pytest.skip("these methods fix their own placement")
+    out = tmp_path / "out"
+    result = expand(str(stories), out, method_options(method, 5, position=position))
+    model = load_causal_lm(out)
+    assert model.config.num_hidden_layers == len(result.plan.layer_map)
+    assert_base_layers_byte_identical(stories, out, result.manifest)
+    if result.plan.function_preserving:
+        assert torch.equal(logits(load_causal_lm(stories)), logits(model))
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok("Once upon a time").input_ids[0] == 1
+
+
+def test_new_parameters_and_layer_map_in_manifest(stories, tmp_path):
+    result = expand(str(stories), tmp_path / "out", ExpandOptions(method="copy", layers=2, zero_init=True))
+    m = result.manifest
+    assert [lay["index"] for lay in m["layers"] if lay["new"]] == [3, 5]
+    assert all(n.startswith(("model.layers.3.", "model.layers.5.")) for n in m["new_parameters"])
+    assert len(m["new_parameters"]) == 2 * 9
+    assert m["source"]["config_sha256"] and m["options"]["method"] == "copy"
+    new = [lay for lay in m["layers"] if lay["new"]]
+    assert new[0]["parents"] == [2] and new[0]["zero_init"]
+
+
+def test_zero_init_targets_are_zero_and_others_copied(stories, tmp_path):
+    expand(str(stories), tmp_path / "out", ExpandOptions(method="llama-pro", layers=5))
+    r = CheckpointReader(tmp_path / "out")
+    assert not r.get("model.layers.1.self_attn.o_proj.weight").any()
+    assert not r.get("model.layers.1.mlp.down_proj.weight").any()
+    src = CheckpointReader(stories)
+    assert torch.equal(
+        r.get("model.layers.1.mlp.up_proj.weight"), src.get("model.layers.0.mlp.up_proj.weight")
+    )
+
+
+def test_average_is_the_mean_of_the_pair(stories, tmp_path):
+    expand(str(stories), tmp_path / "out", ExpandOptions(method="average", layers=1))
+    r, src = CheckpointReader(tmp_path / "out"), CheckpointReader(stories)
+    a, b = src.get("model.layers.3.mlp.up_proj.weight"), src.get("model.layers.4.mlp.up_proj.weight")
+    assert torch.equal(r.get("model.layers.4.mlp.up_proj.weight"), (a + b) * 0.5)
+
+
+def test_multi_shard_round_trip(sharded_llama, tmp_path):
+    assert (sharded_llama / "model.safetensors.index.json").is_file()
+    out = tmp_path / "out"
+    expand(str(sharded_llama), out, ExpandOptions(method="llama-pro", layers=2, max_shard_size="30KB"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert index["metadata"]["total_size"] == CheckpointReader(out).total_bytes()
+    from safetensors import safe_open
+
+    for shard in shards:
+        with safe_open(str(out / shard), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                assert index["weight_map"][name] == shard
+    assert torch.equal(logits(load_causal_lm(sharded_llama)), logits(load_causal_lm(out)))
+
+
+def test_dtype_conversion_and_bf16_source(stories, tmp_path):
+    expand(str(stories), tmp_path / "bf16", ExpandOptions(method="copy", layers=1, dtype="bfloat16"))
+    r = CheckpointReader(tmp_path / "bf16")
+    assert {r.meta(n).dtype for n in r.names} == {"BF16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    # a bf16 source keeps bf16 and its layers stay byte-identical
+    expand(str(tmp_path / "bf16"), tmp_path / "bf16b", ExpandOptions(method="average", layers=1))
+    r2 = CheckpointReader(tmp_path / "bf16b")
+    assert {r2.meta(n).dtype for n in r2.names} == {"BF16"}
+    assert torch.equal(
+        r2.get("model.layers.0.mlp.up_proj.weight"), r.get("model.layers.0.mlp.up_proj.weight")
+    )
+
+
+def test_pickle_checkpoint_loads_weights_only(stories, tmp_path):
+    from safetensors.torch import load_file
+
+    src = tmp_path / "bin"
+    src.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (src / f).write_bytes((stories / f).read_bytes())
+    torch.save(load_file(str(stories / "model.safetensors")), src / "pytorch_model.bin")
+    expand(str(src), tmp_path / "out", ExpandOptions(method="llama-pro", layers=5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(logits(load_causal_lm(stories)), logits(load_causal_lm(tmp_path / "out")))
+
+
+def test_force_replaces_existing_output(stories, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    expand(str(stories), out, ExpandOptions(method="copy", layers=1), force=True)
+    assert not (out / "old.txt").exists() and (out / "otdus.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stories260k"]  # no temporary leftovers
+
+
+def test_input_is_never_modified(stories, tmp_path):
+    before = {p.name: p.read_bytes() for p in stories.iterdir()}
+    expand(str(stories), tmp_path / "out", ExpandOptions(method="average"))
+    assert {p.name: p.read_bytes() for p in stories.iterdir()} == before
+
+
+def test_tiny_configs_cover_every_family():
+    from otdus_cli.arch.families import supported_model_types
+
+    assert set(supported_model_types()) == set(TINY_CONFIGS)

@@ -1,0 +1,48 @@
+"""Every shipped recipe validates and plans the depth it promises; flags override recipe values."""
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from otdus_cli.cli import app
+from otdus_cli.methods.registry import get_method, plan_layers
+from otdus_cli.options import load_recipe
+
+RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+# base depth -> expected output depth for the hub models the recipes name
+EXPECTED = {
+    "llama-3.1-8b-otdus-top.yaml": (32, 48),
+    "llama-3.2-1b-otdus-top.yaml": (16, 24),
+    "qwen3-8b-otdus-top.yaml": (36, 54),
+    "solar-10.7b-style.yaml": (32, 48),
+    "llama-pro-8b.yaml": (32, 40),
+    "stories260k-ablation-average-zero.yaml": (5, 7),
+}
+
+
+def test_expected_covers_every_recipe():
+    assert {r.name for r in RECIPES} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_plans_its_depth(path):
+    recipe = load_recipe(path)
+    base, expected = EXPECTED[path.name]
+    e = recipe.expand
+    layer_map = plan_layers(base, get_method(e.method), e.position, e.layers, e.ratio, e.after, e.zero_init)
+    assert len(layer_map) == expected
+
+
+def test_recipe_runs_and_flags_override(tmp_path):
+    runner = CliRunner()
+    recipe = Path(__file__).parent.parent / "recipes" / "stories260k-ablation-average-zero.yaml"
+    result = runner.invoke(
+        app, ["expand", "--recipe", str(recipe), "--out", str(tmp_path / "o"), "--layers", "1", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    import json
+
+    summary = json.loads(result.stdout)
+    assert summary["num_hidden_layers"] == 6 and summary["function_preserving"]
+    assert summary["options"]["method"] == "average" and summary["options"]["zero_init"] is True
