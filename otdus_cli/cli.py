@@ -134,9 +134,15 @@ Solver = Annotated[
 ]
 Reg = Annotated[float | None, typer.Option(help="Sinkhorn entropic regularisation. [default: 0.06]")]
 Tol = Annotated[
-    float | None, typer.Option(help="Sinkhorn stopping tolerance on the marginal error. [default: 1e-6]")
+    float | None,
+    typer.Option(
+        help="Sinkhorn stopping tolerance: largest relative row/column mass error "
+        "(the official variant pins the released code's 1e-9). [default: 1e-6]"
+    ),
 ]
-MaxIter = Annotated[int | None, typer.Option(help="Sinkhorn iteration cap. [default: 2000]")]
+MaxIter = Annotated[
+    int | None, typer.Option(help="Sinkhorn iteration cap (official pins 10000). [default: 2000]")
+]
 Device = Annotated[
     str | None, typer.Option(help="Device for transport: auto, cpu, cuda, cuda:N. [default: auto]")
 ]

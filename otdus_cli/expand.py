@@ -251,7 +251,9 @@ class _Engine:
             family=self.src.family,
             config=self.src.config,
             device=device,
-            options=self.plan.options.ot.model_dump() if lay.builder == "ot" else {},
+            options={**self.plan.options.ot.model_dump(), "zero_init": lay.zero_init}
+            if lay.builder == "ot"
+            else {},
             seed=self.plan.options.seed,
             output_index=lay.index,
         )

@@ -191,3 +191,35 @@ def test_tiny_configs_cover_every_family():
     from otdus_cli.arch.families import supported_model_types
 
     assert set(supported_model_types()) == set(TINY_CONFIGS)
+
+
+@pytest.mark.parametrize("model_type", DENSE_TYPES)
+@pytest.mark.parametrize("variant", ["paper", "structured", "official"])
+def test_ot_every_dense_family_is_an_exact_identity(tiny_models, tmp_path, model_type, variant):
+    depth = json.loads((tiny_models[model_type] / "config.json").read_text())["num_hidden_layers"]
+    opts = ExpandOptions(method="ot", layers=1 if variant == "official" else depth // 2)
+    opts.ot.variant = variant
+    result = expand(str(tiny_models[model_type]), tmp_path / "out", opts)
+    assert result.plan.function_preserving
+    assert torch.equal(
+        logits(load_causal_lm(tiny_models[model_type])), logits(load_causal_lm(tmp_path / "out"))
+    )
+    assert_base_layers_byte_identical(tiny_models[model_type], tmp_path / "out", result.manifest)
+    stats = result.manifest["transport"]
+    assert stats and all(v["variant"] == variant for v in stats.values())
+
+
+def test_ot_on_moe_is_refused_clearly(tiny_models, tmp_path):
+    from otdus_cli.errors import OtdusError
+
+    with pytest.raises(OtdusError, match="MoE"):
+        expand(str(tiny_models["mixtral"]), tmp_path / "out", ExpandOptions(method="ot"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_ot_stories260k_is_deterministic_and_preserving(stories, tmp_path):
+    for name in ("a", "b"):
+        expand(str(stories), tmp_path / name, ExpandOptions(method="ot"))
+    files = ["model.safetensors"]
+    assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
+    assert torch.equal(logits(load_causal_lm(stories)), logits(load_causal_lm(tmp_path / "a")))

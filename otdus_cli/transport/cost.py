@@ -37,7 +37,9 @@ def euclidean_distances(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
     Rounding can make the squared distance slightly negative; it is clamped at 0 first.
     """
     if xa.dim() != 2 or xb.dim() != 2 or xa.shape[1] != xb.shape[1]:
-        raise ValueError(f"expected two 2-D tensors with equal row length, got {tuple(xa.shape)}, {tuple(xb.shape)}")
+        raise ValueError(
+            f"expected two 2-D tensors with equal row length, got {tuple(xa.shape)}, {tuple(xb.shape)}"
+        )
     sq_a = (xa * xa).sum(dim=1)
     sq_b = (xb * xb).sum(dim=1)
     dist = torch.mm(xa, xb.T)  # n x m

@@ -1,0 +1,529 @@
+"""OT-DUS: a new layer from the adjacent pair (A = f_i, B = f_{i+1}), neurons aligned by OT.
+
+For a module with weight W (rows = output neurons) a transport plan T couples A's neurons with
+B's; A is aligned to B and the two are averaged:
+
+    W_new = 1/2 ( (n T)^T (W_A T_in) + W_B )
+
+where T_in is the plan already applied to the module's input side ("transport matrix flow").
+Three variants (docs/ot.md has the full tables and the reasons):
+
+* ``paper`` (default): the paper's formulas (reference.md section 2): unit-row Euclidean cost
+  divided by its max, an own plan for each of q, k, v, o, gate, up, down, plans applied scaled by
+  n, post-attention norm T_in = 1/2 (n T_O + I), gate/up T_in = n T_O, o/down zero.
+* ``official``: what the authors' released script computes (section 2.1): raw Euclidean cost,
+  POT's standard Sinkhorn (reg 0.06, 10000 iterations, stopThr 1e-9) in float32, plans applied
+  WITHOUT the factor n, unscaled T_O in the norm and gate/up inputs; o/down zero.
+* ``structured`` (ours, section 2.2): alignment only along the layer's real symmetries. One plan
+  per MLP neuron (gate row, up row, down column together); attention aligned by whole heads (a
+  KV head with its group of query heads), no permutation inside q/k heads (RoPE pairs intact),
+  V dims matched inside a head with the O columns following; the hidden (residual) axis is not
+  permuted at all.
+
+Options (``ctx.options``; a key that is missing or None takes its default):
+    variant   "paper" | "official" | "structured"                        (default "paper")
+    solver    "sinkhorn" | "emd" (exact assignment)                       (default "sinkhorn")
+    reg       entropic regularisation                                    (default 0.06)
+    tol       Sinkhorn stop: relative marginal error                     (default 1e-6)
+    max_iter  Sinkhorn iteration cap                                     (default 2000)
+    device    "auto" | "cpu" | "cuda" | "cuda:N"; default ctx.device
+    zero_init whether o/down come out zero, as in the paper              (default True)
+``official`` pins its solver (POT, 10000 iterations, stopThr 1e-9) and ignores tol/max_iter;
+it honours reg. Per-module plan statistics go to ``ctx.stats["modules"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.methods.base import BuildContext, ParentLayer
+from otdus_cli.transport.assignment import assignment
+from otdus_cli.transport.cost import euclidean_distances, unit_rows
+from otdus_cli.transport.plan import TransportPlan
+from otdus_cli.transport.solve import DEFAULT_MAX_ITER, DEFAULT_REG, DEFAULT_TOL, match_rows, resolve_device
+
+__all__ = ["OTBuilder", "OTSettings", "VARIANTS"]
+
+VARIANTS = ("paper", "official", "structured")
+SOLVERS = ("sinkhorn", "emd")
+
+# Roles the OT formulas need; every dense family template provides them (Phi-3 through its fused
+# qkv / gate_up tensors).
+_REQUIRED = ("q", "k", "v", "o", "gate", "up", "down")
+_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")
+
+# role -> {"weight": tensor, "bias": tensor} (a role without bias has no "bias" key)
+Tensors = dict[str, dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class OTSettings:
+    """Validated options of one OT build."""
+
+    variant: str = "paper"
+    solver: str = "sinkhorn"
+    reg: float = DEFAULT_REG
+    tol: float = DEFAULT_TOL
+    max_iter: int = DEFAULT_MAX_ITER
+    device: torch.device = torch.device("cpu")
+    zero_init: bool = True
+
+    @classmethod
+    def from_context(cls, ctx: BuildContext) -> OTSettings:
+        opts = {k: v for k, v in (ctx.options or {}).items() if v is not None}
+        variant = str(opts.get("variant", "paper"))
+        solver = str(opts.get("solver", "sinkhorn"))
+        if variant not in VARIANTS:
+            raise OtdusError(f"unknown OT variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+        if solver not in SOLVERS:
+            raise OtdusError(f"unknown OT solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        if variant == "official" and solver != "sinkhorn":
+            raise OtdusError(
+                "--variant official reproduces the released code's POT Sinkhorn; it has no emd solver "
+                "(use --variant paper or structured with --solver emd)"
+            )
+        reg, tol, max_iter = (
+            float(opts.get("reg", DEFAULT_REG)),
+            float(opts.get("tol", DEFAULT_TOL)),
+            int(opts.get("max_iter", DEFAULT_MAX_ITER)),
+        )
+        if reg <= 0 or tol <= 0 or max_iter < 1:
+            raise OtdusError(
+                f"OT options need reg > 0, tol > 0, max_iter >= 1 (got {reg}, {tol}, {max_iter})"
+            )
+        try:
+            device = resolve_device(opts["device"]) if "device" in opts else ctx.device
+        except RuntimeError:
+            raise OtdusError(f"unknown device {opts['device']!r} (auto, cpu, cuda, cuda:N)") from None
+        return cls(variant, solver, reg, tol, max_iter, device, bool(opts.get("zero_init", True)))
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Attention geometry: query heads, KV heads (GQA groups) and the per-head dimension."""
+
+    n_q: int
+    n_kv: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (HF repeat_kv: query head h reads KV head h // group)."""
+        return self.n_q // self.n_kv
+
+    @classmethod
+    def from_config(cls, config: dict, q_rows: int | None = None) -> Heads:
+        if not config.get("num_attention_heads"):
+            raise OtdusError("--method ot needs num_attention_heads in config.json")
+        n_q = int(config["num_attention_heads"])
+        n_kv = int(config.get("num_key_value_heads") or n_q)
+        head_dim = config.get("head_dim") or (q_rows // n_q if q_rows else config["hidden_size"] // n_q)
+        if n_q % n_kv:
+            raise OtdusError(f"num_attention_heads={n_q} is not a multiple of num_key_value_heads={n_kv}")
+        return cls(n_q, n_kv, int(head_dim))
+
+
+class OTBuilder:
+    """Builds one new layer from (f_i, f_{i+1}) by OT alignment and averaging (see module doc)."""
+
+    parents_needed = 2
+
+    def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
+        family = ctx.family
+        if family.moe:
+            raise OtdusError(
+                f"--method ot does not support MoE models yet ({family.name}: experts have no single neuron "
+                "order to transport); use --method copy, interpose or average"
+            )
+        settings = OTSettings.from_context(ctx)
+        a, b = parents
+        suffixes_a = a.suffixes()
+        missing = sorted(set(suffixes_a) - set(b.suffixes()))
+        if missing:
+            raise OtdusError(
+                f"layers {a.index} and {b.index} differ: {missing[0]} exists only in layer {a.index}"
+            )
+        layout = _Layout(family, ctx.config, suffixes_a)
+        dev = settings.device
+        ta = layout.load(a, dev)
+        tb = layout.load(b, dev)
+        heads = Heads.from_config(ctx.config, ta["q"]["weight"].shape[0])
+        _check_shapes(ta, tb, heads)
+        stats: dict[str, Any] = {}
+        offset = float(family.norm_offset)
+        if settings.variant == "structured":
+            new = _structured(ta, tb, heads, settings, stats)  # plain averages: offset-free
+        else:
+            new = _paper(ta, tb, settings, offset, stats, official=settings.variant == "official")
+        if settings.zero_init:
+            for role in ("o", "down"):
+                new[role] = {kind: torch.zeros_like(t) for kind, t in new[role].items()}
+        ctx.stats["variant"] = settings.variant
+        ctx.stats["solver"] = "pot-sinkhorn" if settings.variant == "official" else settings.solver
+        ctx.stats["parents"] = [a.index, b.index]
+        ctx.stats["modules"] = stats
+        produced = layout.unload(new)
+        del ta, tb, new
+        for suffix in suffixes_a:
+            if suffix in produced:
+                yield suffix, produced.pop(suffix)
+            else:  # no role: the plain average (e.g. tensors a template does not describe)
+                yield (
+                    suffix,
+                    (a.get(suffix).to(dev, torch.float32) + b.get(suffix).to(dev, torch.float32)) * 0.5,
+                )
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor layout: roles <-> suffixes, fused tensors split and re-fused.
+
+
+class _Layout:
+    """Where each role's weight/bias lives in a layer, and how fused tensors split."""
+
+    def __init__(self, family, config: dict, suffixes: list[str]):
+        self.family = family
+        self.config = config
+        present = set(suffixes)
+        self.where: dict[str, dict[str, str]] = {}
+        for role, path in family.roles.items():
+            found = {kind: f"{path}.{kind}" for kind in ("weight", "bias") if f"{path}.{kind}" in present}
+            if "weight" in found:
+                self.where[role] = found
+        roles = set(self.where)
+        for fused, parts in family.fused.items():
+            if fused in roles:
+                roles |= set(parts)
+        lacking = [r for r in _REQUIRED if r not in roles]
+        if lacking:
+            raise OtdusError(
+                f"--method ot needs the {'/'.join(lacking)} tensors, which this {family.name} layer lacks "
+                "(is the family template right?)"
+            )
+
+    def _sizes(self, fused: str, rows: int) -> list[int]:
+        parts = self.family.fused[fused]
+        if parts == ("q", "k", "v"):
+            heads = Heads.from_config(self.config)
+            sizes = [heads.n_q * heads.head_dim, heads.n_kv * heads.head_dim, heads.n_kv * heads.head_dim]
+        elif len(parts) == 2:
+            sizes = [rows // 2, rows - rows // 2]
+        else:
+            raise OtdusError(f"cannot split fused tensor {fused} into {parts}")
+        if sum(sizes) != rows:
+            raise OtdusError(f"fused {fused} has {rows} rows, the config implies {sum(sizes)} ({sizes})")
+        return sizes
+
+    def load(self, layer: ParentLayer, device: torch.device) -> Tensors:
+        out: Tensors = {}
+        for role, kinds in self.where.items():
+            loaded = {kind: layer.get(name).to(device, torch.float32) for kind, name in kinds.items()}
+            if role in self.family.fused:
+                parts = self.family.fused[role]
+                sizes = self._sizes(role, loaded["weight"].shape[0])
+                for kind, t in loaded.items():
+                    for part, piece in zip(parts, torch.split(t, sizes, dim=0), strict=True):
+                        out.setdefault(part, {})[kind] = piece
+            else:
+                out[role] = loaded
+        return out
+
+    def unload(self, new: Tensors) -> dict[str, torch.Tensor]:
+        produced: dict[str, torch.Tensor] = {}
+        for role, kinds in self.where.items():
+            parts = self.family.fused.get(role, (role,))
+            if not all(p in new for p in parts):
+                continue  # not produced by the variant: the builder falls back to the plain average
+            for kind, name in kinds.items():
+                produced[name] = (
+                    torch.cat([new[p][kind] for p in parts], dim=0) if len(parts) > 1 else new[role][kind]
+                )
+        return produced
+
+
+def _check_shapes(ta: Tensors, tb: Tensors, heads: Heads) -> None:
+    for role in ta:
+        for kind, t in ta[role].items():
+            if tb[role][kind].shape != t.shape:
+                raise OtdusError(
+                    f"{role}.{kind}: shapes differ between the layers ({t.shape} vs {tb[role][kind].shape})"
+                )
+    rows_q, rows_k = ta["q"]["weight"].shape[0], ta["k"]["weight"].shape[0]
+    if rows_q != heads.n_q * heads.head_dim or rows_k != heads.n_kv * heads.head_dim:
+        raise OtdusError(
+            f"q/k have {rows_q}/{rows_k} rows; the config implies {heads.n_q}x{heads.head_dim} and "
+            f"{heads.n_kv}x{heads.head_dim}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers.
+
+
+def _avg(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (x + y) * 0.5
+
+
+def _avg_role(ta: Tensors, tb: Tensors, role: str) -> dict[str, torch.Tensor]:
+    return {kind: _avg(t, tb[role][kind]) for kind, t in ta[role].items()}
+
+
+def _aligned_role(
+    plan: TransportPlan, ta: dict[str, torch.Tensor], tb: dict[str, torch.Tensor], scale: float | None
+) -> dict[str, torch.Tensor]:
+    """1/2 ((s T)^T X_A + X_B) for the weight (already input-aligned) and the bias of one role."""
+    return {kind: _avg(plan.rows_to_b(t, scale), tb[kind]) for kind, t in ta.items()}
+
+
+def _norm_through(
+    plan: TransportPlan, g_a: torch.Tensor, g_b: torch.Tensor, offset: float, scale: float | None, mix: bool
+) -> torch.Tensor:
+    """A norm gain aligned through a plan on its axis, then averaged with B's.
+
+    The gain that multiplies activations is s = w + offset (offset 1 for Gemma's (1 + w) norms),
+    so the alignment acts on s: 1/2 (s_A T_in + s_B) - offset. ``mix``: T_in = 1/2 (s T + I), the
+    paper's rule for the post-attention norm (residual = identity path + attention path).
+    Written as 1/2 (w_A T_in + w_B) + offset/2 (1 T_in - 1), which is bit-exact when T_in's
+    columns sum to exactly 1 (a permutation); with the released code's unscaled T they sum to
+    ~1/n and the offset term matters.
+    """
+
+    def through(x: torch.Tensor) -> torch.Tensor:
+        moved = plan.cols_to_b(x, scale)
+        return _avg(moved, x) if mix else moved
+
+    out = _avg(through(g_a), g_b)
+    if offset:
+        out = out + 0.5 * offset * (through(torch.ones_like(g_a)) - 1.0)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Variants "paper" and "official".
+
+
+def _paper(ta: Tensors, tb: Tensors, s: OTSettings, offset: float, stats: dict, official: bool) -> Tensors:
+    """The transport-matrix-flow table of reference.md section 2 (or its released-code form).
+
+    paper:    cost "paper", chosen solver, plans applied as n T.
+    official: cost "raw", POT standard Sinkhorn, plans applied as T (scale 1): A's contribution
+              shrinks by ~n, so q/k/v/gate/up come out ~ 1/2 W_B, exactly as the released code.
+    """
+    cost = "raw" if official else "paper"
+    solver = "official" if official else s.solver
+    scale = 1.0 if official else None  # None: the plan's own n
+
+    def match(xa: torch.Tensor, xb: torch.Tensor, module: str) -> TransportPlan:
+        plan = match_rows(xa, xb, cost=cost, solver=solver, reg=s.reg, tol=s.tol, max_iter=s.max_iter)
+        stats[module] = plan.stats()
+        return plan
+
+    new: Tensors = {}
+    for role in ("q", "k", "v"):
+        plan = match(ta[role]["weight"], tb[role]["weight"], role)
+        new[role] = _aligned_role(plan, ta[role], tb[role], scale)
+        del plan
+    plan_o = match(ta["o"]["weight"], tb["o"]["weight"], "o")
+    # o's own alignment (only kept when zero_init is off): T_in = I per the paper's table.
+    new["o"] = _aligned_role(plan_o, ta["o"], tb["o"], scale)
+    # Post-attention (pre-MLP) norm: T_in = 1/2 (s T_O + I).
+    new["mlp_norm"] = {
+        "weight": _norm_through(
+            plan_o, ta["mlp_norm"]["weight"], tb["mlp_norm"]["weight"], offset, scale, mix=True
+        )
+    }
+    for role in ("gate", "up"):
+        w_in = plan_o.cols_to_b(ta[role]["weight"], scale)  # W_A T_in with T_in = s T_O
+        plan = match(w_in, tb[role]["weight"], role)
+        new[role] = _aligned_role(plan, {**ta[role], "weight": w_in}, tb[role], scale)
+        del plan, w_in
+    plan_d = match(ta["down"]["weight"], tb["down"]["weight"], "down")
+    new["down"] = _aligned_role(plan_d, ta["down"], tb["down"], scale)
+    new["attn_norm"] = _avg_role(ta, tb, "attn_norm") if "attn_norm" in ta else None
+    # Gemma's post-attention / post-feedforward norms scale o's / down's output rows, so in
+    # "paper" they follow T_O / T_D (the plans of the rows they multiply). They only ever act on
+    # the zeroed outputs, so they cannot change the function; the released code has no such
+    # tensors, and "official" averages them plainly rather than invent a convention.
+    for role, plan in (("attn_out_norm", plan_o), ("mlp_out_norm", plan_d)):
+        if role in ta:
+            if official:
+                new[role] = _avg_role(ta, tb, role)
+            else:
+                new[role] = {
+                    "weight": _norm_through(
+                        plan, ta[role]["weight"], tb[role]["weight"], offset, scale, mix=False
+                    )
+                }
+    for role in ("q_norm", "k_norm"):  # per head_dim, shared by all heads: no rows to align
+        if role in ta:
+            new[role] = _avg_role(ta, tb, role)
+    return {k: v for k, v in new.items() if v is not None}
+
+
+# --------------------------------------------------------------------------------------------
+# Variant "structured".
+
+
+def _structured(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings, stats: dict) -> Tensors:
+    """Alignment along the layer's real symmetries only (reference.md section 2.2, docs/ot.md).
+
+    * Residual (hidden) axis: identity. A and B read and write the same residual stream, whose
+      basis is fixed by the embeddings and every other layer; no permutation of it relates the
+      two layers. (The paper's T_O, solved on o_proj rows, mixes hidden dims: with heads
+      permuted in B it is far from I and scrambles gate/up inputs and the MLP norm; see the
+      planted-symmetry tests.) So every norm is a plain average and o/down rows are not moved.
+    * MLP: neuron k is (gate row k, up row k, down column k); SwiGLU multiplies gate_k by up_k,
+      so one plan for all three (cost on the concatenated unit-normalised vectors).
+    * Attention: heads are the units. A KV head moves with its group of query heads; query heads
+      may be re-paired inside a group; inside a head, q/k dims are never permuted (RoPE rotates
+      dims d and d + head_dim/2 together at a fixed frequency), while V dims, which only meet
+      O's columns, get their own plan, and O's columns follow both head and V-dim plans.
+    """
+    new: Tensors = {}
+    for role in _NORMS:
+        if role in ta:
+            new[role] = _avg_role(ta, tb, role)
+
+    # --- MLP: one plan per neuron (gate row, up row, down column).
+    feats_a = _neuron_features(ta)
+    feats_b = _neuron_features(tb)
+    plan = match_rows(
+        feats_a, feats_b, cost="paper", solver=s.solver, reg=s.reg, tol=s.tol, max_iter=s.max_iter
+    )
+    del feats_a, feats_b
+    stats["gate_up"] = plan.stats()
+    for role in ("gate", "up"):
+        new[role] = _aligned_role(plan, ta[role], tb[role], None)
+    new["down"] = {"weight": _avg(plan.cols_to_b(ta["down"]["weight"]), tb["down"]["weight"])}
+    if "bias" in ta["down"]:  # down's bias lives on the hidden axis: not permuted
+        new["down"]["bias"] = _avg(ta["down"]["bias"], tb["down"]["bias"])
+    del plan
+
+    # --- Attention: head-level assignment, then V dims inside matched heads.
+    kv_perm, q_perm, head_stats = _match_heads(ta, tb, heads)
+    stats["heads"] = head_stats
+    hd, g = heads.head_dim, heads.group
+    device = ta["q"]["weight"].device
+    q_rows = _head_rows(q_perm, hd, device)  # B's head j takes the rows of A's head perm^-1(j)
+    kv_rows = _head_rows(kv_perm, hd, device)
+    new["q"] = {kind: _avg(t[q_rows], tb["q"][kind]) for kind, t in ta["q"].items()}
+    new["k"] = {kind: _avg(t[kv_rows], tb["k"][kind]) for kind, t in ta["k"].items()}
+    # V dims: one plan per matched KV head pair; O's columns of that group's query heads follow.
+    v_a = {kind: t[kv_rows] for kind, t in ta["v"].items()}  # A's KV heads in B's head order
+    o_a = ta["o"]["weight"][:, q_rows]  # A's query-head column blocks in B's head order
+    v_new = {kind: torch.empty_like(t) for kind, t in v_a.items()}
+    o_new = torch.empty_like(o_a)
+    v_stats = []
+    for j in range(heads.n_kv):
+        rows = slice(j * hd, (j + 1) * hd)
+        plan = match_rows(
+            v_a["weight"][rows],
+            tb["v"]["weight"][rows],
+            cost="paper",
+            solver=s.solver,
+            reg=s.reg,
+            tol=s.tol,
+            max_iter=s.max_iter,
+        )
+        v_stats.append(plan.stats())
+        for kind, t in v_a.items():
+            v_new[kind][rows] = _avg(plan.rows_to_b(t[rows]), tb["v"][kind][rows])
+        for h in range(j * g, (j + 1) * g):
+            cols = slice(h * hd, (h + 1) * hd)
+            o_new[:, cols] = _avg(plan.cols_to_b(o_a[:, cols]), tb["o"]["weight"][:, cols])
+    new["v"] = v_new
+    new["o"] = {"weight": o_new}
+    if "bias" in ta["o"]:  # hidden axis: not permuted
+        new["o"]["bias"] = _avg(ta["o"]["bias"], tb["o"]["bias"])
+    stats["v"] = _mean_stats(v_stats)
+    return new
+
+
+def _neuron_features(t: Tensors) -> torch.Tensor:
+    """Row k = [gate_k | up_k | down[:, k]], each part scaled to unit norm (equal say for each)."""
+    return torch.cat(
+        [unit_rows(t["gate"]["weight"]), unit_rows(t["up"]["weight"]), unit_rows(t["down"]["weight"].T)],
+        dim=1,
+    )
+
+
+def _head_rows(perm: list[int], hd: int, device: torch.device) -> torch.Tensor:
+    """Row index that puts A's head perm^-1(j) at B's head j (perm: A head i -> B head perm[i])."""
+    inv = [0] * len(perm)
+    for i, j in enumerate(perm):
+        inv[j] = i
+    return torch.tensor([inv[j] * hd + d for j in range(len(perm)) for d in range(hd)], device=device)
+
+
+def _head_distances(xa: torch.Tensor, xb: torch.Tensor, hd: int) -> torch.Tensor:
+    """D[a, b] = sum_d |x_A[a, d] - x_B[b, d]| over the unit-normalised rows of heads a and b.
+
+    Rows are compared dim by dim (d with d): no permutation inside a head.
+    """
+    ua = unit_rows(xa).reshape(-1, hd, xa.shape[1])
+    ub = unit_rows(xb).reshape(-1, hd, xb.shape[1])
+    dots = torch.einsum("adh,bdh->abd", ua, ub)
+    return (2.0 - 2.0 * dots).clamp_(min=0.0).sqrt_().sum(dim=2)
+
+
+def _match_heads(ta: Tensors, tb: Tensors, heads: Heads) -> tuple[list[int], list[int], dict[str, Any]]:
+    """Exact assignment of A's KV groups (KV head + its query heads) to B's, then of query heads
+    within each matched group.
+
+    Group cost = k distance (dim by dim) + best pairing of the group's query heads (dim by dim)
+    + v distance under the best matching of V dims (V dims are a free symmetry, so a permuted
+    V head still matches its original). Heads are discrete units, so the assignment is exact
+    (the problem is tiny: n_kv x n_kv groups, group x group query heads, head_dim x head_dim).
+    """
+    hd, g, n_kv = heads.head_dim, heads.group, heads.n_kv
+    dq = _head_distances(ta["q"]["weight"], tb["q"]["weight"], hd).cpu()  # n_q x n_q
+    dk = _head_distances(ta["k"]["weight"], tb["k"]["weight"], hd).cpu()  # n_kv x n_kv
+    va = unit_rows(ta["v"]["weight"]).reshape(n_kv, hd, -1)
+    vb = unit_rows(tb["v"]["weight"]).reshape(n_kv, hd, -1)
+    group_cost = torch.empty(n_kv, n_kv, dtype=torch.float64)
+    inner: dict[tuple[int, int], list[int]] = {}
+    for i in range(n_kv):
+        for j in range(n_kv):
+            dv = euclidean_distances(va[i], vb[j])
+            v_plan = assignment(dv)
+            v_cost = float(dv[torch.arange(hd, device=dv.device), v_plan.perm].sum())
+            block = dq[i * g : (i + 1) * g, j * g : (j + 1) * g]
+            q_plan = assignment(block)
+            q_cost = float(block[torch.arange(g), q_plan.perm.cpu()].sum())
+            inner[i, j] = [j * g + int(p) for p in q_plan.perm.cpu()]
+            group_cost[i, j] = float(dk[i, j]) + q_cost + v_cost
+    group_plan = assignment(group_cost)
+    kv_perm = [int(p) for p in group_plan.perm]
+    q_perm = [0] * heads.n_q
+    for i, j in enumerate(kv_perm):
+        for k, target in enumerate(inner[i, j]):
+            q_perm[i * g + k] = target
+    identity_cost = float(group_cost.diagonal().sum())
+    matched_cost = float(group_cost[torch.arange(n_kv), torch.tensor(kv_perm)].sum())
+    info = {
+        "solver": "assignment",
+        "kv_perm": kv_perm,
+        "q_perm": q_perm,
+        "identity": kv_perm == list(range(n_kv)) and q_perm == list(range(heads.n_q)),
+        "cost_matched": matched_cost,
+        "cost_identity": identity_cost,
+    }
+    return kv_perm, q_perm, info
+
+
+def _mean_stats(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean of the numeric entries of several plan reports (bools: all; others: first)."""
+    out: dict[str, Any] = {"plans": len(items)}
+    for key, value in items[0].items():
+        if isinstance(value, bool):
+            out[key] = all(bool(it[key]) for it in items)
+        elif isinstance(value, (int, float)):
+            out[key] = sum(float(it[key]) for it in items) / len(items)
+        else:
+            out[key] = value
+    return out

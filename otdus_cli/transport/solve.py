@@ -1,0 +1,94 @@
+"""Front door: match the rows of two weight matrices with one call.
+
+    plan = match_rows(W_A, W_B, cost="paper", solver="sinkhorn", reg=0.06)
+    aligned_A = plan.rows_to_b(W_A)          # (n T)^T W_A
+
+``cost``: "paper" (unit rows, Euclidean, divided by its max) or "raw" (Euclidean on raw rows).
+``solver``:
+  * "sinkhorn": our stabilised Sinkhorn (sinkhorn.py), stops at relative marginal error <= tol;
+  * "emd": the exact plan, an assignment (assignment.py);
+  * "official": POT's standard Sinkhorn exactly as the released code calls it (official.py);
+    tol / max_iter do not apply to it (its settings are pinned: 10000 iterations, stopThr 1e-9).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from otdus_cli.transport.assignment import assignment
+from otdus_cli.transport.cost import paper_cost, raw_cost
+from otdus_cli.transport.official import official_sinkhorn
+from otdus_cli.transport.plan import TransportPlan
+from otdus_cli.transport.sinkhorn import sinkhorn
+
+__all__ = ["COSTS", "SOLVERS", "match_rows", "resolve_device", "solve_cost"]
+
+COSTS = ("paper", "raw")
+SOLVERS = ("sinkhorn", "emd", "official")
+
+DEFAULT_REG = 0.06
+DEFAULT_TOL = 1e-6
+DEFAULT_MAX_ITER = 2000
+
+
+def resolve_device(spec: str | torch.device | None) -> torch.device:
+    """ "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N" as a torch.device."""
+    if isinstance(spec, torch.device):
+        return spec
+    if spec is None or spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def solve_cost(
+    cost: torch.Tensor,
+    solver: str = "sinkhorn",
+    reg: float = DEFAULT_REG,
+    tol: float = DEFAULT_TOL,
+    max_iter: int = DEFAULT_MAX_ITER,
+) -> TransportPlan:
+    """Solve uniform-marginal OT on a precomputed cost matrix."""
+    if solver == "sinkhorn":
+        res = sinkhorn(cost, reg=reg, tol=tol, max_iter=max_iter)
+        return TransportPlan(
+            cost.shape[0],
+            cost.shape[1],
+            matrix=res.plan,
+            info={
+                "solver": "sinkhorn",
+                "reg": reg,
+                "iterations": res.iterations,
+                "solver_error": res.marginal_error,
+                "converged": res.converged,
+                "status": res.status,
+                "absorptions": res.absorptions,
+                "omega": res.omega,
+                "seconds": res.seconds,
+            },
+        )
+    if solver == "emd":
+        return assignment(cost)
+    if solver == "official":
+        plan = official_sinkhorn(cost, reg=reg)
+        plan.info["reg"] = reg
+        return plan
+    raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+
+
+def match_rows(
+    xa: torch.Tensor,
+    xb: torch.Tensor,
+    cost: str = "paper",
+    solver: str = "sinkhorn",
+    reg: float = DEFAULT_REG,
+    tol: float = DEFAULT_TOL,
+    max_iter: int = DEFAULT_MAX_ITER,
+) -> TransportPlan:
+    """Plan matching the rows of ``xa`` (A's neurons) to the rows of ``xb`` (B's), in float32."""
+    if cost not in COSTS:
+        raise ValueError(f"unknown cost {cost!r}; choose one of {', '.join(COSTS)}")
+    a, b = xa.float(), xb.float()
+    c = paper_cost(a, b) if cost == "paper" else raw_cost(a, b)
+    plan = solve_cost(c, solver=solver, reg=reg, tol=tol, max_iter=max_iter)
+    plan.info["cost"] = cost
+    return plan
