@@ -8,7 +8,6 @@ average would not (it averages unrelated neurons)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
