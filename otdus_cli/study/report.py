@@ -1,0 +1,158 @@
+"""Rendering of study and diagnose results: rich tables, Markdown tables, optional PNG figures.
+
+matplotlib is optional (``pip install otdus[plot]``); without it the plotting functions return
+None and nothing is written.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from otdus_cli.study.runner import StudyResult
+
+__all__ = ["plot_curves", "study_markdown", "study_table"]
+
+
+def _pyplot():
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    return plt
+
+
+def _ci_text(vs: dict | None, digits: int = 4) -> str:
+    if not vs:
+        return "-"
+    if vs.get("low") is None:
+        return f"{vs['mean']:+.{digits}f}"
+    return f"{vs['mean']:+.{digits}f} [{vs['low']:+.{digits}f}, {vs['high']:+.{digits}f}]"
+
+
+def _verdict(vs: dict | None) -> str:
+    if not vs or vs.get("low") is None:
+        return ""
+    if vs["high"] < 0:
+        return "better"
+    if vs["low"] > 0:
+        return "worse"
+    return "n.s."
+
+
+def study_table(result: StudyResult) -> Table:
+    """A rich table: one row per method, sorted as given, paired differences to the reference."""
+    from rich.table import Table  # noqa: PLC0415
+
+    n = len(result.config["seeds"])
+    ref = result.reference
+    title = (
+        f"{result.base}: {result.config['steps']} steps x {n} seed(s); base loss {result.base_loss:.4f} "
+        f"(ppl {result.base_ppl:.3f})"
+    )
+    table = Table(title=title)
+    for col in ("method", "layers", "start loss", "= base", "final loss", "± sd", "ppl"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    if ref:
+        table.add_column(f"Δ vs {ref} (95% CI)", justify="right")
+        table.add_column("", justify="left")
+    for m in result.methods:
+        row = [
+            m.label,
+            str(m.num_hidden_layers),
+            f"{m.initial_loss:.4f}",
+            "yes" if m.initial_equals_base else "no",
+            f"{m.final_loss:.4f}",
+            f"{m.final_loss_std:.4f}",
+            f"{m.final_ppl:.3f}",
+        ]
+        if ref:
+            row += ["(reference)" if m.label == ref else _ci_text(m.vs_reference), _verdict(m.vs_reference)]
+        table.add_row(*row)
+    return table
+
+
+def study_markdown(result: StudyResult) -> str:
+    """The same table in Markdown (for docs/evidence.md)."""
+    ref = result.reference
+    head = "| method | start loss | = base | final loss ± sd | ppl |"
+    sep = "|---|---|---|---|---|"
+    if ref:
+        head += f" Δ final loss vs {ref}, 95% CI | |"
+        sep += "---|---|"
+    lines = [head, sep]
+    for m in result.methods:
+        line = (
+            f"| {m.label} | {m.initial_loss:.4f} | {'yes' if m.initial_equals_base else 'no'} | "
+            f"{m.final_loss:.4f} ± {m.final_loss_std:.4f} | {m.final_ppl:.3f} |"
+        )
+        if ref:
+            line += (
+                " (reference) | |"
+                if m.label == ref
+                else f" {_ci_text(m.vs_reference)} | {_verdict(m.vs_reference)} |"
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot_curves(result: StudyResult, path: str | Path) -> Path | None:
+    """Held-out loss against step, mean over seeds (shaded min..max), one line per method.
+
+    Left: every method from step 0. Right: a zoom on the function-preserving methods (those that
+    start exactly at the base's loss), whose differences are otherwise invisible; when there are
+    none, every method after the first evaluation interval.
+    """
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    zoom = [m.label for m in result.methods if m.initial_equals_base]
+    for m in result.methods:
+        runs = [r for r in result.runs if r.label == m.label]
+        steps = runs[0].eval_steps
+        mean = [sum(r.eval_loss[i] for r in runs) / len(runs) for i in range(len(steps))]
+        lo = [min(r.eval_loss[i] for r in runs) for i in range(len(steps))]
+        hi = [max(r.eval_loss[i] for r in runs) for i in range(len(steps))]
+        (line,) = axes[0].plot(steps, mean, marker=".", label=m.label)
+        axes[0].fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
+        if (zoom and m.label in zoom) or (not zoom and len(steps) > 1):
+            first = 0 if zoom else 1
+            axes[1].plot(steps[first:], mean[first:], marker=".", color=line.get_color(), label=m.label)
+            axes[1].fill_between(steps[first:], lo[first:], hi[first:], color=line.get_color(), alpha=0.15)
+    for ax in axes:
+        ax.axhline(result.base_loss, color="black", lw=0.8, ls="--", label="base (unexpanded)")
+        ax.set_xlabel(
+            "training step (new layers only)" if result.config["train_new_only"] else "training step"
+        )
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.grid(alpha=0.3)
+    axes[0].set_title("all methods, from step 0 (mean over seeds, min-max shaded)", fontsize=9)
+    axes[1].set_title(
+        "zoom: function-preserving methods" if zoom else "after the first evaluation interval", fontsize=9
+    )
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+
+    def short(name: str) -> str:
+        return name if len(name) < 60 else "..." + name[-57:]
+
+    fig.suptitle(
+        f"{result.base}: train {short(result.data['train'])}\neval {short(result.data['eval'])}", fontsize=8
+    )
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def ppl(loss: float) -> float:
+    return math.exp(loss)

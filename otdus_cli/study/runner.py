@@ -1,0 +1,601 @@
+"""`otdus study`: expand a base with several methods, train the new layers, compare held-out loss.
+
+Every method is expanded from the same base (into a temporary folder), then only its new layers
+(the manifest's ``new_parameters``) are trained with AdamW for the same number of steps on the
+same batches (the data order depends on the seed only), for several seeds. The held-out loss is
+evaluated at intervals. For each method the result reports the final loss and perplexity (mean
+and spread over seeds), the loss at step 0 (a function-preserving expansion must start exactly at
+the base's loss; this is checked), and the per-seed paired difference to a reference method with
+a t confidence interval.
+
+Method specs (strings): ``method[:variant][+zero|+nozero]``, e.g. ``ot`` (OT-DUS, paper variant,
+zero-init), ``ot+nozero``, ``ot:structured``, ``ot:official``, ``average`` (Avg-DeUS, no
+zero-init), ``average+zero``, ``copy``, ``random``, ``llama-pro``, ``solar``. Full expand options
+can be given instead with :class:`RunSpec` or in a YAML recipe (:func:`run_recipe`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.options import ExpandOptions
+from otdus_cli.study.data import Documents, load_documents, split_documents, tokenize_windows
+from otdus_cli.study.stats import mean_std, paired_ci
+from otdus_cli.study.train import TrainConfig, evaluate, load_model, train
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "TABLE6_METHODS",
+    "MethodSummary",
+    "RunResult",
+    "RunSpec",
+    "StudyEvent",
+    "StudyRecipe",
+    "StudyResult",
+    "load_study_recipe",
+    "parse_method",
+    "run_recipe",
+    "study",
+]
+
+DEFAULT_METHODS = ("ot", "average", "average+zero", "copy", "random")
+# Paper Table 6 ablation plus the review's 2x2 (OT / Average x zero-init) and the OT variants.
+TABLE6_METHODS = (
+    "ot",
+    "ot+nozero",
+    "average+zero",
+    "average",
+    "ot:structured",
+    "ot:official",
+    "copy",
+    "random",
+)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One arm of the study: a label and the full expand options that build it."""
+
+    label: str
+    options: ExpandOptions
+
+
+def parse_method(spec: str, overrides: dict[str, Any] | None = None) -> RunSpec:
+    """``method[:variant][+zero|+nozero]`` (see the module docstring) as a :class:`RunSpec`.
+
+    ``overrides`` are ExpandOptions fields applied first (e.g. ``{"layers": 2, "position": "top"}``;
+    an ``ot`` mapping sets OT options); the spec's own variant and zero-init flags win over them.
+    """
+    text = spec.strip()
+    zero: bool | None = None
+    base, _, flag = text.partition("+")
+    if flag:
+        if flag not in ("zero", "nozero"):
+            raise OtdusError(f"method spec {spec!r}: '+{flag}' is not '+zero' or '+nozero'")
+        zero = flag == "zero"
+    method, _, variant = base.partition(":")
+    data: dict[str, Any] = json.loads(json.dumps(overrides or {}))
+    data["method"] = method
+    if zero is not None:
+        data["zero_init"] = zero
+    if variant:
+        if method != "ot":
+            raise OtdusError(
+                f"method spec {spec!r}: only ot has variants (ot:paper, ot:structured, ot:official)"
+            )
+        data.setdefault("ot", {})["variant"] = variant
+    try:
+        return RunSpec(text, ExpandOptions.model_validate(data))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise OtdusError(f"method spec {spec!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+@dataclass
+class StudyEvent:
+    """Progress report: ``kind`` is "data", "expand", "eval" or "run"."""
+
+    kind: str
+    label: str = ""
+    seed: int | None = None
+    step: int | None = None
+    loss: float | None = None
+    run: int = 0  # 1-based index of the (method, seed) run
+    runs: int = 0
+    message: str = ""
+
+
+@dataclass
+class RunResult:
+    label: str
+    seed: int
+    eval_steps: list[int]
+    eval_loss: list[float]
+    train_loss: list[float]
+    initial_loss: float
+    final_loss: float
+    function_preserving: bool
+    initial_equals_base: bool
+    trainable_parameters: int
+    num_hidden_layers: int
+    seconds: float
+
+
+@dataclass
+class MethodSummary:
+    label: str
+    options: dict[str, Any]
+    seeds: list[int]
+    function_preserving: bool
+    initial_loss: float  # mean over seeds
+    initial_equals_base: bool  # every seed's step-0 loss is bit-identical to the base's
+    final_loss: float
+    final_loss_std: float
+    final_ppl: float
+    num_hidden_layers: int
+    trainable_parameters: int
+    # per-seed paired difference of the final loss to the reference (method - reference; < 0: better)
+    vs_reference: dict[str, Any] | None = None
+
+
+@dataclass
+class StudyResult:
+    base: str
+    reference: str
+    config: dict[str, Any]
+    data: dict[str, Any]
+    base_loss: float
+    methods: list[MethodSummary]
+    runs: list[RunResult]
+    seconds: float
+    figures: list[str] = field(default_factory=list)
+
+    @property
+    def base_ppl(self) -> float:
+        return math.exp(self.base_loss)
+
+    def summary(self, label: str) -> MethodSummary:
+        for m in self.methods:
+            if m.label == label:
+                return m
+        raise KeyError(label)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["base_ppl"] = self.base_ppl
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StudyResult:
+        data = {k: v for k, v in data.items() if k != "base_ppl"}
+        data["methods"] = [MethodSummary(**m) for m in data["methods"]]
+        data["runs"] = [RunResult(**r) for r in data["runs"]]
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> StudyResult:
+        """A result written by :meth:`save` (a study.json file or its folder)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "study.json"
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def save(self, out_dir: str | os.PathLike[str], plot: bool = True) -> list[Path]:
+        """Write ``study.json`` and, when matplotlib is installed, ``loss_curves.png``."""
+        from otdus_cli.study.report import plot_curves  # noqa: PLC0415
+
+        folder = Path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        written = []
+        if plot:
+            png = plot_curves(self, folder / "loss_curves.png")
+            if png is not None:
+                self.figures = [png.name]
+                written.append(png)
+        (folder / "study.json").write_text(self.to_json() + "\n")
+        written.insert(0, folder / "study.json")
+        return written
+
+
+def _resolve_runs(methods: Sequence[str | RunSpec], overrides: dict[str, Any] | None) -> list[RunSpec]:
+    runs = [m if isinstance(m, RunSpec) else parse_method(m, overrides) for m in methods]
+    labels = [r.label for r in runs]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise OtdusError(f"methods listed twice: {', '.join(dupes)}")
+    if not runs:
+        raise OtdusError("no methods to study")
+    return runs
+
+
+class _ExpansionCache:
+    """Expanded checkpoints in a temporary folder, one per distinct options (seed only for random)."""
+
+    def __init__(self, base: str, root: Path):
+        self.base = base
+        self.root = root
+        self._made: dict[str, tuple[Path, dict]] = {}
+
+    def get(self, options: ExpandOptions, seed: int) -> tuple[Path, dict]:
+        from otdus_cli.expand import expand  # noqa: PLC0415
+        from otdus_cli.methods.registry import get_method  # noqa: PLC0415
+
+        seeded = get_method(options.method).builder == "random"
+        opts = options.model_copy(update={"seed": seed if seeded else options.seed})
+        key = opts.model_dump_json()
+        if key not in self._made:
+            out = self.root / f"m{len(self._made)}"
+            result = expand(self.base, out, opts)
+            self._made[key] = (out, result.manifest)
+        return self._made[key]
+
+
+def study(
+    base: str,
+    train_text: str | os.PathLike[str],
+    eval_text: str | os.PathLike[str] | None = None,
+    *,
+    methods: Sequence[str | RunSpec] = DEFAULT_METHODS,
+    seeds: Sequence[int] = (0, 1, 2),
+    steps: int = 150,
+    lr: float = 2e-3,
+    batch: int = 8,
+    seq_len: int = 128,
+    eval_every: int = 25,
+    eval_windows: int = 32,
+    eval_fraction: float = 0.05,
+    max_train_windows: int | None = None,
+    train_new_only: bool = True,
+    weight_decay: float = 0.0,
+    warmup: float = 0.1,
+    reference: str | None = "ot",
+    device: str = "cpu",
+    threads: int | None = None,
+    expand_options: dict[str, Any] | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    work_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[StudyEvent], None] | None = None,
+) -> StudyResult:
+    """Expand ``base`` with each method, train the new layers, compare held-out loss over seeds.
+
+    ``train_text`` / ``eval_text``: text specs (a file, ``bundled:tinystories-sample``,
+    ``bundled:wikitext-test``; see study.data). Without ``eval_text`` the last ``eval_fraction`` of
+    the training documents is held out (documents are never shared). ``eval_windows`` windows of
+    ``seq_len`` tokens are scored at step 0, every ``eval_every`` steps and at the end.
+    ``expand_options``: ExpandOptions fields applied to every method (e.g. layers, position).
+    ``reference``: label of the method the others are paired with (None or absent: no pairing).
+    ``threads``: torch CPU threads for the duration (on a busy machine 1 is often fastest).
+    ``out_dir``: where study.json and loss_curves.png go (None: nothing written).
+    """
+    t0 = time.perf_counter()
+    notify = progress or (lambda event: None)
+    runs_spec = _resolve_runs(methods, expand_options)
+    seeds = [int(s) for s in seeds]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise OtdusError("seeds must be a non-empty list of distinct integers")
+    if steps < 1 or batch < 1 or seq_len < 2 or eval_every < 1 or eval_windows < 1:
+        raise OtdusError("steps, batch, eval_every, eval_windows must be >= 1 and seq_len >= 2")
+    labels = [r.label for r in runs_spec]
+    ref = reference if reference in labels else None
+    if reference and ref is None and reference != "ot":
+        raise OtdusError(f"reference method {reference!r} is not among the methods ({', '.join(labels)})")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise OtdusError(f"unknown device {device!r}") from None
+    threads_before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    from otdus_cli.source import resolve_source  # noqa: PLC0415
+    from otdus_cli.verify.metrics import load_tokenizer  # noqa: PLC0415
+
+    source = resolve_source(base)
+    base_dir = str(source.folder)
+    tokenizer = load_tokenizer(base_dir)
+    train_docs = load_documents(train_text)
+    if eval_text is None:
+        train_docs, eval_docs = split_documents(train_docs, eval_fraction)
+    else:
+        eval_docs = load_documents(eval_text)
+        _check_disjoint(train_docs, eval_docs)
+    train_w = tokenize_windows(tokenizer, train_docs, seq_len, max_train_windows)
+    eval_w = tokenize_windows(tokenizer, eval_docs, seq_len, eval_windows)
+    data = {
+        "train": train_docs.name,
+        "eval": eval_docs.name,
+        "train_documents": len(train_docs.documents),
+        "eval_documents": len(eval_docs.documents),
+        "train_windows": int(train_w.shape[0]),
+        "eval_windows": int(eval_w.shape[0]),
+        "seq_len": seq_len,
+        "eval_tokens_scored": int(eval_w.shape[0] * (seq_len - 1)),
+        "train_tokens_seen": steps * batch * seq_len,
+    }
+    notify(StudyEvent("data", message=f"{data['train_windows']} train / {data['eval_windows']} eval windows"))
+    config = TrainConfig(
+        steps=steps, lr=lr, batch=batch, eval_every=eval_every, weight_decay=weight_decay, warmup=warmup
+    )
+    base_model = load_model(base_dir, dev)
+    base_loss = evaluate(base_model, eval_w, config.eval_batch)
+    del base_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="otdus-study-", dir=work_dir))
+    results: list[RunResult] = []
+    total = len(runs_spec) * len(seeds)
+    try:
+        cache = _ExpansionCache(base, tmp)
+        k = 0
+        for spec in runs_spec:
+            for seed in seeds:
+                k += 1
+                notify(StudyEvent("expand", spec.label, seed, run=k, runs=total))
+                folder, manifest = cache.get(spec.options, seed)
+                results.append(
+                    _one_run(
+                        spec,
+                        seed,
+                        folder,
+                        manifest,
+                        train_w,
+                        eval_w,
+                        config,
+                        base_loss,
+                        train_new_only,
+                        dev,
+                        notify,
+                        k,
+                        total,
+                    )
+                )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        torch.set_num_threads(threads_before)
+
+    summaries = _summarise(runs_spec, seeds, results, ref)
+    result = StudyResult(
+        base=base,
+        reference=ref or "",
+        config={
+            "methods": labels,
+            "seeds": seeds,
+            "steps": steps,
+            "lr": lr,
+            "batch": batch,
+            "seq_len": seq_len,
+            "eval_every": eval_every,
+            "eval_windows": eval_windows,
+            "eval_fraction": eval_fraction if eval_text is None else None,
+            "train_new_only": train_new_only,
+            "weight_decay": weight_decay,
+            "warmup": warmup,
+            "optimizer": "AdamW(betas=(0.9, 0.95)), linear warmup then cosine to 10%, grad clip 1.0",
+            "device": str(dev),
+            "threads": threads or threads_before,
+            "expand_options": expand_options or {},
+            "torch": torch.__version__,
+        },
+        data=data,
+        base_loss=base_loss,
+        methods=summaries,
+        runs=results,
+        seconds=time.perf_counter() - t0,
+    )
+    if out_dir is not None:
+        result.save(out_dir)
+    return result
+
+
+def _check_disjoint(train_docs: Documents, eval_docs: Documents) -> None:
+    shared = set(train_docs.documents) & set(eval_docs.documents)
+    if shared:
+        raise OtdusError(f"{len(shared)} document(s) occur in both the training and the evaluation text")
+
+
+def _one_run(
+    spec, seed, folder, manifest, train_w, eval_w, config, base_loss, train_new_only, dev, notify, k, total
+) -> RunResult:
+    torch.manual_seed(seed)
+    model = load_model(str(folder), dev)
+    trainable = list(manifest["new_parameters"]) if train_new_only else None
+
+    def on_eval(step: int, loss: float) -> None:
+        notify(StudyEvent("eval", spec.label, seed, step, loss, k, total))
+
+    curve = train(model, train_w, eval_w, config, seed, trainable, on_eval)
+    preserving = bool(manifest.get("function_preserving"))
+    initial = curve.eval_loss[0]
+    equal = initial == base_loss
+    if preserving and not math.isclose(initial, base_loss, rel_tol=1e-6, abs_tol=1e-7):
+        raise OtdusError(
+            f"{spec.label}: a function-preserving expansion starts at loss {initial:.8f}, "
+            f"not the base's {base_loss:.8f}"
+        )
+    run = RunResult(
+        label=spec.label,
+        seed=seed,
+        eval_steps=curve.eval_steps,
+        eval_loss=curve.eval_loss,
+        train_loss=curve.train_loss,
+        initial_loss=initial,
+        final_loss=curve.eval_loss[-1],
+        function_preserving=preserving,
+        initial_equals_base=equal,
+        trainable_parameters=curve.trainable_parameters,
+        num_hidden_layers=int(manifest["num_hidden_layers"]),
+        seconds=curve.seconds,
+    )
+    notify(StudyEvent("run", spec.label, seed, config.steps, run.final_loss, k, total))
+    return run
+
+
+def _summarise(
+    specs: list[RunSpec], seeds: list[int], runs: list[RunResult], ref: str | None
+) -> list[MethodSummary]:
+    by = {(r.label, r.seed): r for r in runs}
+    out = []
+    for spec in specs:
+        rs = [by[spec.label, s] for s in seeds]
+        finals = [r.final_loss for r in rs]
+        mean, sd = mean_std(finals)
+        summary = MethodSummary(
+            label=spec.label,
+            options=json.loads(spec.options.model_dump_json()),
+            seeds=seeds,
+            function_preserving=rs[0].function_preserving,
+            initial_loss=sum(r.initial_loss for r in rs) / len(rs),
+            initial_equals_base=all(r.initial_equals_base for r in rs),
+            final_loss=mean,
+            final_loss_std=sd,
+            final_ppl=math.exp(mean),
+            num_hidden_layers=rs[0].num_hidden_layers,
+            trainable_parameters=rs[0].trainable_parameters,
+        )
+        if ref is not None and spec.label != ref:
+            diffs = [by[spec.label, s].final_loss - by[ref, s].final_loss for s in seeds]
+            summary.vs_reference = {"reference": ref, "diffs": diffs, **paired_ci(diffs)}
+        out.append(summary)
+    return out
+
+
+# -- recipes --------------------------------------------------------------------------------------
+class _RecipeRun(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    expand: dict[str, Any] = Field(default_factory=dict)
+
+
+class _RecipeStudy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    train_text: str
+    eval_text: str | None = None
+    description: str | None = None
+    settings: dict[str, Any] = Field(default_factory=dict)  # per-study overrides of the defaults
+
+
+class StudyRecipe(BaseModel):
+    """A YAML study recipe: a base, shared settings, expand options, runs (arms), studies (domains)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: str
+    description: str | None = None
+    reference: str | None = "ot"
+    settings: dict[str, Any] = Field(default_factory=dict)  # study() keyword arguments
+    expand: dict[str, Any] = Field(default_factory=dict)  # ExpandOptions fields for every run
+    runs: list[_RecipeRun]
+    studies: list[_RecipeStudy]
+
+    def run_specs(self) -> list[RunSpec]:
+        specs = []
+        for r in self.runs:
+            data = {**json.loads(json.dumps(self.expand)), **r.expand}
+            if "ot" in self.expand and "ot" in r.expand:
+                data["ot"] = {**self.expand["ot"], **r.expand["ot"]}
+            try:
+                specs.append(RunSpec(r.name, ExpandOptions.model_validate(data)))
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                raise OtdusError(f"run {r.name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        return specs
+
+
+_SETTINGS = {
+    "seeds",
+    "steps",
+    "lr",
+    "batch",
+    "seq_len",
+    "eval_every",
+    "eval_windows",
+    "eval_fraction",
+    "max_train_windows",
+    "train_new_only",
+    "weight_decay",
+    "warmup",
+    "device",
+    "threads",
+}
+
+
+def load_study_recipe(path: str | os.PathLike[str]) -> StudyRecipe:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise OtdusError(f"recipe not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise OtdusError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    try:
+        recipe = StudyRecipe.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise OtdusError(f"recipe {path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    for where, settings in [("settings", recipe.settings)] + [
+        (f"studies.{s.name}", s.settings) for s in recipe.studies
+    ]:
+        unknown = sorted(set(settings) - _SETTINGS)
+        if unknown:
+            raise OtdusError(f"recipe {path}: {where}: unknown setting(s) {', '.join(unknown)}")
+    recipe.run_specs()  # validates every run's expand options
+    return recipe
+
+
+def _resolve_text(spec: str | None, folder: Path) -> str | None:
+    if spec is None or spec.startswith("bundled:") or os.path.isabs(spec):
+        return spec
+    return str(folder / spec)
+
+
+def run_recipe(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | None = None,
+    only: Sequence[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    progress: Callable[[StudyEvent], None] | None = None,
+) -> dict[str, StudyResult]:
+    """Run every study of a recipe (or those named in ``only``); results under ``out_dir/<study>/``.
+
+    Relative text paths are resolved against the recipe's folder. ``overrides``: study() settings
+    that win over the recipe's (e.g. ``{"steps": 10, "seeds": [0]}`` for a smoke run).
+    """
+    path = Path(path)
+    recipe = load_study_recipe(path)
+    specs = recipe.run_specs()
+    chosen = [s for s in recipe.studies if only is None or s.name in only]
+    if only is not None and len(chosen) != len(set(only)):
+        known = ", ".join(s.name for s in recipe.studies)
+        raise OtdusError(f"recipe {path}: unknown study in {list(only)} (studies: {known})")
+    results = {}
+    for s in chosen:
+        settings = {**recipe.settings, **s.settings, **(overrides or {})}
+        results[s.name] = study(
+            recipe.base,
+            _resolve_text(s.train_text, path.parent),
+            _resolve_text(s.eval_text, path.parent),
+            methods=specs,
+            reference=recipe.reference,
+            out_dir=None if out_dir is None else Path(out_dir) / s.name,
+            progress=progress,
+            **settings,
+        )
+    return results

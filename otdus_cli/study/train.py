@@ -1,0 +1,156 @@
+"""Continued pre-training of one checkpoint: AdamW on a fixed data order, held-out loss on a curve.
+
+Only the parameters named in ``trainable`` are updated (the expansion manifest's ``new_parameters``
+when the study trains the new layers only); everything else is frozen. The data order depends on
+the seed alone, so every method sees exactly the same batches for a given seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from otdus_cli.errors import OtdusError
+
+__all__ = ["TrainConfig", "TrainCurve", "batch_order", "evaluate", "load_model", "train"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 150
+    lr: float = 2e-3
+    batch: int = 8
+    eval_every: int = 25
+    weight_decay: float = 0.0
+    warmup: float = 0.1  # fraction of the steps with a linear warmup; cosine decay to 10% after
+    grad_clip: float = 1.0
+    eval_batch: int = 16
+
+
+@dataclass
+class TrainCurve:
+    """Held-out loss (mean token NLL, nats) at each evaluated step, and the training loss per step."""
+
+    eval_steps: list[int] = field(default_factory=list)
+    eval_loss: list[float] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    trainable_parameters: int = 0
+    seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """torch.use_deterministic_algorithms for the duration (restored afterwards)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def load_model(folder: str, device: torch.device):
+    """A checkpoint as a float32 causal LM (transformers, never remote code), in train mode."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy import
+
+    # Eager attention: deterministic, and faster than SDPA's backward for small CPU models.
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager", trust_remote_code=False
+    )
+    return model.to(device)
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, batch: int = 16) -> float:
+    """Mean next-token NLL over every window (each window scored on its own), in nats."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    for s in range(0, windows.shape[0], batch):
+        x = windows[s : s + batch].to(device)
+        logits = model(input_ids=x).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+        )
+        total += float(nll.double())
+        count += x[:, 1:].numel()
+    model.train(was_training)
+    return total / count
+
+
+def batch_order(n_windows: int, steps: int, batch: int, seed: int) -> list[torch.Tensor]:
+    """Window indices of every step: seeded permutations, epoch after epoch (method-independent)."""
+    g = torch.Generator().manual_seed(10_007 + seed)
+    order: list[int] = []
+    while len(order) < steps * batch:
+        order.extend(torch.randperm(n_windows, generator=g).tolist())
+    return [torch.tensor(order[i * batch : (i + 1) * batch]) for i in range(steps)]
+
+
+def _lr_factor(step: int, steps: int, warmup: float) -> float:
+    w = max(1, int(round(steps * warmup))) if warmup > 0 else 0
+    if step < w:
+        return (step + 1) / w
+    progress = (step - w) / max(1, steps - w)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(
+    model,
+    train_windows: torch.Tensor,
+    eval_windows: torch.Tensor,
+    config: TrainConfig,
+    seed: int,
+    trainable: Sequence[str] | None = None,
+    on_eval: Callable[[int, float], None] | None = None,
+) -> TrainCurve:
+    """Train ``model`` in place; ``trainable`` = parameter names to update (None: all of them)."""
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    params = dict(model.named_parameters())
+    if trainable is not None:
+        missing = sorted(set(trainable) - set(params))
+        if missing:
+            raise OtdusError(f"parameters to train are not in the model: {', '.join(missing[:5])}")
+        wanted = set(trainable)
+        for name, p in params.items():
+            p.requires_grad_(name in wanted)
+    chosen = [p for p in params.values() if p.requires_grad]
+    if not chosen:
+        raise OtdusError("nothing to train: the expansion added no new parameters")
+    curve = TrainCurve(trainable_parameters=sum(p.numel() for p in chosen))
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(chosen, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, config.steps, config.warmup))
+    order = batch_order(train_windows.shape[0], config.steps, config.batch, seed)
+
+    def record(step: int) -> None:
+        loss = evaluate(model, eval_windows, config.eval_batch)
+        curve.eval_steps.append(step)
+        curve.eval_loss.append(loss)
+        if on_eval is not None:
+            on_eval(step, loss)
+
+    with deterministic():
+        model.train()
+        record(0)
+        for step, idx in enumerate(order, start=1):
+            x = train_windows[idx].to(device)
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if config.grad_clip:
+                torch.nn.utils.clip_grad_norm_(chosen, config.grad_clip)
+            opt.step()
+            sched.step()
+            curve.train_loss.append(float(loss.detach()))
+            if step % config.eval_every == 0 or step == config.steps:
+                record(step)
+    curve.seconds = time.perf_counter() - t0
+    return curve

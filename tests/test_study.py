@@ -1,0 +1,131 @@
+"""study: reproducible numbers, function-preserving arms start exactly at the base's loss,
+paired statistics, method specs and recipes."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.study.data import Documents, load_documents, split_documents
+from otdus_cli.study.report import study_markdown, study_table
+from otdus_cli.study.runner import StudyResult, load_study_recipe, parse_method, study
+from otdus_cli.study.stats import paired_ci, t_quantile
+
+RECIPE = Path(__file__).parent.parent / "recipes" / "study-table6.yaml"
+SMALL = dict(
+    seeds=[0],
+    steps=3,
+    lr=1e-3,
+    batch=2,
+    seq_len=64,
+    eval_every=2,
+    eval_windows=3,
+    eval_fraction=0.2,
+    expand_options={"layers": 1},
+)
+
+
+@pytest.fixture(scope="module")
+def first():
+    return study(
+        "bundled:stories260k",
+        "bundled:tinystories-sample",
+        methods=["average+zero", "average", "random"],
+        reference="average+zero",
+        **SMALL,
+    )
+
+
+def test_zero_init_starts_exactly_at_base_loss(first):
+    zero = first.summary("average+zero")
+    assert zero.function_preserving and zero.initial_equals_base
+    assert first.runs[0].eval_loss[0] == first.base_loss  # bit-identical, not just close
+    assert first.runs[0].eval_steps == [0, 2, 3]
+
+
+def test_non_preserving_arms_do_not_start_at_base(first):
+    avg = first.summary("average")
+    assert not avg.function_preserving and not avg.initial_equals_base
+    assert avg.initial_loss > first.base_loss + 0.05  # plain averaging clearly breaks the model
+    rnd = first.summary("random")
+    assert not rnd.function_preserving and rnd.initial_loss != first.base_loss
+
+
+def test_reproducible_and_independent_of_other_arms(first):
+    again = study(
+        "bundled:stories260k", "bundled:tinystories-sample", methods=["average", "average+zero"], **SMALL
+    )
+    for label in ("average+zero", "average"):
+        a = [r for r in first.runs if r.label == label][0]
+        b = [r for r in again.runs if r.label == label][0]
+        assert a.eval_loss == b.eval_loss and a.train_loss == b.train_loss
+    assert again.base_loss == first.base_loss
+
+
+def test_only_new_layers_trained_and_report(first, tmp_path):
+    zero = first.summary("average+zero")
+    assert zero.num_hidden_layers == 6
+    assert zero.trainable_parameters == 45_440  # one stories260K layer (of ~260K parameters in all)
+    vs = first.summary("average").vs_reference
+    assert vs["reference"] == "average+zero" and vs["n"] == 1 and vs["low"] is None
+    data = json.loads(first.to_json())
+    assert data["methods"][0]["label"] == "average+zero" and math.isclose(data["base_ppl"], first.base_ppl)
+    assert "average" in study_markdown(first)
+    study_table(first)
+    written = first.save(tmp_path / "out", plot=False)
+    assert written[0].name == "study.json"
+    assert StudyResult.load(tmp_path / "out").to_dict() == first.to_dict()
+
+
+def test_parse_method_specs():
+    spec = parse_method("ot:structured+nozero", {"layers": 2, "ot": {"reg": 0.1}})
+    assert spec.options.method == "ot" and spec.options.zero_init is False
+    assert spec.options.ot.variant == "structured" and spec.options.ot.reg == 0.1 and spec.options.layers == 2
+    assert parse_method("average+zero").options.zero_init is True
+    assert parse_method("copy").options.zero_init is None
+    with pytest.raises(OtdusError):
+        parse_method("average:structured")
+    with pytest.raises(OtdusError):
+        parse_method("ot+maybe")
+    with pytest.raises(OtdusError):
+        parse_method("nonsense")
+
+
+def test_paired_ci_matches_t_distribution():
+    ci = paired_ci([0.1, 0.2, 0.3])
+    assert ci["mean"] == pytest.approx(0.2)
+    half = 4.302652729911275 * 0.1 / math.sqrt(3)
+    assert ci["low"] == pytest.approx(0.2 - half, rel=1e-4) and ci["high"] == pytest.approx(
+        0.2 + half, rel=1e-4
+    )
+    assert t_quantile(2) == pytest.approx(4.303, abs=1e-3)
+
+
+def test_split_keeps_documents_disjoint():
+    docs = Documents("d", ["a", "b", "c", "a", "e"])
+    train, held = split_documents(docs, 0.4)
+    assert train.documents == ["a", "b", "c"] and held.documents == ["e"]  # the repeated "a" is dropped
+    sample = load_documents("bundled:tinystories-sample")
+    assert len(sample.documents) >= 4 and all("<|endoftext|>" not in d for d in sample.documents)
+
+
+def test_shipped_recipe_validates():
+    recipe = load_study_recipe(RECIPE)
+    labels = [s.label for s in recipe.run_specs()]
+    assert labels[:4] == ["ot", "ot+nozero", "average+zero", "average"]
+    by = {s.label: s.options for s in recipe.run_specs()}
+    assert by["ot+nozero"].zero_init is False and by["ot:official"].ot.variant == "official"
+    assert all(o.layers == 2 and o.position == "top" for o in by.values())
+    assert [s.name for s in recipe.studies] == ["in-domain", "new-domain"]
+
+
+def test_bad_recipe_setting_refused(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text(
+        "base: bundled:stories260k\nsettings: {stepz: 3}\nruns: [{name: ot, expand: {method: ot}}]\n"
+        "studies: [{name: s, train_text: bundled:tinystories-sample}]\n"
+    )
+    with pytest.raises(OtdusError, match="stepz"):
+        load_study_recipe(bad)
