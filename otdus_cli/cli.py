@@ -552,7 +552,7 @@ def study(
                 )
             }
     if json_out:
-        _emit_json({name: r.to_json() for name, r in results.items()})
+        _emit_json({name: r.to_dict() for name, r in results.items()})
         return
     for r in results.values():
         out_console.print(study_table(r))
@@ -599,7 +599,7 @@ def diagnose(
             png=png,
         )
     if json_out:
-        _emit_json(result.to_json())
+        _emit_json(result.to_dict())
         return
     out_console.print(diagnose_tables(result))
 
