@@ -367,8 +367,8 @@ def inspect(
     json_out: JsonFlag = False,
 ) -> None:
     """Describe a checkpoint or manifest: layers, parameters, dtypes, size, and how it was made."""
-    from otdus_cli.expand import MANIFEST, read_manifest
     from otdus_cli.io.reader import CheckpointReader
+    from otdus_cli.manifest import MANIFEST, read_manifest
 
     with _user_errors():
         folder = path.parent if path.name == MANIFEST else path
@@ -426,6 +426,226 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+# -- verify / ppl ------------------------------------------------------------------------------
+Protocol = Annotated[
+    str,
+    typer.Option(
+        help="wikitext: lm-eval's protocol (documents, detokeniser, rolling windows, word/byte perplexity); "
+        "token: GPTQ-style disjoint --seq-len windows over the joined text."
+    ),
+]
+TextFile = Annotated[
+    Path | None, typer.Option("--text", help="Any text file (documents split at <|endoftext|> lines).")
+]
+Dataset = Annotated[
+    str | None,
+    typer.Option(help="A Hugging Face dataset NAME[:CONFIG] (needs `datasets` and network or cache)."),
+]
+SeqLen = Annotated[
+    int, typer.Option(help="Token-protocol window length, capped by the model's max positions.")
+]
+MaxTokens = Annotated[int | None, typer.Option(help="Score at most this many tokens (quick checks).")]
+MaxDocs = Annotated[int | None, typer.Option(help="Use at most this many documents.")]
+EvalDevice = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
+EvalDtype = Annotated[
+    str,
+    typer.Option(help="Compute dtype: float32 (bitwise parity) or bfloat16/float16 (parity within 1e-3)."),
+]
+BatchSize = Annotated[int, typer.Option(help="Windows per forward pass.")]
+TokenMode = Annotated[
+    str,
+    typer.Option(
+        help="Token protocol: joined (documents joined with blank lines, GPTQ style) or documents "
+        "(one BOS per document, windows inside documents, as TinyStories models are scored)."
+    ),
+]
+
+
+def _corpus(text: Path | None, dataset: str | None, max_docs: int | None):
+    from otdus_cli.verify.text import dataset_corpus, text_corpus, wikitext_corpus
+
+    if text is not None and dataset is not None:
+        raise OtdusError("give --text or --dataset, not both")
+    if text is not None:
+        return text_corpus(text, max_docs=max_docs)
+    if dataset is not None:
+        return dataset_corpus(dataset, max_docs=max_docs)
+    return wikitext_corpus(max_docs=max_docs)
+
+
+def _metrics_rows(table: Table, metrics, other=None) -> None:
+    for key, value in metrics.values().items():
+        if key == "loglikelihood":
+            continue
+        row = [key + (" *" if key == metrics.headline()[0] else ""), f"{value:.6g}"]
+        if other is not None:
+            theirs = other.values()[key]
+            row += [f"{theirs:.6g}", f"{theirs - value:+.3g}"]
+        table.add_row(*row)
+
+
+def _local_model(model: str) -> str:
+    """A folder for a model argument (hub ids are resolved through the local cache)."""
+    from otdus_cli.source import resolve_source
+
+    return str(resolve_source(model).folder)
+
+
+@app.command()
+def verify(
+    expanded: Annotated[str, typer.Argument(help="The expanded checkpoint (or any model to compare).")],
+    base: Annotated[
+        str | None, typer.Option(help="The base model. [default: the source recorded in the manifest]")
+    ] = None,
+    protocol: Protocol = "wikitext",
+    text: TextFile = None,
+    dataset: Dataset = None,
+    seq_len: SeqLen = 2048,
+    token_mode: TokenMode = "joined",
+    max_tokens: MaxTokens = None,
+    max_docs: MaxDocs = None,
+    device: EvalDevice = "auto",
+    dtype: EvalDtype = "float32",
+    batch_size: BatchSize = 1,
+    json_out: JsonFlag = False,
+) -> None:
+    """Perplexity parity of an expansion with its base, layer by layer in lockstep (exit 1 if broken)."""
+    from otdus_cli.manifest import manifest_source
+    from otdus_cli.verify.compare import make_plan, perplexity, verify_expansion
+
+    _quiet_transformers()
+    with _user_errors(), _task_progress(not json_out and err_console.is_terminal, "verifying") as update:
+        expanded_dir = _local_model(expanded)
+        if base is None:
+            recorded = manifest_source(expanded_dir)
+            if recorded is not None:
+                from otdus_cli.source import resolve_source
+
+                base = str(resolve_source(*recorded).folder)
+        corpus = _corpus(text, dataset, max_docs)
+        ref_dir = _local_model(base) if base else expanded_dir
+        plan = make_plan(
+            ref_dir,
+            corpus=corpus,
+            protocol=protocol,
+            seq_len=seq_len,
+            token_mode=token_mode,
+            max_tokens=max_tokens,
+        )
+
+        def on_progress(kind: str, done: int, total: int) -> None:
+            update(done, total, kind)
+
+        if base is None:
+            report = perplexity(
+                expanded_dir, plan, device=device, dtype=dtype, batch_size=batch_size, progress=on_progress
+            )
+        else:
+            report = verify_expansion(
+                ref_dir,
+                expanded_dir,
+                plan,
+                device=device,
+                dtype=dtype,
+                batch_size=batch_size,
+                progress=on_progress,
+            )
+    if base is None:
+        _print_ppl(report, json_out)
+        return
+    if json_out:
+        _emit_json(report.to_dict())
+    else:
+        table = Table(
+            title=f"{report.base.corpus}: {report.base.protocol} protocol, {report.base.n_tokens:,} tokens, "
+            f"{report.device} {report.dtype}"
+        )
+        for col in ("metric (* headline)", "base", "expanded", "delta"):
+            table.add_column(col)
+        _metrics_rows(table, report.base, report.expanded)
+        out_console.print(table)
+        if report.first_divergence is not None:
+            d = report.first_divergence
+            out_console.print(f"first divergence: {d.name} (max |diff| {d.max_abs_diff:.3g})")
+        colour = "green" if report.exit_code == 0 else "red"
+        out_console.print(f"[bold {colour}]{report.verdict}[/]")
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+def _print_ppl(report, json_out: bool) -> None:
+    if json_out:
+        _emit_json(report.to_dict())
+        return
+    m = report.metrics
+    table = Table(title=f"{report.model}: {m.corpus}, {m.protocol} protocol, {m.n_tokens:,} tokens")
+    for col in ("metric (* headline)", "value"):
+        table.add_column(col)
+    _metrics_rows(table, m)
+    out_console.print(table)
+
+
+@app.command()
+def ppl(
+    model: Annotated[str, typer.Argument(help="A model folder, hub id or bundled:stories260k.")],
+    protocol: Protocol = "wikitext",
+    text: TextFile = None,
+    dataset: Dataset = None,
+    seq_len: SeqLen = 2048,
+    token_mode: TokenMode = "joined",
+    max_tokens: MaxTokens = None,
+    max_docs: MaxDocs = None,
+    device: EvalDevice = "auto",
+    dtype: EvalDtype = "float32",
+    batch_size: BatchSize = 1,
+    json_out: JsonFlag = False,
+) -> None:
+    """Perplexity of one model, streamed layer by layer (same protocols as verify)."""
+    from otdus_cli.verify.compare import make_plan, perplexity
+
+    _quiet_transformers()
+    with _user_errors(), _task_progress(not json_out and err_console.is_terminal, "scoring") as update:
+        folder = _local_model(model)
+        plan = make_plan(
+            folder,
+            corpus=_corpus(text, dataset, max_docs),
+            protocol=protocol,
+            seq_len=seq_len,
+            token_mode=token_mode,
+            max_tokens=max_tokens,
+        )
+        report = perplexity(
+            folder,
+            plan,
+            device=device,
+            dtype=dtype,
+            batch_size=batch_size,
+            progress=lambda kind, done, total: update(done, total, kind),
+        )
+    _print_ppl(report, json_out)
+
+
+@app.command()
+def demo(
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Where the expanded demo model goes (replaced).")
+    ] = Path("demo-out"),
+    method: Annotated[str, typer.Option(help="Expansion method.")] = "ot",
+    max_tokens: Annotated[int, typer.Option(help="WikiText tokens to verify on.")] = 16384,
+) -> None:
+    """Expand the bundled real stories260K model (5 -> 7 layers) and verify parity on bundled WikiText."""
+    from otdus_cli.bundled import TINYSTORIES_SAMPLE
+
+    out_console.rule("1. otdus expand bundled:stories260k")
+    expand(model="bundled:stories260k", out=out, method=method, force=True)
+    out_console.rule("2. otdus inspect")
+    inspect(path=out)
+    out_console.rule("3. otdus verify (WikiText-2 test, lm-eval protocol)")
+    verify(expanded=str(out), max_tokens=max_tokens, device="cpu")
+    out_console.rule("4. otdus verify (TinyStories, token perplexity, in domain)")
+    verify(expanded=str(out), protocol="token", token_mode="documents", text=TINYSTORIES_SAMPLE, device="cpu")
 
 
 def _ints(text: str | None, flag: str) -> list[int] | None:

@@ -23,13 +23,13 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.io.safetensors_format import CODES, FLOAT_CODES
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, atomic_output_dir, parse_size
+from otdus_cli.manifest import MANIFEST
 from otdus_cli.methods.base import BuildContext
 from otdus_cli.methods.registry import Method, get_method, make_builder, plan_layers
 from otdus_cli.options import ExpandOptions
 from otdus_cli.plan.layer_map import OutputLayer, is_function_preserving
 from otdus_cli.source import SIDE_FILE_PATTERNS, ResolvedSource, resolve_source
 
-MANIFEST = "otdus.json"
 _NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", MANIFEST}
 
 ProgressFn = Callable[[int], None]
@@ -343,13 +343,3 @@ def expand(
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
     return ExpandResult(out, plan, manifest, written, time.perf_counter() - start, engine.stats)
-
-
-def read_manifest(folder: Path) -> dict | None:
-    path = Path(folder) / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise OtdusError(f"{path} is not valid JSON") from None

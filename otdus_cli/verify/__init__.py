@@ -1,1 +1,9 @@
+"""Perplexity and function-preservation checks, evaluated layer by layer from the checkpoint.
 
+- ``text``: evaluation corpora (bundled WikiText-2 test split, text files, optional HF datasets);
+- ``metrics``: the lm-eval ``wikitext`` and GPTQ token-perplexity protocols (plans and formulas);
+- ``streaming``: ``StreamedModel``, a transformers model run one decoder layer at a time;
+- ``compare``: ``make_plan``, ``perplexity`` (``otdus ppl``) and ``verify_expansion`` (``otdus verify``).
+
+Submodules import torch/transformers; import them where needed.
+"""

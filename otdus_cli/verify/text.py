@@ -112,7 +112,7 @@ def wikitext_detokenize(text: str) -> str:
         s = s.replace(old, new)
     for mark in (":", ";", ".", "!", "?", ","):
         s = s.replace(f" {mark} ", f"{mark} ")
-    for pattern, repl in zip(_BRACKETS, _BRACKET_REPL):
+    for pattern, repl in zip(_BRACKETS, _BRACKET_REPL, strict=True):
         s = pattern.sub(repl, s)
     for old, new in (
         ("= = = =", "===="),
@@ -192,21 +192,38 @@ def dataset_corpus(
     """Documents from a Hugging Face dataset, ``NAME`` or ``NAME:CONFIG`` (needs ``datasets``).
 
     The text column is ``field`` or, when not given, the first of ``page``/``text``/``content``.
+    WikiText datasets (``wikitext`` line-level, ``wikitext_document_level``) get the WikiText treatment
+    (article documents, detokeniser).
     """
     try:
         import datasets  # noqa: PLC0415 - optional dependency, imported only when asked for
     except ImportError:
-        raise OtdusError("--dataset needs the 'datasets' package (pip install datasets); use --text PATH") from None
+        raise OtdusError(
+            "--dataset needs the 'datasets' package (pip install datasets); use --text PATH"
+        ) from None
     name, _, config = spec.partition(":")
     try:
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as exc:  # datasets raises many types (network, missing config, ...)
-        raise OtdusError(f"cannot load dataset {spec!r} split {split!r}: {exc.__class__.__name__}: {exc}") from None
+        raise OtdusError(
+            f"cannot load dataset {spec!r} split {split!r}: {exc.__class__.__name__}: {exc}"
+        ) from None
     columns = list(ds.column_names)
     column = field or next((c for c in ("page", "text", "content") if c in columns), None)
     if column is None or column not in columns:
-        raise OtdusError(f"dataset {spec!r} has no text column (columns: {', '.join(columns)}); pass a field name")
-    docs = [str(x) for x in ds[column] if str(x).strip()]
+        raise OtdusError(
+            f"dataset {spec!r} has no text column (columns: {', '.join(columns)}); pass a field name"
+        )
+    values = [str(x) for x in ds[column]]
+    base = name.rsplit("/", 1)[-1]
+    if base == "wikitext" and column == "text":
+        # line-level WikiText rows (each line keeps its newline): rebuild the articles like lm-eval's
+        # document-level dataset, and keep the rows for GPTQ-style joining
+        docs = wikitext_pages("".join(v or " \n" for v in values))  # blank rows were " \n"
+        kind, rows = "wikitext", values
+    else:
+        docs = [v for v in values if v.strip()]
+        kind, rows = ("wikitext" if base == "wikitext_document_level" else "dataset"), None
     if max_docs is not None:
         docs = docs[: max(0, max_docs)]
-    return Corpus(f"{spec}[{split}]", docs, "dataset")
+    return Corpus(f"{spec}[{split}]", docs, kind, raw_lines=rows)

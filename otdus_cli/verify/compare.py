@@ -1,0 +1,416 @@
+"""Base vs expanded: perplexity parity and, in lockstep, the first layer where the two stacks part.
+
+Both checkpoints are streamed side by side over the same evaluation windows. After every expanded
+layer that corresponds to a point of the base stack, the hidden states of all windows are compared:
+
+* a base layer copied in order (``new`` false, ``source`` = the next base layer) is compared with the
+  base's state after that base layer;
+* a new layer is compared with the base's state after the base layers consumed so far (a zero-init
+  layer is an exact identity, so nothing may change);
+* once base layers appear out of order (SOLAR-style repeats), there is no corresponding base state and
+  the rest of the stack is not compared layer by layer.
+
+The layer map is the manifest's ``layers`` list (``otdus.json`` in the expanded folder), or a function
+``expanded index -> base index it copies (None for a new layer)``.
+
+Verdict: when the expansion is declared function-preserving, float32/float64 runs must give bitwise
+identical logits (hence identical perplexities); bfloat16/float16 runs must agree within ``rtol`` on
+every perplexity figure (default 1e-3). Exit code 0 when parity holds or is not expected, 1 when it
+is expected and broken.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.manifest import MANIFEST, read_manifest
+from otdus_cli.verify.metrics import (
+    DEFAULT_SEQ_LEN,
+    EvalPlan,
+    PerplexityMetrics,
+    Progress,
+    lm_eval_max_length,
+    load_tokenizer,
+    logits_to_keep,
+    metrics_from_logprobs,
+    model_max_positions,
+    plan_rolling,
+    plan_token,
+    score_plan,
+    window_logprobs,
+)
+from otdus_cli.verify.streaming import Activations, StreamedModel, parse_dtype
+from otdus_cli.verify.text import Corpus, wikitext_corpus
+
+LOW_PRECISION_RTOL = 1e-3
+EXACT_DTYPES = (torch.float32, torch.float64)
+
+LayerMap = Sequence[dict] | Callable[[int], "int | None"]
+
+
+# -- evaluation setup -------------------------------------------------------------------------------
+def make_plan(
+    model_dir: str | os.PathLike[str] | CheckpointReader,
+    *,
+    corpus: Corpus | None = None,
+    protocol: str = "wikitext",
+    max_length: int | None = None,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    token_mode: str = "joined",
+    max_docs: int | None = None,
+    max_tokens: int | None = None,
+    add_special_tokens: bool = False,
+    tokenizer=None,
+) -> EvalPlan:
+    """Tokenise ``corpus`` (default: bundled WikiText-2 test) for ``protocol`` with the model's tokenizer.
+
+    protocol "wikitext": lm-eval rolling windows of ``max_length`` (default as lm-eval resolves it);
+    protocol "token": GPTQ windows of ``seq_len`` (capped by the model's max positions).
+    """
+    reader = model_dir if isinstance(model_dir, CheckpointReader) else CheckpointReader(model_dir)
+    reader_config = reader.config
+    tok = tokenizer if tokenizer is not None else load_tokenizer(reader.folder)
+    corpus = corpus if corpus is not None else wikitext_corpus()
+    if protocol == "wikitext":
+        length = max_length or lm_eval_max_length(reader_config, tok)
+        return plan_rolling(
+            corpus,
+            tok,
+            length,
+            add_special_tokens=add_special_tokens,
+            max_docs=max_docs,
+            max_tokens=max_tokens,
+        )
+    if protocol == "token":
+        cap = model_max_positions(reader_config)
+        length = min(seq_len, cap) if cap else seq_len
+        return plan_token(corpus, tok, length, mode=token_mode, max_docs=max_docs, max_tokens=max_tokens)
+    raise OtdusError(f"unknown protocol {protocol!r} (wikitext, token)")
+
+
+@dataclass
+class PerplexityReport:
+    model: str
+    device: str
+    dtype: str
+    metrics: PerplexityMetrics
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["metrics"] = self.metrics.to_dict()
+        return d
+
+
+def perplexity(
+    model_dir: str | os.PathLike[str],
+    plan: EvalPlan,
+    *,
+    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str | None = None,
+    batch_size: int = 1,
+    progress: Progress | None = None,
+) -> PerplexityReport:
+    """Single-model perplexity (``otdus ppl``), streamed layer by layer."""
+    model = StreamedModel(
+        model_dir, device=device, dtype=dtype, attn_implementation=attn_implementation, batch_size=batch_size
+    )
+    metrics = metrics_from_logprobs(plan, score_plan(model, plan, progress))
+    return PerplexityReport(str(model_dir), str(model.device), _dtype_name(model.dtype), metrics)
+
+
+# -- layer correspondence -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerEntry:
+    index: int
+    source: int | None
+    new: bool
+    zero_init: bool = False
+    parents: tuple[int, ...] = ()
+    builder: str | None = None
+
+
+def manifest_base_path(folder: str | os.PathLike[str]) -> str | None:
+    """The base model folder recorded in an expanded checkpoint's manifest, if any."""
+    manifest = read_manifest(folder) or {}
+    source = manifest.get("source")
+    return source.get("path") if isinstance(source, dict) else None
+
+
+def layer_entries(layer_map: LayerMap, num_layers: int) -> list[LayerEntry]:
+    if callable(layer_map):
+        out = []
+        for j in range(num_layers):
+            src = layer_map(j)
+            out.append(LayerEntry(j, src, src is None, zero_init=src is None))
+        return out
+    out = []
+    for j, raw in enumerate(layer_map):
+        if not isinstance(raw, dict) or "new" not in raw:
+            raise OtdusError(f"manifest layer entry {j} is malformed (needs at least 'new')")
+        index = int(raw.get("index", j))
+        if index != j:
+            raise OtdusError(f"manifest layer entries are out of order at {j} (index {index})")
+        src = raw.get("source")
+        out.append(
+            LayerEntry(
+                j,
+                None if src is None else int(src),
+                bool(raw["new"]),
+                bool(raw.get("zero_init", False)),
+                tuple(int(p) for p in raw.get("parents") or ()),
+                raw.get("builder"),
+            )
+        )
+    if len(out) != num_layers:
+        raise OtdusError(f"the layer map lists {len(out)} layers, the expanded checkpoint has {num_layers}")
+    return out
+
+
+def correspondence(entries: Sequence[LayerEntry], base_layers: int) -> list[int | None]:
+    """For each expanded layer j, the base layer whose output its output should equal (-1 = the
+    embeddings), or None when there is no such point."""
+    consumed = -1
+    broken = False
+    out: list[int | None] = []
+    for e in entries:
+        if broken:
+            out.append(None)
+        elif not e.new:
+            if e.source == consumed + 1 and e.source < base_layers:
+                consumed += 1
+                out.append(consumed)
+            else:
+                broken = True
+                out.append(None)
+        else:
+            out.append(consumed)
+    return out
+
+
+def default_function_preserving(entries: Sequence[LayerEntry], base_layers: int) -> bool:
+    base_order = [e.source for e in entries if not e.new]
+    return base_order == list(range(base_layers)) and all(e.zero_init for e in entries if e.new)
+
+
+def describe(entry: LayerEntry | None, index: int) -> str:
+    if entry is None:
+        return f"layer {index}"
+    if entry.new:
+        parts = [f"new layer {index}"]
+        detail = []
+        if entry.builder:
+            detail.append(entry.builder)
+        if entry.parents:
+            detail.append("from " + "+".join(str(p) for p in entry.parents))
+        if entry.zero_init:
+            detail.append("zero-init")
+        if detail:
+            parts.append("(" + ", ".join(detail) + ")")
+        return " ".join(parts)
+    return f"layer {index} (copy of base layer {entry.source})"
+
+
+# -- lockstep comparison ---------------------------------------------------------------------------------
+@dataclass
+class LayerCheck:
+    expanded_layer: int  # -1: embeddings
+    base_layer: int  # -1: embeddings
+    name: str
+    max_abs_diff: float
+    equal: bool
+
+
+@dataclass
+class VerifyReport:
+    base_model: str
+    expanded_model: str
+    device: str
+    dtype: str
+    base: PerplexityMetrics
+    expanded: PerplexityMetrics
+    deltas: dict[str, float]
+    expect_parity: bool
+    parity: bool
+    verdict: str
+    exit_code: int
+    tolerance: str
+    logits_equal: bool
+    logits_max_abs_diff: float
+    first_divergence: LayerCheck | None
+    checks: list[LayerCheck] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["base"] = self.base.to_dict()
+        d["expanded"] = self.expanded.to_dict()
+        return d
+
+
+def _max_abs_diff(a: Activations, b: Activations) -> tuple[float, bool]:
+    worst, equal = 0.0, True
+    for x, y in zip(a.hidden, b.hidden, strict=True):
+        if x.shape != y.shape:
+            return math.inf, False
+        if not torch.equal(x, y):
+            equal = False
+            diff = (x.float() - y.float()).abs()
+            d = float(diff.max()) if diff.numel() else 0.0
+            worst = max(worst, d if not math.isnan(d) else math.inf)
+    return worst, equal
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def verify_expansion(
+    base_dir: str | os.PathLike[str],
+    expanded_dir: str | os.PathLike[str],
+    plan: EvalPlan,
+    *,
+    layer_map: LayerMap | None = None,
+    expect_parity: bool | None = None,
+    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str | None = None,
+    batch_size: int = 1,
+    rtol: float | None = None,
+    progress: Progress | None = None,
+) -> VerifyReport:
+    """Stream base and expanded side by side over ``plan``'s windows and judge function preservation.
+
+    ``layer_map`` defaults to the manifest in ``expanded_dir``; ``expect_parity`` to the manifest's
+    ``function_preserving`` (or, without it, to what the layer map implies).
+    """
+    torch_dtype = parse_dtype(dtype)
+    base = StreamedModel(
+        base_dir,
+        device=device,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        batch_size=batch_size,
+    )
+    expd = StreamedModel(
+        expanded_dir,
+        device=device,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        batch_size=batch_size,
+    )
+    manifest = read_manifest(expanded_dir)
+    if layer_map is None:
+        if manifest and isinstance(manifest.get("layers"), list):
+            layer_map = manifest["layers"]
+        elif expd.num_layers == base.num_layers:
+            layer_map = lambda j: j  # noqa: E731 - same depth, no manifest: layer j against layer j
+        else:
+            raise OtdusError(
+                f"{expanded_dir} has no {MANIFEST} and a different depth than the base "
+                f"({expd.num_layers} vs {base.num_layers}); give the layer map"
+            )
+    entries = layer_entries(layer_map, expd.num_layers)
+    points = correspondence(entries, base.num_layers)
+    if expect_parity is None:
+        if manifest and "function_preserving" in manifest:
+            expect_parity = bool(manifest["function_preserving"])
+        else:
+            expect_parity = default_function_preserving(entries, base.num_layers)
+
+    inputs = [w.input_ids for w in plan.windows]
+    acts_b = base.start(inputs)
+    acts_e = expd.start(inputs)
+    checks: list[LayerCheck] = []
+    diff, eq = _max_abs_diff(acts_e, acts_b)
+    checks.append(LayerCheck(-1, -1, "embeddings", diff, eq))
+
+    base_done = 0  # base layers applied so far
+    total = expd.num_layers
+    for j, target in enumerate(points):
+        if target is not None:
+            while base_done <= target:
+                base.apply_layer(base_done, acts_b)
+                base_done += 1
+        expd.apply_layer(j, acts_e)
+        if target is not None:
+            diff, eq = _max_abs_diff(acts_e, acts_b)
+            checks.append(LayerCheck(j, target, describe(entries[j], j), diff, eq))
+        if progress:
+            progress("layers", j + 1, total)
+    while base_done < base.num_layers:
+        base.apply_layer(base_done, acts_b)
+        base_done += 1
+
+    keep = [logits_to_keep(w) for w in plan.windows]
+    lp_b: list[torch.Tensor | None] = [None] * len(plan.windows)
+    lp_e: list[torch.Tensor | None] = [None] * len(plan.windows)
+    logits_equal, logits_diff = True, 0.0
+    pairs = zip(base.iter_logits(acts_b, keep), expd.iter_logits(acts_e, keep), strict=True)
+    for (group, lb), (_, le) in pairs:
+        if lb.shape != le.shape:
+            logits_equal, logits_diff = False, math.inf
+        elif not torch.equal(lb, le):
+            logits_equal = False
+            d = float((lb.float() - le.float()).abs().max())
+            logits_diff = max(logits_diff, d if not math.isnan(d) else math.inf)
+        for row, i in enumerate(group):
+            lp_b[i] = window_logprobs(lb[row], plan.windows[i])
+            lp_e[i] = window_logprobs(le[row], plan.windows[i])
+    m_b = metrics_from_logprobs(plan, lp_b)  # type: ignore[arg-type]
+    m_e = metrics_from_logprobs(plan, lp_e)  # type: ignore[arg-type]
+    base.free_shell()
+    expd.free_shell()
+
+    vb, ve = m_b.values(), m_e.values()
+    deltas = {k: ve[k] - vb[k] for k in vb if k in ve}
+    exact = torch_dtype in EXACT_DTYPES
+    if exact:
+        tolerance = "bitwise (float32/float64): logits and perplexities must be identical"
+        parity = logits_equal and all(vb[k] == ve[k] for k in vb)
+    else:
+        tol = LOW_PRECISION_RTOL if rtol is None else rtol
+        tolerance = f"relative {tol:g} on every perplexity figure ({_dtype_name(torch_dtype)})"
+        parity = all(abs(ve[k] - vb[k]) <= tol * abs(vb[k]) for k in vb if k != "loglikelihood")
+    first = next((c for c in checks if not c.equal), None)
+    name, value_b = m_b.headline()
+    value_e = ve[name]
+    if expect_parity:
+        if parity:
+            same = "==" if value_b == value_e else "~="
+            verdict = f"PARITY: function preserved ({name} {value_b:.6g} {same} {value_e:.6g}; {tolerance})"
+            exit_code = 0
+        else:
+            where = (
+                f"; first divergence at {first.name} (max |diff| {first.max_abs_diff:.3g})" if first else ""
+            )
+            verdict = f"BROKEN: expected function preservation, {name} {value_b:.6g} -> {value_e:.6g}{where}"
+            exit_code = 1
+    else:
+        change = "unchanged" if parity else f"{value_b:.6g} -> {value_e:.6g}"
+        verdict = f"no parity expected (not function-preserving): {name} {change}"
+        exit_code = 0
+    return VerifyReport(
+        base_model=str(base_dir),
+        expanded_model=str(expanded_dir),
+        device=str(base.device),
+        dtype=_dtype_name(torch_dtype),
+        base=m_b,
+        expanded=m_e,
+        deltas=deltas,
+        expect_parity=bool(expect_parity),
+        parity=parity,
+        verdict=verdict,
+        exit_code=exit_code,
+        tolerance=tolerance,
+        logits_equal=logits_equal,
+        logits_max_abs_diff=logits_diff,
+        first_divergence=first,
+        checks=checks,
+    )

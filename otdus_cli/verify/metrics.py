@@ -1,0 +1,320 @@
+"""Perplexity protocols: lm-eval's ``wikitext`` (rolling windows) and GPTQ-style token perplexity.
+
+Both turn a corpus into a list of :class:`Window` s (token ids to feed, tokens to score) before any
+model runs, so one plan can be scored by two models (base and expanded) window for window.
+
+lm-eval ``wikitext`` (``loglikelihood_rolling``), as in lm-eval 0.4.x's HF model:
+  * each document is tokenised without special tokens (lm-eval 0.4.2-era default for causal models,
+    ``add_bos_token=False`` in recent releases; ``add_special_tokens=True`` gives 0.4.13's default);
+  * windows of ``max_length`` tokens: the first is ``[prefix] + tokens[:L-1]`` scoring ``tokens[:L]``
+    (prefix = BOS, or EOS when the tokenizer has no BOS); each later window scores the next <= L
+    tokens, fed with the L tokens that precede each target (so every token is scored exactly once,
+    with as much left context as fits);
+  * word_perplexity = exp(-sum ll / words), byte_perplexity = exp(-sum ll / bytes),
+    bits_per_byte = -sum ll / bytes / ln 2, words and bytes counted on the document before
+    detokenisation.
+  * ``max_length`` defaults as lm-eval resolves it: config ``n_positions``, ``max_position_embeddings``
+    or ``n_ctx``, else the tokenizer's ``model_max_length``, else 2048.
+
+Token perplexity (GPTQ): the text joined with ``\\n\\n``, tokenised once with the tokenizer's special
+tokens, cut into disjoint ``seq_len`` windows (the tail that does not fill a window is dropped),
+exp(mean NLL) over every token but the first of each window. ``mode="documents"`` instead tokenises
+each document with one BOS and scores every token after it (windows overlap by one token).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.verify.text import Corpus, count_bytes, count_words, wikitext_detokenize
+
+DEFAULT_SEQ_LEN = 2048
+LM_EVAL_DEFAULT_MAX_LENGTH = 2048
+_TOKENIZER_INFINITY = 1000000000000000019884624838656  # transformers' "no limit" model_max_length
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One forward pass: ``logits[offset + t]`` predicts ``targets[t]``."""
+
+    input_ids: list[int]
+    targets: list[int]
+    offset: int
+    doc: int
+
+
+@dataclass
+class EvalPlan:
+    protocol: str  # "wikitext" (lm-eval rolling) | "token"
+    corpus: str
+    windows: list[Window]
+    words: list[int]  # per document (rolling protocol)
+    bytes: list[int]
+    context: int  # max_length (rolling) or seq_len (token)
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.words)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(w.targets) for w in self.windows)
+
+
+@dataclass
+class PerplexityMetrics:
+    protocol: str
+    corpus: str
+    context: int
+    n_docs: int
+    n_windows: int
+    n_tokens: int
+    loglikelihood: float  # sum over scored tokens, nats
+    token_perplexity: float
+    n_words: int | None = None
+    n_bytes: int | None = None
+    word_perplexity: float | None = None
+    byte_perplexity: float | None = None
+    bits_per_byte: float | None = None
+    settings: dict = field(default_factory=dict)
+
+    def headline(self) -> tuple[str, float]:
+        """The protocol's main figure: word perplexity for the lm-eval protocol, else token perplexity."""
+        if self.protocol == "wikitext" and self.word_perplexity is not None:
+            return "word_perplexity", self.word_perplexity
+        return "token_perplexity", self.token_perplexity
+
+    def values(self) -> dict[str, float]:
+        keys = ("token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "loglikelihood")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- tokenizer and context length ----------------------------------------------------------------
+def load_tokenizer(folder: str | os.PathLike[str]):
+    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as exc:  # missing files, unknown class, ...
+        raise OtdusError(f"cannot load a tokenizer from {folder}: {exc.__class__.__name__}: {exc}") from None
+
+
+def lm_eval_max_length(config: dict, tokenizer=None) -> int:
+    """Context length the way lm-eval's HF model resolves it when ``max_length`` is not given."""
+    cfg = config.get("text_config") or config
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        if cfg.get(attr) is not None:
+            return int(cfg[attr])
+    mml = getattr(tokenizer, "model_max_length", None)
+    if mml is not None and mml != _TOKENIZER_INFINITY:
+        return int(mml)
+    return LM_EVAL_DEFAULT_MAX_LENGTH
+
+
+def model_max_positions(config: dict) -> int | None:
+    cfg = config.get("text_config") or config
+    for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if cfg.get(attr) is not None:
+            return int(cfg[attr])
+    return None
+
+
+def prefix_token_id(tokenizer) -> int:
+    """lm-eval's prefix for the first rolling window: BOS, or EOS when there is no BOS."""
+    tok = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if tok is None:
+        raise OtdusError("the tokenizer has neither a BOS nor an EOS token to start the first window")
+    return int(tok)
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+# -- lm-eval rolling windows ----------------------------------------------------------------------
+def rolling_windows(
+    tokens: Sequence[int], prefix_token: int, max_length: int
+) -> list[tuple[list[int], list[int]]]:
+    """(input ids, scored targets) pairs; the targets are predicted by the LAST len(targets) positions.
+
+    Same windows as lm-eval's ``get_rolling_token_windows(context_len=1)`` followed by
+    ``make_disjoint_window`` and its input assembly: every token is scored exactly once.
+    """
+    if max_length < 1:
+        raise OtdusError(f"max length must be positive, got {max_length}")
+    tokens = list(tokens)
+    n = len(tokens)
+    if n == 0:
+        return []
+    first = min(max_length, n)
+    out = [([prefix_token] + tokens[: first - 1], tokens[:first])]
+    done = first
+    while done < n:
+        end = min(n, done + max_length)
+        out.append((tokens[end - max_length - 1 : end - 1], tokens[done:end]))
+        done = end
+    return out
+
+
+def plan_rolling(
+    corpus: Corpus,
+    tokenizer,
+    max_length: int,
+    *,
+    detokenize: bool | None = None,
+    add_special_tokens: bool = False,
+    max_docs: int | None = None,
+    max_tokens: int | None = None,
+) -> EvalPlan:
+    """lm-eval ``wikitext``-style plan over whole documents.
+
+    ``detokenize`` defaults to True for WikiText. ``max_tokens`` keeps whole documents until at least
+    that many tokens are scored (word/byte counts stay exact).
+    """
+    if detokenize is None:
+        detokenize = corpus.kind == "wikitext"
+    prefix = prefix_token_id(tokenizer)
+    docs = corpus.documents if max_docs is None else corpus.documents[: max(0, max_docs)]
+    windows: list[Window] = []
+    words: list[int] = []
+    nbytes: list[int] = []
+    scored = 0
+    for d, page in enumerate(docs):
+        if max_tokens is not None and scored >= max_tokens:
+            break
+        text = wikitext_detokenize(page) if detokenize else page
+        tokens = _encode(tokenizer, text, add_special_tokens)
+        for inp, tgt in rolling_windows(tokens, prefix, max_length):
+            windows.append(Window(inp, tgt, len(inp) - len(tgt), d))
+        scored += len(tokens)
+        words.append(count_words(page))
+        nbytes.append(count_bytes(page))
+    settings = {
+        "max_length": max_length,
+        "prefix_token_id": prefix,
+        "add_special_tokens": add_special_tokens,
+        "detokenize": detokenize,
+    }
+    return EvalPlan("wikitext", corpus.name, windows, words, nbytes, max_length, settings)
+
+
+# -- token perplexity -------------------------------------------------------------------------------
+def plan_token(
+    corpus: Corpus,
+    tokenizer,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    *,
+    mode: str = "joined",
+    max_docs: int | None = None,
+    max_tokens: int | None = None,
+) -> EvalPlan:
+    """GPTQ-style plan (``mode="joined"``) or one BOS per document (``mode="documents"``)."""
+    if seq_len < 2:
+        raise OtdusError(f"sequence length must be at least 2, got {seq_len}")
+    docs = corpus.documents if max_docs is None else corpus.documents[: max(0, max_docs)]
+    windows: list[Window] = []
+    if mode == "joined":
+        if corpus.raw_lines is not None and max_docs is None:
+            text = "\n\n".join(corpus.raw_lines)  # GPTQ: the HF dataset's rows joined with blank lines
+        else:
+            text = "\n\n".join(docs)
+        ids = _encode(tokenizer, text, True)
+        if max_tokens is not None:
+            ids = ids[: max(2, max_tokens)]
+        if len(ids) < 2:
+            raise OtdusError("the text is too short to score")
+        if len(ids) < seq_len:
+            chunks = [ids]
+        else:
+            chunks = [ids[s : s + seq_len] for s in range(0, len(ids) - seq_len + 1, seq_len)]
+        windows = [Window(c, c[1:], 0, 0) for c in chunks]
+        n_docs = 1
+    elif mode == "documents":
+        bos = tokenizer.bos_token_id
+        budget = math.inf if max_tokens is None else max_tokens
+        for d, doc in enumerate(docs):
+            ids = _encode(tokenizer, doc, False)
+            if bos is not None:
+                ids = [int(bos)] + ids
+            start = 0
+            while start < len(ids) - 1 and budget > 0:
+                chunk = ids[start : start + seq_len]
+                targets = chunk[1:][: int(min(len(chunk) - 1, budget))]
+                windows.append(Window(chunk[: len(targets) + 1], targets, 0, d))
+                budget -= len(targets)
+                start += seq_len - 1
+        n_docs = len({w.doc for w in windows})
+    else:
+        raise OtdusError(f"unknown token perplexity mode {mode!r} (joined, documents)")
+    if not windows:
+        raise OtdusError("nothing to score")
+    settings = {"seq_len": seq_len, "mode": mode}
+    return EvalPlan("token", corpus.name, windows, [0] * n_docs, [0] * n_docs, seq_len, settings)
+
+
+# -- scoring ------------------------------------------------------------------------------------------
+def window_logprobs(logits: torch.Tensor, window: Window) -> torch.Tensor:
+    """Per-target log-probabilities (float64, CPU) from ``logits`` [k, V] that cover the window's last
+    k positions; log-softmax in float32."""
+    k = logits.shape[0]
+    start = window.offset - (len(window.input_ids) - k)
+    if start < 0:
+        raise OtdusError("internal: logits do not cover the scored positions")
+    rows = logits[start : start + len(window.targets)].float()
+    idx = torch.tensor(window.targets, dtype=torch.long, device=rows.device)
+    return torch.log_softmax(rows, dim=-1).gather(-1, idx[:, None])[:, 0].double().cpu()
+
+
+def logits_to_keep(window: Window) -> int:
+    return len(window.input_ids) - window.offset
+
+
+def score_plan(model, plan: EvalPlan, progress: Progress | None = None) -> list[torch.Tensor]:
+    """Target log-probs for every window of ``plan`` with a :class:`StreamedModel`."""
+    windows = plan.windows
+    layer_progress = (lambda i, n: progress("layers", i, n)) if progress else None
+    acts = model.run([w.input_ids for w in windows], layer_progress)
+    result: list[torch.Tensor | None] = [None] * len(windows)
+    keep = [logits_to_keep(w) for w in windows]
+    for group, logits in model.iter_logits(acts, keep):
+        for row, i in enumerate(group):
+            result[i] = window_logprobs(logits[row], windows[i])
+    return result  # type: ignore[return-value]
+
+
+def metrics_from_logprobs(plan: EvalPlan, logprobs: Sequence[torch.Tensor]) -> PerplexityMetrics:
+    if len(logprobs) != len(plan.windows):
+        raise OtdusError("internal: one log-prob vector per window expected")
+    ll = float(sum(float(lp.sum()) for lp in logprobs))
+    n_tokens = plan.n_tokens
+    token_ppl = math.exp(-ll / n_tokens) if n_tokens else math.nan
+    m = PerplexityMetrics(
+        protocol=plan.protocol,
+        corpus=plan.corpus,
+        context=plan.context,
+        n_docs=plan.n_docs,
+        n_windows=len(plan.windows),
+        n_tokens=n_tokens,
+        loglikelihood=ll,
+        token_perplexity=token_ppl,
+        settings=dict(plan.settings),
+    )
+    if plan.protocol == "wikitext":
+        words, nbytes = sum(plan.words), sum(plan.bytes)
+        m.n_words, m.n_bytes = words, nbytes
+        m.word_perplexity = math.exp(-ll / words)
+        m.byte_perplexity = math.exp(-ll / nbytes)
+        m.bits_per_byte = -ll / nbytes / math.log(2)
+    return m

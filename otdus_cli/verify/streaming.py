@@ -1,0 +1,453 @@
+"""Layer-by-layer evaluation of a checkpoint with the model's own transformers classes.
+
+The model is instantiated on the meta device (no memory, no trust_remote_code). Its decoder layers are
+swapped for light stand-ins, so the family's own ``forward`` still computes everything around the
+layers: embeddings (Gemma's scaling included), position ids, rotary embeddings (per layer type for
+Gemma 3), causal / sliding-window masks from transformers' masking utilities, the final norm, the
+LM head and logit soft-capping. The stand-ins record the arguments each layer receives; the real
+layers are then materialised one at a time from the checkpoint, run over every window's hidden
+states with exactly those arguments, and freed.
+
+Peak memory: the non-layer weights (embeddings, final norm, head), one decoder layer, and the
+per-window hidden states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.io.reader import CheckpointReader
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise OtdusError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(DTYPES))}") from None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise OtdusError(f"unknown device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise OtdusError(f"device {device} requested but CUDA is not available")
+    return dev
+
+
+class _LayerStandIn(nn.Module):
+    """Takes a decoder layer's place inside the family's forward.
+
+    mode "record": remember the call's keyword arguments (masks, rotary embeddings, ...) and, for the
+    first layer, its input (the embeddings); pass the hidden states through.
+    mode "inject": the last layer returns the given final hidden states instead of its input.
+    """
+
+    def __init__(self, index: int, real: nn.Module, hub: _Hub):
+        super().__init__()
+        self.index = index
+        self._hub = hub
+        # attributes some forwards read from the layer object (e.g. attention_type); copied, not owned
+        for name in ("attention_type", "layer_type", "is_sliding", "sliding_window", "layer_idx"):
+            if name in real.__dict__:
+                setattr(self, name, real.__dict__[name])
+
+    def forward(self, hidden_states, *args, **kwargs):
+        hub = self._hub
+        if hub.mode == "record":
+            if args:
+                raise OtdusError("decoder layer called with positional arguments besides hidden_states")
+            if self.index == 0:
+                hub.first_input = hidden_states
+            hub.kwargs[self.index] = kwargs
+            return hidden_states
+        if hub.mode == "inject" and self.index == hub.last_index:
+            return hub.final_hidden
+        return hidden_states
+
+
+@dataclass
+class _Hub:
+    mode: str = "record"
+    first_input: torch.Tensor | None = None
+    kwargs: dict[int, dict] = field(default_factory=dict)
+    last_index: int = -1
+    final_hidden: torch.Tensor | None = None
+
+
+@dataclass
+class Activations:
+    """Hidden states of every evaluation window, grouped in batches of equal length."""
+
+    groups: list[list[int]]  # window indices per batch
+    inputs: list[torch.Tensor]  # [B, T] token ids per batch (on the compute device)
+    hidden: list[torch.Tensor]  # [B, T, H] per batch (on the activation device)
+    layer_kwargs: list[dict[int, dict] | None]  # per batch: layer index -> forward kwargs (None: recompute)
+    layers_done: int = 0
+
+
+def group_windows(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Batches of window indices with equal lengths (no padding), in first-seen order."""
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_len.setdefault(n, []).append(i)
+    groups = []
+    for idx in by_len.values():
+        for s in range(0, len(idx), max(1, batch_size)):
+            groups.append(idx[s : s + max(1, batch_size)])
+    return groups
+
+
+def _tensor_bytes(obj, seen: set[int] | None = None) -> int:
+    """Bytes held by the tensors inside nested dicts/lists/tuples, each tensor counted once."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in obj)
+    return 0
+
+
+def _has_volatile_buffers(module: nn.Module) -> bool:
+    return any(name in module._non_persistent_buffers_set for name, _ in module.named_buffers(recurse=False))
+
+
+def _non_persistent_keys(module: nn.Module) -> set[str]:
+    keys = set()
+    for name, sub in module.named_modules():
+        for buf in sub._non_persistent_buffers_set:
+            keys.add(f"{name}.{buf}" if name else buf)
+    return keys
+
+
+# Per-expert on-disk names of transformers' fused expert tensors (gate, up, down), per layout.
+_EXPERT_LAYOUTS = (
+    ("mlp.experts.", ("gate_proj", "up_proj", "down_proj")),
+    ("block_sparse_moe.experts.", ("w1", "w3", "w2")),  # Mixtral
+)
+
+
+def _disk_sources(prefix: str, key: str, on_disk: set[str], n_experts: int | None) -> tuple[str, ...] | None:
+    """Names on disk that make up module tensor ``key`` of the layer at ``prefix``: the same name, the
+    Mixtral ``block_sparse_moe`` spelling, or per-expert matrices of a fused experts tensor."""
+    if prefix + key in on_disk:
+        return (prefix + key,)
+    alias = key.replace("mlp.", "block_sparse_moe.", 1) if key.startswith("mlp.") else None
+    if alias and prefix + alias in on_disk:
+        return (prefix + alias,)
+    if not n_experts or key not in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        return None
+    for base, (gate, up, down) in _EXPERT_LAYOUTS:
+        names = [gate, up] if key.endswith("gate_up_proj") else [down]
+        sources = tuple(f"{prefix}{base}{e}.{w}.weight" for w in names for e in range(n_experts))
+        if all(s in on_disk for s in sources):
+            return sources
+    return None
+
+
+class StreamedModel:
+    """A causal LM evaluated one decoder layer at a time, straight from a checkpoint folder."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | CheckpointReader,
+        *,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype = torch.float32,
+        attn_implementation: str | None = None,
+        batch_size: int = 1,
+        activation_device: str | torch.device | None = None,
+        kwargs_budget: int = 512 * 2**20,
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 - heavy import
+
+        self.reader = model if isinstance(model, CheckpointReader) else CheckpointReader(model)
+        self.folder = Path(self.reader.folder)
+        self.device = resolve_device(device)
+        self.dtype = parse_dtype(dtype)
+        self.activation_device = resolve_device(activation_device) if activation_device else self.device
+        self.batch_size = max(1, int(batch_size))
+        self.kwargs_budget = kwargs_budget  # bytes of recorded masks/rotary tables kept between layers
+        try:
+            config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
+        except Exception as exc:  # unknown model_type, invalid fields, ...
+            raise OtdusError(f"transformers cannot read {self.folder}/config.json: {exc}") from None
+        kwargs = {"dtype": self.dtype}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        try:
+            with torch.device("meta"):
+                self.model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kwargs)
+        except Exception as exc:
+            raise OtdusError(f"cannot build {config.model_type} with transformers: {exc}") from None
+        self.model.eval()
+        self.config = self.model.config
+        self.decoder = self._find_decoder()
+        self.layers = list(self.decoder.layers)
+        self.num_layers = len(self.layers)
+        if self.num_layers == 0:
+            raise OtdusError(f"{self.folder} has no decoder layers")
+        self.layer_prefixes = self._layer_prefixes()
+        self._check_layer_tensors()
+        self._hub = _Hub(last_index=self.num_layers - 1)
+        self.decoder.layers = nn.ModuleList(
+            _LayerStandIn(i, layer, self._hub) for i, layer in enumerate(self.layers)
+        )
+        self._shell_loaded = False
+
+    # -- structure ------------------------------------------------------------------------------
+    def _find_decoder(self) -> nn.Module:
+        candidates = [getattr(self.model, "model", None)]
+        with contextlib.suppress(Exception):  # best effort: some wrappers raise
+            candidates.append(self.model.get_decoder())
+        for cand in candidates:
+            if isinstance(cand, nn.Module) and isinstance(getattr(cand, "layers", None), nn.ModuleList):
+                return cand
+        raise OtdusError(f"{type(self.model).__name__}: cannot find its decoder layers (.model.layers)")
+
+    def _layer_prefixes(self) -> list[str]:
+        names = {id(m): n for n, m in self.model.named_modules()}
+        return [names[id(layer)] + "." for layer in self.layers]
+
+    def _check_layer_tensors(self) -> None:
+        """Plan, for every layer, where each of its tensors comes from on disk; refuse unknown layouts."""
+        on_disk = set(self.reader.names)
+        self._recipes = []
+        for prefix, layer in zip(self.layer_prefixes, self.layers, strict=True):
+            recipe: dict[str, tuple[str, ...]] = {}
+            for key in layer.state_dict():
+                if key in _non_persistent_keys(layer):
+                    continue
+                sources = _disk_sources(prefix, key, on_disk, self._num_experts())
+                if sources is None:
+                    raise OtdusError(
+                        f"{self.folder.name}: tensor {prefix + key} (as named in transformers' "
+                        f"{type(self.model).__name__}) not found in the checkpoint"
+                    )
+                recipe[key] = sources
+            used = {n for names in recipe.values() for n in names}
+            extra = sorted(n for n in on_disk if n.startswith(prefix) and n not in used)
+            if extra:
+                raise OtdusError(
+                    f"{self.folder.name}: tensor {extra[0]} has no place in transformers' "
+                    f"{type(self.model).__name__} (checkpoint layout not supported for streaming)"
+                )
+            self._recipes.append(recipe)
+
+    def _num_experts(self) -> int | None:
+        for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
+            value = getattr(self.config, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    def _fetch(self, sources: tuple[str, ...], key: str) -> torch.Tensor:
+        if len(sources) == 1:
+            return self.reader.get(sources[0])
+        n = self._num_experts() or 0
+        tensors = [self.reader.get(name) for name in sources]
+        if key.endswith("gate_up_proj"):  # [E, 2I, H]: expert e = cat(gate_e, up_e) along rows
+            return torch.stack([torch.cat([tensors[e], tensors[n + e]], dim=0) for e in range(n)])
+        return torch.stack(tensors)  # [E, H, I] down projections
+
+    def _materialise(
+        self, module: nn.Module, prefix: str, recipe: dict[str, tuple[str, ...]] | None = None
+    ) -> None:
+        """Allocate ``module`` on the device and fill it from the checkpoint (tensors under ``prefix``)."""
+        module.to_empty(device=self.device)
+        for sub in module.modules():
+            if _has_volatile_buffers(sub):
+                self.model._init_weights(sub)  # recomputes rotary inv_freq, Gemma's embed_scale, ...
+        skip = _non_persistent_keys(module)
+        targets = dict(module.named_parameters())
+        targets.update(dict(module.named_buffers()))
+        with torch.no_grad():
+            for key, target in targets.items():
+                if key in skip:
+                    continue
+                sources = recipe[key] if recipe is not None else (prefix + key,)
+                value = self._fetch(sources, key)
+                if tuple(target.shape) != tuple(value.shape):
+                    raise OtdusError(
+                        f"{self.folder.name}: {prefix + key} has shape {tuple(value.shape)}, "
+                        f"config implies {tuple(target.shape)}"
+                    )
+                target.copy_(value)
+
+    def _load_shell(self) -> None:
+        """Embeddings, final norm, head and rotary buffers: everything outside the decoder layers."""
+        if self._shell_loaded:
+            return
+        layer_ids = {id(p) for layer in self.layers for p in layer.parameters()}
+        tied = dict(getattr(self.model, "all_tied_weights_keys", None) or {})
+        self.model.to_empty(device=self.device)  # stand-ins own nothing; real layers are not children
+        for sub in self.model.modules():
+            if _has_volatile_buffers(sub):
+                self.model._init_weights(sub)
+        on_disk = set(self.reader.names)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters(remove_duplicate=False):
+                if id(param) in layer_ids:
+                    continue
+                if name in on_disk:
+                    value = self.reader.get(name)
+                    if tuple(value.shape) != tuple(param.shape):
+                        raise OtdusError(
+                            f"{self.folder.name}: {name} has shape {tuple(value.shape)}, config implies "
+                            f"{tuple(param.shape)}"
+                        )
+                    param.copy_(value)
+                elif name not in tied:
+                    raise OtdusError(f"{self.folder.name}: tensor {name} not found")
+            for name, buf in self.model.named_buffers():
+                if name in on_disk:
+                    buf.copy_(self.reader.get(name))
+        for target, source in tied.items():
+            if target in on_disk:
+                continue  # stored untied on disk: keep both as stored
+            owner_name, _, attr = target.rpartition(".")
+            owner = self.model.get_submodule(owner_name)
+            setattr(owner, attr, self.model.get_parameter(source))
+        self._shell_loaded = True
+
+    def free_shell(self) -> None:
+        if self._shell_loaded:
+            self.model.to_empty(device="meta")
+            self._shell_loaded = False
+
+    def load_layer(self, index: int) -> nn.Module:
+        layer = self.layers[index]
+        self._materialise(layer, self.layer_prefixes[index], self._recipes[index])
+        layer.eval()
+        return layer
+
+    def free_layer(self, index: int) -> None:
+        self.layers[index].to_empty(device="meta")
+
+    # -- evaluation -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def start(self, inputs: Sequence[Sequence[int]]) -> Activations:
+        """Embed every window (token id lists) and record each layer's forward arguments."""
+        if not inputs:
+            raise OtdusError("nothing to evaluate (no windows)")
+        self._load_shell()
+        groups = group_windows([len(x) for x in inputs], self.batch_size)
+        acts = Activations(groups=groups, inputs=[], hidden=[], layer_kwargs=[])
+        by_shape: dict[tuple[int, int], dict[int, dict]] = {}
+        kept_bytes = 0
+        for group in groups:
+            ids = torch.tensor([list(inputs[i]) for i in group], dtype=torch.long, device=self.device)
+            embedded, kwargs = self._record(ids)
+            acts.inputs.append(ids)
+            acts.hidden.append(embedded.to(self.activation_device))
+            # masks and rotary tables depend only on the batch shape here (no padding, no cache);
+            # explicit masks (eager attention) of many shapes are recomputed when needed instead of kept
+            shape = tuple(ids.shape)
+            if shape not in by_shape and kept_bytes + _tensor_bytes(kwargs) <= self.kwargs_budget:
+                by_shape[shape] = kwargs
+                kept_bytes += _tensor_bytes(kwargs)
+            acts.layer_kwargs.append(by_shape.get(shape))
+        return acts
+
+    def _record(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, dict]]:
+        """Run the family's forward with the stand-ins: (embeddings, per-layer forward kwargs)."""
+        hub = self._hub
+        hub.mode, hub.first_input, hub.kwargs = "record", None, {}
+        try:
+            self.decoder(input_ids=ids, use_cache=False)
+            if hub.first_input is None or len(hub.kwargs) != self.num_layers:
+                raise OtdusError(f"{type(self.model).__name__}: its forward did not call every decoder layer")
+            return hub.first_input, hub.kwargs
+        finally:
+            hub.first_input, hub.kwargs = None, {}
+
+    @torch.inference_mode()
+    def apply_layer(self, index: int, acts: Activations, layer: nn.Module | None = None) -> None:
+        """Run decoder layer ``index`` (already loaded, or loaded and freed here) over every window."""
+        own = layer is None
+        if own:
+            layer = self.load_layer(index)
+        try:
+            for g, hidden in enumerate(acts.hidden):
+                kwargs = acts.layer_kwargs[g]
+                if kwargs is None:
+                    kwargs = self._record(acts.inputs[g])[1]
+                h = hidden.to(self.device)
+                out = layer(h, **kwargs[index])
+                if isinstance(out, tuple):  # older-style layers return (hidden_states, ...)
+                    out = out[0]
+                acts.hidden[g] = out.to(self.activation_device)
+        finally:
+            if own:
+                self.free_layer(index)
+        acts.layers_done = max(acts.layers_done, index + 1)
+
+    @torch.inference_mode()
+    def iter_logits(
+        self, acts: Activations, keep: Sequence[int] | None = None
+    ) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """Final norm + head (+ soft-capping) by the family's own forward: yields (window indices,
+        logits [B, k, V]) per batch, k = ``keep[window]`` last positions (all when not given)."""
+        self._load_shell()
+        hub = self._hub
+        try:
+            for g, group in enumerate(acts.groups):
+                ids = acts.inputs[g]
+                k = ids.shape[1] if keep is None else max(keep[i] for i in group)
+                hub.mode, hub.final_hidden = "inject", acts.hidden[g].to(self.device)
+                out = self.model(input_ids=ids, use_cache=False, logits_to_keep=int(k))
+                yield group, out.logits
+        finally:
+            hub.mode, hub.final_hidden = "record", None
+
+    def run(
+        self, inputs: Sequence[Sequence[int]], progress: Callable[[int, int], None] | None = None
+    ) -> Activations:
+        """Every layer, in order, over every window."""
+        acts = self.start(inputs)
+        for i in range(self.num_layers):
+            self.apply_layer(i, acts)
+            if progress:
+                progress(i + 1, self.num_layers)
+        return acts
+
+    def logits(self, inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Full logits [T, V] for each window (for checks on small models)."""
+        acts = self.run(inputs)
+        result: list[torch.Tensor | None] = [None] * len(inputs)
+        for group, logits in self.iter_logits(acts):
+            for row, i in enumerate(group):
+                result[i] = logits[row]
+        return result  # type: ignore[return-value]

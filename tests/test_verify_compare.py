@@ -1,0 +1,200 @@
+"""Perplexity of the real stories260K model, and base-vs-expanded lockstep parity."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from otdus_cli.bundled import STORIES260K, TINYSTORIES_SAMPLE
+from otdus_cli.errors import OtdusError
+from otdus_cli.verify.compare import (
+    correspondence,
+    layer_entries,
+    make_plan,
+    manifest_base_path,
+    perplexity,
+    verify_expansion,
+)
+from otdus_cli.verify.text import Corpus, text_corpus, wikitext_corpus
+
+# The real model and its in-domain text are shipped inside the package (see otdus_cli/bundled.py).
+STORIES = Path(STORIES260K)
+SAMPLE = Path(TINYSTORIES_SAMPLE)
+
+
+@pytest.fixture(scope="module")
+def story_plan():
+    """The 5 TinyStories, one BOS per story, windows of the model's 512 positions."""
+    corpus = text_corpus(SAMPLE)
+    return make_plan(STORIES, corpus=corpus, protocol="token", seq_len=512, token_mode="documents")
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    corpus = text_corpus(SAMPLE, max_docs=2)
+    return make_plan(
+        STORIES, corpus=corpus, protocol="token", seq_len=512, token_mode="documents", max_tokens=200
+    )
+
+
+@pytest.fixture(scope="module")
+def story_report(story_plan):
+    return perplexity(STORIES, story_plan)
+
+
+def test_stories260k_token_perplexity(story_report):
+    m = story_report.metrics
+    assert m.n_tokens == 1804 and m.n_docs == 5
+    assert m.token_perplexity == pytest.approx(3.548, abs=2e-3)  # the fixture README's figure
+
+
+def test_stories260k_wikitext_protocol_smoke():
+    page = wikitext_corpus(max_docs=1).documents[0][:1500]  # the start of the first article
+    plan = make_plan(STORIES, corpus=Corpus("wiki", [page], "wikitext"), protocol="wikitext", max_length=128)
+    m = perplexity(STORIES, plan).metrics
+    assert m.protocol == "wikitext" and m.n_docs == 1 and m.context == 128 and m.n_windows > 1
+    assert m.n_words > 200 and m.n_bytes == 1500
+    assert all(math.isfinite(v) for v in m.values().values())
+    assert m.bits_per_byte == pytest.approx(math.log2(m.byte_perplexity))
+    assert m.word_perplexity > m.byte_perplexity  # out of domain for a TinyStories model, but sane
+
+
+def _expand(out: Path, after: int, o_proj_value: float = 0.0, function_preserving: bool = True) -> Path:
+    """stories260K with one new layer after base layer `after`: a copy of it with o_proj/down_proj zeroed
+    (or set to `o_proj_value`), written with plain safetensors plus a manifest."""
+    out.mkdir()
+    state = load_file(STORIES / "model.safetensors")
+    config = json.loads((STORIES / "config.json").read_text())
+    depth = config["num_hidden_layers"]
+    sources = list(range(after + 1)) + [after] + list(range(after + 1, depth))
+    new_state = {k: v for k, v in state.items() if not k.startswith("model.layers.")}
+    for j, i in enumerate(sources):
+        prefix = f"model.layers.{i}."
+        for name, tensor in state.items():
+            if name.startswith(prefix):
+                t = tensor.clone()
+                if j == after + 1 and ("o_proj" in name or "down_proj" in name):
+                    t.fill_(o_proj_value)
+                new_state[f"model.layers.{j}." + name[len(prefix) :]] = t
+    save_file(new_state, out / "model.safetensors", metadata={"format": "pt"})
+    config["num_hidden_layers"] = depth + 1
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        shutil.copy(STORIES / name, out / name)
+    layers = [
+        {
+            "index": j,
+            "source": i,
+            "new": j == after + 1,
+            "parents": [after, after + 1] if j == after + 1 else [i],
+            "zero_init": j == after + 1,
+        }
+        for j, i in enumerate(sources)
+    ]
+    manifest = {
+        "function_preserving": function_preserving,
+        "layers": layers,
+        "source": {"path": str(STORIES)},
+    }
+    (out / "otdus.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_lockstep_parity_with_zero_init_layer(tmp_path, story_plan):
+    expanded = _expand(tmp_path / "exp", after=2)
+    report = verify_expansion(STORIES, expanded, story_plan)
+    assert report.expect_parity and report.parity and report.exit_code == 0
+    assert report.verdict.startswith("PARITY")
+    assert report.logits_equal and report.logits_max_abs_diff == 0.0
+    assert report.first_divergence is None
+    assert report.base.token_perplexity == report.expanded.token_perplexity
+    assert report.base.token_perplexity == pytest.approx(3.548, abs=2e-3)
+    assert all(v == 0.0 for v in report.deltas.values())
+    # embeddings + one check per expanded layer; the new layer is compared with base layer 2's output
+    assert [(c.expanded_layer, c.base_layer) for c in report.checks] == [
+        (-1, -1),
+        (0, 0),
+        (1, 1),
+        (2, 2),
+        (3, 2),
+        (4, 3),
+        (5, 4),
+    ]
+    assert all(c.equal for c in report.checks)
+    assert manifest_base_path(expanded) == str(STORIES)
+    json.dumps(report.to_dict())  # serialisable for --json
+
+
+def test_lockstep_names_the_broken_layer(tmp_path, small_plan):
+    expanded = _expand(tmp_path / "exp", after=1, o_proj_value=0.01)
+    report = verify_expansion(STORIES, expanded, small_plan)
+    assert report.expect_parity and not report.parity and report.exit_code == 1
+    assert report.verdict.startswith("BROKEN")
+    first = report.first_divergence
+    assert first is not None and first.expanded_layer == 2 and first.base_layer == 1
+    assert "new layer 2" in first.name and first.max_abs_diff > 0
+    assert "new layer 2" in report.verdict
+    assert [c.equal for c in report.checks[:3]] == [True, True, True]  # embeddings, layers 0 and 1
+    assert report.deltas["token_perplexity"] != 0
+
+
+def test_not_function_preserving_is_reported_not_failed(tmp_path, small_plan):
+    expanded = _expand(tmp_path / "exp", after=1, o_proj_value=0.01, function_preserving=False)
+    report = verify_expansion(STORIES, expanded, small_plan)
+    assert not report.expect_parity and report.exit_code == 0
+    assert report.verdict.startswith("no parity expected")
+
+
+def test_bfloat16_parity_within_tolerance(tmp_path, small_plan):
+    expanded = _expand(tmp_path / "exp", after=3)
+    report = verify_expansion(STORIES, expanded, small_plan, dtype="bfloat16")
+    assert report.dtype == "bfloat16" and report.parity and report.exit_code == 0
+    assert "relative" in report.tolerance
+
+
+def test_mapping_function_instead_of_manifest(tmp_path, small_plan):
+    expanded = _expand(tmp_path / "exp", after=0)
+    (expanded / "otdus.json").unlink()
+    mapping = [0, None, 1, 2, 3, 4]  # expanded layer -> base layer it copies; None = new layer
+    report = verify_expansion(STORIES, expanded, small_plan, layer_map=lambda j: mapping[j])
+    assert report.expect_parity and report.parity and report.exit_code == 0
+    with pytest.raises(OtdusError, match="no otdus.json"):
+        verify_expansion(STORIES, expanded, small_plan)
+
+
+def test_correspondence_rules():
+    def entries(spec):
+        return layer_entries(
+            [{"index": j, "source": s, "new": n, "zero_init": n} for j, (s, n) in enumerate(spec)], len(spec)
+        )
+
+    # LLaMA-PRO style: new layers compare with the base state after the layer before them
+    assert correspondence(entries([(0, False), (0, True), (1, False), (1, True)]), 2) == [0, 0, 1, 1]
+    # a new layer before any base layer compares with the embeddings
+    assert correspondence(entries([(0, True), (0, False)]), 1) == [-1, 0]
+    # SOLAR style: once base layers repeat there is no corresponding base state
+    assert correspondence(entries([(0, False), (1, False), (0, False), (1, False)]), 2) == [0, 1, None, None]
+    with pytest.raises(OtdusError, match="lists 2 layers"):
+        layer_entries([{"index": j, "new": False, "source": j} for j in range(2)], 3)
+
+
+def test_streamed_and_plain_torch_agree_on_stories(story_plan, story_report):
+    """Independent check of the scoring path: plain transformers forward, same windows."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(STORIES), dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for w in story_plan.windows:
+            logits = model(input_ids=torch.tensor([w.input_ids]), use_cache=False).logits[0]
+            lp = torch.log_softmax(logits[w.offset : w.offset + len(w.targets)].float(), -1)
+            total += float(lp.gather(-1, torch.tensor(w.targets)[:, None]).double().sum())
+            count += len(w.targets)
+    assert count == 1804
+    assert math.exp(-total / count) == pytest.approx(story_report.metrics.token_perplexity, rel=1e-12)

@@ -1,0 +1,152 @@
+"""Perplexity protocols: lm-eval rolling windows, GPTQ windows, metric formulas."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.verify.metrics import (
+    EvalPlan,
+    Window,
+    lm_eval_max_length,
+    metrics_from_logprobs,
+    plan_rolling,
+    plan_token,
+    rolling_windows,
+    window_logprobs,
+)
+from otdus_cli.verify.text import Corpus
+
+PREFIX = -1
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 7, 8, 9, 16, 17, 30])
+@pytest.mark.parametrize("max_length", [1, 2, 3, 8])
+def test_rolling_windows_score_every_token_once_with_full_context(n, max_length):
+    tokens = list(range(100, 100 + n))
+    windows = rolling_windows(tokens, PREFIX, max_length)
+    scored = [t for _, targets in windows for t in targets]
+    assert scored == tokens  # every token exactly once, in order
+    for k, (inp, targets) in enumerate(windows):
+        assert 1 <= len(targets) <= len(inp) <= max_length
+        offset = len(inp) - len(targets)
+        for t, target in enumerate(targets):
+            pos = offset + t
+            # the input position that predicts `target` holds the token just before it
+            before = tokens[target - 100 - 1] if target > 100 else PREFIX
+            assert inp[pos] == before
+            # and the window is the contiguous history ending there (as much as fits)
+            history = ([PREFIX] + tokens)[: target - 100 + 1][-(pos + 1) :]
+            assert inp[: pos + 1] == history
+        if k > 0:
+            assert len(inp) == max_length  # later windows always carry a full context
+
+
+def test_rolling_windows_example():
+    assert rolling_windows([1, 2, 3, 4, 5], 0, 2) == [([0, 1], [1, 2]), ([2, 3], [3, 4]), ([3, 4], [5])]
+
+
+class FakeTokenizer:
+    """Characters as tokens; BOS 1, EOS 2 (ids of letters start at 10)."""
+
+    bos_token_id = 1
+    eos_token_id = 2
+    model_max_length = int(1e30)  # transformers: "no limit"
+
+    def __init__(self, add_bos=True):
+        self.add_bos = add_bos
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [10 + ord(c) % 50 for c in text]
+        if add_special_tokens and self.add_bos:
+            ids = [self.bos_token_id] + ids
+        return {"input_ids": ids}
+
+
+def test_plan_rolling_detokenizes_but_counts_raw_words():
+    pages = [" = T = \n a , b @-@ c \n", " = U = \n d \n"]
+    plan = plan_rolling(Corpus("wiki", pages, "wikitext"), FakeTokenizer(), 4)
+    assert plan.protocol == "wikitext" and plan.n_docs == 2
+    assert plan.words == [len(re.split(r"\s+", p)) for p in pages]
+    assert plan.bytes == [len(p.encode()) for p in pages]
+    detok = " = T =\na, b-c\n"
+    assert plan.n_tokens == len(detok) + len(" = U =\nd\n")
+    assert plan.windows[0].input_ids[0] == 1  # BOS prefix, no BOS inside the text
+    assert all(w.doc in (0, 1) for w in plan.windows)
+    with_specials = plan_rolling(
+        Corpus("wiki", pages, "wikitext"), FakeTokenizer(), 4, add_special_tokens=True
+    )
+    assert with_specials.n_tokens == plan.n_tokens + 2  # the tokenizer's own BOS is scored too
+    assert plan_rolling(Corpus("wiki", pages, "wikitext"), FakeTokenizer(), 4, max_tokens=1).n_docs == 1
+
+
+def test_plan_token_joined_is_gptq_style():
+    corpus = Corpus("t", ["a" * 30, "b" * 30], "text")
+    plan = plan_token(corpus, FakeTokenizer(), 16)
+    # "\n\n"-joined: 62 chars + BOS = 63 tokens -> 3 disjoint windows of 16, tail dropped
+    assert len(plan.windows) == 3 and all(len(w.input_ids) == 16 for w in plan.windows)
+    assert plan.n_tokens == 3 * 15
+    assert plan.windows[0].input_ids[0] == 1
+    assert all(w.targets == w.input_ids[1:] and w.offset == 0 for w in plan.windows)
+    assert [t for w in plan.windows for t in w.input_ids] == FakeTokenizer()("\n\n".join(corpus.documents))[
+        "input_ids"
+    ][:48]
+    short = plan_token(corpus, FakeTokenizer(), 16, max_tokens=10)
+    assert len(short.windows) == 1 and len(short.windows[0].input_ids) == 10
+
+
+def test_plan_token_documents_scores_every_token_after_bos():
+    corpus = Corpus("t", ["x" * 40, "y" * 5], "text")
+    plan = plan_token(corpus, FakeTokenizer(), 16, mode="documents")
+    assert plan.n_tokens == 45
+    for w in plan.windows:
+        assert len(w.input_ids) <= 16 and w.targets == w.input_ids[1:]
+    doc0 = [w for w in plan.windows if w.doc == 0]
+    assert doc0[0].input_ids[0] == 1 and doc0[1].input_ids[0] == doc0[0].input_ids[-1]  # overlap by one
+    assert plan_token(corpus, FakeTokenizer(), 16, mode="documents", max_tokens=20).n_tokens == 20
+    with pytest.raises(OtdusError):
+        plan_token(corpus, FakeTokenizer(), 16, mode="nope")
+
+
+def test_metric_formulas():
+    plan = EvalPlan(
+        "wikitext",
+        "c",
+        [Window([1, 5, 6], [5, 6, 7], 0, 0), Window([9], [9], 0, 1)],
+        words=[3, 2],
+        bytes=[10, 6],
+        context=8,
+    )
+    lps = [torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64), torch.tensor([-0.5], dtype=torch.float64)]
+    m = metrics_from_logprobs(plan, lps)
+    assert m.loglikelihood == -4.0 and m.n_tokens == 4 and m.n_words == 5 and m.n_bytes == 16
+    assert m.token_perplexity == pytest.approx(math.exp(1.0))
+    assert m.word_perplexity == pytest.approx(math.exp(4 / 5))
+    assert m.byte_perplexity == pytest.approx(math.exp(4 / 16))
+    assert m.bits_per_byte == pytest.approx(4 / 16 / math.log(2))
+    assert m.headline() == ("word_perplexity", m.word_perplexity)
+
+
+def test_window_logprobs_uses_the_right_positions():
+    logits = torch.randn(5, 11)
+    w = Window([3, 4, 5, 6, 7], [6, 7], 3, 0)  # positions 3, 4 predict 6, 7
+    full = window_logprobs(logits, w)
+    ref = torch.log_softmax(logits, -1)[[3, 4], [6, 7]].double()
+    assert torch.equal(full, ref)
+    assert torch.equal(window_logprobs(logits[-2:], w), ref)  # only the last 2 positions computed
+
+
+def test_lm_eval_max_length_resolution():
+    assert lm_eval_max_length({"max_position_embeddings": 512}) == 512
+    assert lm_eval_max_length({"n_positions": 1024, "max_position_embeddings": 512}) == 1024
+    assert lm_eval_max_length({"text_config": {"max_position_embeddings": 99}}) == 99
+    assert lm_eval_max_length({}, FakeTokenizer()) == 2048
+
+    class T:
+        model_max_length = 300
+
+    assert lm_eval_max_length({}, T()) == 300
