@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.memory import return_freed_tensors_to_os
 from otdus_cli.io.safetensors_format import CODES, DTYPES, TensorInfo, itemsize, read_header
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -62,6 +63,7 @@ class CheckpointReader:
     """Read-only view of a checkpoint folder: its config and lazily loaded tensors."""
 
     def __init__(self, folder: str | os.PathLike[str]):
+        return_freed_tensors_to_os()
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise OtdusError(f"model folder not found: {self.folder}")

@@ -1,0 +1,167 @@
+"""`otdus verify` as users run it: exit codes, verdicts, and memory that does not grow with the model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from typer.testing import CliRunner
+
+from otdus_cli.cli import app
+from otdus_cli.expand import expand
+from otdus_cli.io.writer import PlannedTensor, ShardedWriter
+from otdus_cli.options import ExpandOptions
+
+runner = CliRunner()
+QUICK = ["--max-tokens", "2048", "--device", "cpu", "--json"]
+TINYSTORIES = Path(__file__).parent.parent / "otdus_cli" / "data" / "tinystories_sample_cs336.txt"
+
+
+def verify(*args) -> tuple[int, dict]:
+    result = runner.invoke(app, ["verify", *map(str, args), *QUICK])
+    return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else {}
+
+
+def test_function_preserving_expansions_hold_parity_exactly(tmp_path):
+    for method, layers in (("llama-pro", 5), ("ot", 2)):
+        out = tmp_path / method
+        expand("bundled:stories260k", out, ExpandOptions(method=method, layers=layers))
+        code, report = verify(out)  # base from the manifest
+        assert code == 0 and report["parity"] and report["logits_equal"], report["verdict"]
+        assert report["base"]["word_perplexity"] == report["expanded"]["word_perplexity"]
+        assert report["verdict"].startswith("PARITY")
+
+
+def test_non_preserving_methods_report_the_rise_and_exit_0(tmp_path):
+    for method, layers in (("solar", 3), ("average", 2)):
+        out = tmp_path / method
+        expand("bundled:stories260k", out, ExpandOptions(method=method, layers=layers))
+        # in-domain text: the trained model's perplexity rises when its function is disturbed
+        code, report = verify(out, "--protocol", "token", "--token-mode", "documents", "--text", TINYSTORIES)
+        assert code == 0 and not report["expect_parity"]
+        assert "not function-preserving" in report["verdict"]
+        assert report["expanded"]["token_perplexity"] > report["base"]["token_perplexity"] * 1.05
+
+
+def test_corrupted_new_layer_exits_1_naming_it(tmp_path):
+    out = tmp_path / "ot"
+    expand("bundled:stories260k", out, ExpandOptions(method="ot", layers=2))
+    shard = out / "model.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(shard))
+    tensors["model.layers.5.self_attn.o_proj.weight"][0, 0] = 0.5  # one nonzero entry in a zero-init layer
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    code, report = verify(out)
+    assert code == 1 and not report["parity"]
+    assert "5" in report["first_divergence"]["name"] and report["first_divergence"]["expanded_layer"] == 5
+    plain = runner.invoke(app, ["verify", str(out), "--max-tokens", "2048", "--device", "cpu"])
+    assert plain.exit_code == 1 and "BROKEN" in plain.stdout
+
+
+def test_ppl_of_one_model_and_explicit_base(tmp_path):
+    result = runner.invoke(
+        app,
+        [
+            "ppl",
+            "bundled:stories260k",
+            "--protocol",
+            "token",
+            "--token-mode",
+            "documents",
+            "--text",
+            str(Path(__file__).parent.parent / "otdus_cli/data/tinystories_sample_cs336.txt"),
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert abs(json.loads(result.stdout)["metrics"]["token_perplexity"] - 3.548) < 0.01
+    bad = runner.invoke(app, ["verify", str(tmp_path / "missing")])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error:")
+
+
+def write_random_checkpoint(folder: Path, layers: int, hidden: int, inter: int) -> int:
+    """A Llama-shaped float32 checkpoint written tensor by tensor; returns its size in bytes."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        shapes = {
+            n: tuple(p.shape)
+            for n, p in AutoModelForCausalLM.from_config(config).state_dict().items()
+            if n != "lm_head.weight"
+        }
+    folder.mkdir()
+    config.save_pretrained(folder)
+    writer = ShardedWriter(folder, [PlannedTensor(n, "F32", s) for n, s in shapes.items()], 10**12)
+    gen = torch.Generator().manual_seed(0)
+    for name, shape in shapes.items():
+        scale = 1.0 if "norm" in name else 0.02
+        writer.write_tensor(name, torch.randn(shape, generator=gen) * scale)
+    writer.finish()
+    return writer.total_size
+
+
+def run_limited(args: list[str], limit: int) -> subprocess.CompletedProcess:
+    """Run Python under an address-space data limit (RLIMIT_DATA: heap and private mappings)."""
+    import resource
+
+    def apply_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    return subprocess.run(
+        [sys.executable, *args], preexec_fn=apply_limit, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
+    size = write_random_checkpoint(tmp_path / "big", layers=20, hidden=1024, inter=4096)
+    limit = 900_000_000
+    assert size > 1.4 * limit
+    stories = Path(__file__).parent.parent / "otdus_cli" / "data" / "stories260k"
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        (tmp_path / "big" / f).write_bytes((stories / f).read_bytes())
+    expand(str(tmp_path / "big"), tmp_path / "deeper", ExpandOptions(method="llama-pro", layers=2))
+    # the limit is real: loading the weights whole fails under it
+    whole = run_limited(
+        [
+            "-c",
+            "import sys; from safetensors.torch import load_file; load_file(sys.argv[1])",
+            str(tmp_path / "big" / "model.safetensors"),
+        ],
+        limit,
+    )
+    assert whole.returncode != 0
+    done = run_limited(
+        [
+            "-m",
+            "otdus_cli.cli",
+            "verify",
+            str(tmp_path / "deeper"),
+            "--protocol",
+            "token",
+            "--seq-len",
+            "128",
+            "--max-tokens",
+            "512",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+        limit,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["parity"] and report["base_model"] == str(tmp_path / "big")
