@@ -294,8 +294,12 @@ def expand(
                 progress=advance,
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
             )
+    warnings = _transport_warnings(result.manifest.get("transport", {}))
+    for line in warnings:
+        err_console.print(f"[yellow]warning:[/] {line}", highlight=False)
     summary = {
         "out": str(result.out),
+        "transport_warnings": warnings,
         **_plan_json(result.plan),
         "bytes_written": result.bytes_written,
         "seconds": round(result.seconds, 3),
@@ -310,6 +314,20 @@ def expand(
         f"layers with {summary['method']} ({preserved}), {result.bytes_written / 1e9:.2f} GB "
         f"in {result.seconds:.1f} s"
     )
+
+
+def _transport_warnings(transport: dict) -> list[str]:
+    """Transport solves that stopped at the iteration cap or hit numerical trouble, one line each."""
+    lines = []
+    for layer, stats in transport.items():
+        for module, info in (stats.get("modules") or {}).items():
+            if isinstance(info, dict) and info.get("status", "ok") != "ok":
+                error = info.get("marginal_error", float("nan"))
+                lines.append(
+                    f"layer {layer} {module}: Sinkhorn {info['status']} after {info.get('iterations')} "
+                    f"iterations (marginal error {error:.2g}); raise --max-iter or --reg"
+                )
+    return lines
 
 
 @app.command()

@@ -238,3 +238,17 @@ def test_ot_stories260k_is_deterministic_and_preserving(stories, tmp_path):
     files = ["model.safetensors"]
     assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
     assert torch.equal(logits(load_causal_lm(stories)), logits(load_causal_lm(tmp_path / "a")))
+
+
+def test_unconverged_transport_is_reported(tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    result = CliRunner().invoke(
+        app, ["expand", "bundled:stories260k", "--out", str(tmp_path / "o"), "--max-iter", "2", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["transport_warnings"] and "max_iter" in summary["transport_warnings"][0]
+    assert "warning:" in result.stderr
