@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from otdus_cli.errors import OtdusError
+from otdus_cli.io.reader import read_json_object
 
 MANIFEST = "otdus.json"
 
@@ -14,15 +13,7 @@ MANIFEST = "otdus.json"
 def read_manifest(folder: str | os.PathLike[str]) -> dict | None:
     """The manifest of an expanded checkpoint, or None for a folder that has none."""
     path = Path(folder) / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise OtdusError(f"{path} is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise OtdusError(f"{path} is not a JSON object")
-    return data
+    return read_json_object(path) if path.is_file() else None
 
 
 def manifest_source(folder: str | os.PathLike[str]) -> tuple[str, str | None] | None:

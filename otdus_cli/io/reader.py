@@ -53,6 +53,17 @@ def _inside(folder: Path, relative: str) -> Path:
     return Path(candidate)
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; anything else is one clear error."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OtdusError(f"{path} is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise OtdusError(f"{path} is not a JSON object")
+    return data
+
+
 def file_sha256(path: Path) -> str | None:
     if not path.is_file():
         return None
@@ -80,13 +91,7 @@ class CheckpointReader:
         path = self.folder / "config.json"
         if not path.is_file():
             raise OtdusError(f"no config.json in {self.folder}")
-        try:
-            config = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise OtdusError(f"config.json in {self.folder} is not valid JSON") from None
-        if not isinstance(config, dict):
-            raise OtdusError(f"config.json in {self.folder} is not a JSON object")
-        return config
+        return read_json_object(path)
 
     def _read_index(self, name: str) -> dict[str, Path]:
         try:
