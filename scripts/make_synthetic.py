@@ -446,13 +446,24 @@ class FastPool:
 
 
 def tensor_chunks(
-    spec: Spec, cfg: dict, dtype: torch.dtype, seed: int, chunk_elems: int, pool: FastPool | None
+    spec: Spec,
+    cfg: dict,
+    dtype: torch.dtype,
+    seed: int,
+    chunk_elems: int,
+    pool: FastPool | None,
+    device: str = "cpu",
 ) -> Iterator[torch.Tensor]:
-    """Yield the tensor's values, flattened, in chunks of whole rows (at most chunk_elems each)."""
+    """Yield the tensor's values, flattened, in chunks of whole rows (at most chunk_elems each).
+
+    device="cuda" generates on the GPU (much faster for 16 GB checkpoints) and copies each chunk
+    back; values then differ from CPU generation with the same seed (different generators)."""
     std = float(cfg.get("initializer_range", 0.02))
     gemma = cfg["model_type"].startswith("gemma")
     # Per-tensor seed: the same tensor gets the same values whatever the sharding or layer count.
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) & (2**63 - 1))
+    g = torch.Generator(device=device).manual_seed(
+        (seed * 1_000_003 + zlib.crc32(spec.name.encode())) & (2**63 - 1)
+    )
     row = spec.shape[-1] if len(spec.shape) > 1 else spec.numel
     rows_per_chunk = max(1, chunk_elems // row)
     total_rows = spec.numel // row
@@ -460,14 +471,14 @@ def tensor_chunks(
         n = min(rows_per_chunk, total_rows - r0) * row
         if spec.kind == "norm":
             # Learned norms sit around 1 (Gemma stores w with scale 1 + w, so around 0).
-            x = torch.randn(n, generator=g).mul_(0.05).add_(0.0 if gemma else 1.0).to(dtype)
+            x = torch.randn(n, generator=g, device=device).mul_(0.05).add_(0.0 if gemma else 1.0).to(dtype)
         elif pool is not None:
             x = pool.take(n).mul(std)
         elif dtype == torch.float32:
-            x = torch.empty(n, dtype=dtype).normal_(0.0, std, generator=g)
+            x = torch.empty(n, dtype=dtype, device=device).normal_(0.0, std, generator=g)
         else:
-            x = torch.empty(n, dtype=torch.float32).normal_(0.0, std, generator=g).to(dtype)
-        yield x
+            x = torch.empty(n, dtype=torch.float32, device=device).normal_(0.0, std, generator=g).to(dtype)
+        yield x.cpu()
 
 
 def write_shard(
@@ -479,6 +490,7 @@ def write_shard(
     seed: int,
     chunk_elems: int,
     pool: FastPool | None,
+    device: str = "cpu",
 ) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     header = build_header(specs, code, itemsize)
@@ -487,7 +499,7 @@ def write_shard(
     with open(tmp, "wb", buffering=0) as f:
         f.write(header)
         for s in specs:
-            for chunk in tensor_chunks(s, cfg, dtype, seed, chunk_elems, pool):
+            for chunk in tensor_chunks(s, cfg, dtype, seed, chunk_elems, pool, device):
                 buf = chunk.contiguous().view(torch.uint8).numpy()
                 f.write(memoryview(buf))
                 written += buf.nbytes
@@ -574,6 +586,7 @@ def write_checkpoint(
     chunk_mb: int = 64,
     force: bool = False,
     quiet: bool = True,
+    device: str = "cpu",
 ) -> dict:
     """Write the checkpoint; return a summary dict. Usable from tests and benchmarks."""
     name = ALIASES.get(name, name)
@@ -600,16 +613,25 @@ def write_checkpoint(
     pool = FastPool(torch_dtype, seed) if fill == "fast" else None
     t0 = time.perf_counter()
     n = len(shards)
-    files = ["model.safetensors"] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    files = (
+        ["model.safetensors"]
+        if n == 1
+        else [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    )
     weight_map: dict[str, str] = {}
     done = 0
-    for fn, shard in zip(files, shards):
-        done += write_shard(os.path.join(out, fn), shard, cfg, torch_dtype, code, seed, chunk_elems, pool)
+    for fn, shard in zip(files, shards, strict=False):
+        done += write_shard(
+            os.path.join(out, fn), shard, cfg, torch_dtype, code, seed, chunk_elems, pool, device
+        )
         for s in shard:
             weight_map[s.name] = fn
         if not quiet:
             el = time.perf_counter() - t0
-            print(f"  {fn}: {done / 1e9:.2f}/{total / 1e9:.2f} GB, {done / 1e6 / max(el, 1e-9):.0f} MB/s", flush=True)
+            print(
+                f"  {fn}: {done / 1e9:.2f}/{total / 1e9:.2f} GB, {done / 1e6 / max(el, 1e-9):.0f} MB/s",
+                flush=True,
+            )
     if n > 1:
         index = {
             "metadata": {"total_parameters": sum(s.numel for s in specs), "total_size": total},
@@ -643,7 +665,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", nargs="?", help="model shape to imitate (see --list)")
     ap.add_argument("--out", help="output directory")
-    ap.add_argument("--layers", type=int, default=None, help="number of decoder layers (default: the real model's)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="number of decoder layers (default: the real model's)"
+    )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--max-shard-size", default="5GB", help="hub-style shard limit: 5GB, 500MB, 100KiB, ...")
     ap.add_argument("--seed", type=int, default=0)
@@ -653,6 +677,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=("randn", "fast"),
         default="randn",
         help="randn: i.i.d. normal values (default); fast: slices of one random block (much faster)",
+    )
+    ap.add_argument(
+        "--device", default="cpu", help="generate random values here (cuda is much faster; values differ)"
     )
     ap.add_argument("--chunk-mb", type=int, default=64, help="generation chunk size (bounds memory)")
     ap.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -666,7 +693,9 @@ def main(argv: list[str] | None = None) -> int:
             c = CONFIGS[n]
             specs = tensor_specs(c)
             params = sum(s.numel for s in specs)
-            print(f"{n:18s} {c['model_type']:8s} layers={c['num_hidden_layers']:3d} params={params / 1e9:7.3f}B")
+            print(
+                f"{n:18s} {c['model_type']:8s} layers={c['num_hidden_layers']:3d} params={params / 1e9:7.3f}B"
+            )
         return 0
     if not args.name or not args.out:
         ap.error("NAME and --out are required")
@@ -685,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         chunk_mb=args.chunk_mb,
         force=args.force,
         quiet=args.json,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(summary))

@@ -65,7 +65,9 @@ def test_tiny_sharded_loads_in_transformers(tmp_path):
     assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama-tied", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-mixtral"])
+@pytest.mark.parametrize(
+    "name", ["tiny-llama-tied", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-mixtral"]
+)
 def test_tiny_families_load(tmp_path, name):
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +100,9 @@ def test_layers_seed_and_bounded_shards(tmp_path):
     for k, t in ta.items():
         assert torch.equal(t, tb[k]), k
     # distinct layers really differ
-    assert not torch.equal(tb["model.layers.0.self_attn.q_proj.weight"], tb["model.layers.1.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        tb["model.layers.0.self_attn.q_proj.weight"], tb["model.layers.1.self_attn.q_proj.weight"]
+    )
 
 
 def test_size_parsing_and_sharding():
