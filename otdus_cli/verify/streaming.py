@@ -379,6 +379,10 @@ class StreamedModel:
                 by_shape[shape] = kwargs
                 kept_bytes += _tensor_bytes(kwargs)
             acts.layer_kwargs.append(by_shape.get(shape))
+        if all(k is not None for k in acts.layer_kwargs):
+            # embeddings and head (GBs for large vocabularies) are not needed until the logits;
+            # iter_logits loads them again, so the layer loop holds one layer and the activations
+            self.free_shell()
         return acts
 
     def _record(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, dict]]:
@@ -403,6 +407,7 @@ class StreamedModel:
             for g, hidden in enumerate(acts.hidden):
                 kwargs = acts.layer_kwargs[g]
                 if kwargs is None:
+                    self._load_shell()  # recording runs the embeddings again
                     kwargs = self._record(acts.inputs[g])[1]
                 h = hidden.to(self.device)
                 out = layer(h, **kwargs[index])
