@@ -511,66 +511,38 @@ def _local_model(model: str) -> str:
     return str(resolve_source(model).folder)
 
 
-@app.command()
-def verify(
-    expanded: Annotated[str, typer.Argument(help="The expanded checkpoint (or any model to compare).")],
-    base: Annotated[
-        str | None, typer.Option(help="The base model. [default: the source recorded in the manifest]")
-    ] = None,
-    protocol: Protocol = "wikitext",
-    text: TextFile = None,
-    dataset: Dataset = None,
-    seq_len: SeqLen = 2048,
-    token_mode: TokenMode = "joined",
-    max_tokens: MaxTokens = None,
-    max_docs: MaxDocs = None,
-    device: EvalDevice = "auto",
-    dtype: EvalDtype = "float32",
-    batch_size: BatchSize = 1,
-    json_out: JsonFlag = False,
+def _evaluate(
+    model: str,
+    base: str | None,
+    find_base: bool,
+    eval_options: dict[str, Any],
+    device: str,
+    dtype: str,
+    batch_size: int,
+    json_out: bool,
 ) -> None:
-    """Perplexity parity of an expansion with its base, layer by layer in lockstep (exit 1 if broken)."""
+    """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
     from otdus_cli.manifest import manifest_source
+    from otdus_cli.source import resolve_source
     from otdus_cli.verify.compare import make_plan, perplexity, verify_expansion
 
     _quiet_transformers()
-    with _user_errors(), _task_progress(not json_out and err_console.is_terminal, "verifying") as update:
-        expanded_dir = _local_model(expanded)
-        if base is None:
-            recorded = manifest_source(expanded_dir)
-            if recorded is not None:
-                from otdus_cli.source import resolve_source
-
-                base = str(resolve_source(*recorded).folder)
-        corpus = _corpus(text, dataset, max_docs)
-        ref_dir = _local_model(base) if base else expanded_dir
-        plan = make_plan(
-            ref_dir,
-            corpus=corpus,
-            protocol=protocol,
-            seq_len=seq_len,
-            token_mode=token_mode,
-            max_tokens=max_tokens,
-        )
-
-        def on_progress(kind: str, done: int, total: int) -> None:
-            update(done, total, kind)
-
-        if base is None:
-            report = perplexity(
-                expanded_dir, plan, device=device, dtype=dtype, batch_size=batch_size, progress=on_progress
-            )
+    label = "verifying" if find_base or base else "scoring"
+    with _user_errors(), _task_progress(not json_out and err_console.is_terminal, label) as update:
+        model_dir = _local_model(model)
+        if base is None and find_base:
+            recorded = manifest_source(model_dir)
+            base = str(resolve_source(*recorded).folder) if recorded else None
+        base_dir = _local_model(base) if base else None
+        corpus = _corpus(eval_options.pop("text"), eval_options.pop("dataset"), eval_options["max_docs"])
+        plan = make_plan(base_dir or model_dir, corpus=corpus, **eval_options)
+        run = {"device": device, "dtype": dtype, "batch_size": batch_size}
+        run["progress"] = lambda kind, done, total: update(done, total, kind)
+        if base_dir is None:
+            report = perplexity(model_dir, plan, **run)
         else:
-            report = verify_expansion(
-                ref_dir,
-                expanded_dir,
-                plan,
-                device=device,
-                dtype=dtype,
-                batch_size=batch_size,
-                progress=on_progress,
-            )
-    if base is None:
+            report = verify_expansion(base_dir, model_dir, plan, **run)
+    if base_dir is None:
         _print_ppl(report, json_out)
         return
     if json_out:
@@ -606,6 +578,40 @@ def _print_ppl(report, json_out: bool) -> None:
 
 
 @app.command()
+def verify(
+    expanded: Annotated[str, typer.Argument(help="The expanded checkpoint (or any model to compare).")],
+    base: Annotated[
+        str | None, typer.Option(help="The base model. [default: the source recorded in the manifest]")
+    ] = None,
+    protocol: Protocol = "wikitext",
+    text: TextFile = None,
+    dataset: Dataset = None,
+    seq_len: SeqLen = 2048,
+    token_mode: TokenMode = "joined",
+    max_tokens: MaxTokens = None,
+    max_docs: MaxDocs = None,
+    device: EvalDevice = "auto",
+    dtype: EvalDtype = "float32",
+    batch_size: BatchSize = 1,
+    json_out: JsonFlag = False,
+) -> None:
+    """Perplexity parity of an expansion with its base, layer by layer in lockstep (exit 1 if broken).
+
+    With no --base and no manifest, reports the one model's perplexity.
+    """
+    options = dict(
+        text=text,
+        dataset=dataset,
+        protocol=protocol,
+        seq_len=seq_len,
+        token_mode=token_mode,
+        max_tokens=max_tokens,
+        max_docs=max_docs,
+    )
+    _evaluate(expanded, base, True, options, device, dtype, batch_size, json_out)
+
+
+@app.command()
 def ppl(
     model: Annotated[str, typer.Argument(help="A model folder, hub id or bundled:stories260k.")],
     protocol: Protocol = "wikitext",
@@ -621,28 +627,16 @@ def ppl(
     json_out: JsonFlag = False,
 ) -> None:
     """Perplexity of one model, streamed layer by layer (same protocols as verify)."""
-    from otdus_cli.verify.compare import make_plan, perplexity
-
-    _quiet_transformers()
-    with _user_errors(), _task_progress(not json_out and err_console.is_terminal, "scoring") as update:
-        folder = _local_model(model)
-        plan = make_plan(
-            folder,
-            corpus=_corpus(text, dataset, max_docs),
-            protocol=protocol,
-            seq_len=seq_len,
-            token_mode=token_mode,
-            max_tokens=max_tokens,
-        )
-        report = perplexity(
-            folder,
-            plan,
-            device=device,
-            dtype=dtype,
-            batch_size=batch_size,
-            progress=lambda kind, done, total: update(done, total, kind),
-        )
-    _print_ppl(report, json_out)
+    options = dict(
+        text=text,
+        dataset=dataset,
+        protocol=protocol,
+        seq_len=seq_len,
+        token_mode=token_mode,
+        max_tokens=max_tokens,
+        max_docs=max_docs,
+    )
+    _evaluate(model, None, False, options, device, dtype, batch_size, json_out)
 
 
 @app.command()
