@@ -107,15 +107,15 @@ Method = Annotated[
     str | None,
     typer.Option(
         help="How new layers are made: ot, average, copy, interpose, random, llama-pro, solar, stack. "
-        "[default: ot]"
+        "\\[default: ot]"
     ),
 ]
 Position = Annotated[
     str | None,
-    typer.Option(help="Where new layers go: top, bottom, mid, top-bottom, uniform. [default: top]"),
+    typer.Option(help="Where new layers go: top, bottom, mid, top-bottom, uniform. \\[default: top]"),
 ]
 Layers = Annotated[
-    int | None, typer.Option(help="Number of new layers. [default: half the base depth; stack: L]")
+    int | None, typer.Option(help="Number of new layers. \\[default: half the base depth; stack: L]")
 ]
 Ratio = Annotated[
     float | None, typer.Option(help="New layers as a fraction of the base depth (instead of --layers).")
@@ -129,37 +129,41 @@ ZeroInit = Annotated[
     typer.Option(
         "--zero-init/--no-zero-init",
         help="Zero o_proj and down_proj (and MoE expert downs) of new layers, making them exact identities. "
-        "[default: on for ot and llama-pro, off otherwise]",
+        "\\[default: on for ot and llama-pro, off otherwise]",
         show_default=False,
     ),
 ]
 OtVariant = Annotated[
     str | None,
-    typer.Option(help="OT-DUS variant: paper, official (the released code), structured. [default: paper]"),
+    typer.Option(help="OT-DUS variant: paper, official (the released code), structured. \\[default: paper]"),
 ]
 Solver = Annotated[
-    str | None, typer.Option(help="Transport solver: sinkhorn or emd (exact). [default: sinkhorn]")
+    str | None, typer.Option(help="Transport solver: sinkhorn or emd (exact). \\[default: sinkhorn]")
 ]
-Reg = Annotated[float | None, typer.Option(help="Sinkhorn entropic regularisation. [default: 0.06]")]
+Reg = Annotated[float | None, typer.Option(help="Sinkhorn entropic regularisation. \\[default: 0.06]")]
 Tol = Annotated[
     float | None,
     typer.Option(
         help="Sinkhorn stopping tolerance: largest relative row/column mass error "
-        "(the official variant pins the released code's 1e-9). [default: 1e-6]"
+        "(the official variant pins the released code's 1e-9). \\[default: 1e-6]"
     ),
 ]
 MaxIter = Annotated[
-    int | None, typer.Option(help="Sinkhorn iteration cap (official pins 10000). [default: 2000]")
+    int | None, typer.Option(help="Sinkhorn iteration cap (official pins 10000). \\[default: 2000]")
 ]
 Device = Annotated[
-    str | None, typer.Option(help="Device for transport: auto, cpu, cuda, cuda:N. [default: auto]")
+    str | None, typer.Option(help="Device for transport: auto, cpu, cuda, cuda:N. \\[default: auto]")
 ]
 Dtype = Annotated[
     str | None,
-    typer.Option(help="Output dtype: auto (keep the source's), float32, bfloat16, float16. [default: auto]"),
+    typer.Option(
+        help="Output dtype: auto (keep the source's), float32, bfloat16, float16. \\[default: auto]"
+    ),
 ]
-ShardSize = Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")]
-Seed = Annotated[int | None, typer.Option(help="Seed for random initialisation. [default: 0]")]
+ShardSize = Annotated[
+    str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. \\[default: 5GB]")
+]
+Seed = Annotated[int | None, typer.Option(help="Seed for random initialisation. \\[default: 0]")]
 Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
 AllowUnknown = Annotated[
     bool,
@@ -581,7 +585,7 @@ def _print_ppl(report, json_out: bool) -> None:
 def verify(
     expanded: Annotated[str, typer.Argument(help="The expanded checkpoint (or any model to compare).")],
     base: Annotated[
-        str | None, typer.Option(help="The base model. [default: the source recorded in the manifest]")
+        str | None, typer.Option(help="The base model. \\[default: the source recorded in the manifest]")
     ] = None,
     protocol: Protocol = "wikitext",
     text: TextFile = None,
@@ -704,7 +708,7 @@ def study(
     eval_text: Annotated[
         str | None,
         typer.Option(
-            "--eval", help="Held-out text. [default: the last --eval-fraction of the training documents]"
+            "--eval", help="Held-out text. \\[default: the last --eval-fraction of the training documents]"
         ),
     ] = None,
     recipe: Annotated[
@@ -735,7 +739,9 @@ def study(
     layers: Layers = None,
     position: Position = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads. [default: torch's choice]")] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="torch CPU threads. \\[default: torch's choice]")
+    ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Folder for study.json and loss_curves.png.")
     ] = None,
@@ -797,7 +803,7 @@ def diagnose(
         str, typer.Option(help="Text: a file, bundled:tinystories-sample or bundled:wikitext-test.")
     ] = "bundled:tinystories-sample",
     pair: Annotated[
-        str | None, typer.Option(help="One adjacent pair 'i,i+1'. [default: every adjacent pair]")
+        str | None, typer.Option(help="One adjacent pair 'i,i+1'. \\[default: every adjacent pair]")
     ] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens of text run through the model.")] = 4096,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
