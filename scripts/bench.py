@@ -355,10 +355,13 @@ def run_measured(label, kind, method, argv, timeout, poll_s, out_dir=None, gpu=N
                 r.otdus_json["new_layers"] = sum(
                     1 for x in js["layers"] if isinstance(x, dict) and x.get("new")
                 )
+    if kind == "verify" and r.otdus_json and r.otdus_json.get("verdict"):
+        r.reason = str(r.otdus_json["verdict"]).splitlines()[0][:160]
     if r.rc != 0:
         r.status = "failed"
         last = [ln for ln in r.stderr_tail.splitlines() if ln.strip()]
-        r.reason = f"exit {r.rc}: " + (last[-1].strip()[:200] if last else "(no stderr)")
+        why = r.reason or (last[-1].strip()[:200] if last else "(no stderr)")
+        r.reason = f"exit {r.rc}: {why}"
     return r
 
 
@@ -579,14 +582,14 @@ def render_entry(e: dict) -> str:
             lines.append(f"| `{r.label}` | {r.status}: {r.reason} |" + " |" * (len(head) - 2))
             continue
         tp = r.output_bytes / r.durable_s if r.output_bytes and r.durable_s else None
-        status = r.status if r.status == "ok" else f"{r.status}: {r.reason}"
+        status = r.status if r.status == "ok" and not r.reason else f"{r.status}: {r.reason}"
         cpu = (r.utime_s or 0) + (r.stime_s or 0) if r.utime_s is not None else None
         cells = [
             f"`{r.label}`",
             status.replace("|", "/"),
             _s(r.wall_s),
             _s(r.sync_s),
-            _x(r.durable_s, cp.durable_s) if cp and r.kind != "plan" else "",
+            _x(r.durable_s, cp.durable_s) if cp and r.kind in ("cp", "expand") else "",
             _gb(r.output_bytes),
             "" if tp is None else f"{tp / 1e6:.0f}",
             _x(cp_tp, tp) if tp and cp_tp else "",
@@ -707,6 +710,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS), help="comma list of expand methods")
     ap.add_argument("--verify-methods", default="ot", help="outputs to run `otdus verify` on ('' for none)")
     ap.add_argument("--verify-max-tokens", type=int, default=4096)
+    ap.add_argument(
+        "--verify-args", default="", help="more verify flags, e.g. '--protocol token --seq-len 2048'"
+    )
+    ap.add_argument("--verify-timeout", type=float, default=1800, help="seconds, per verify")
     ap.add_argument("--position", default="top", help="--position for pair methods (copy/average/random/ot)")
     ap.add_argument(
         "--extra",
@@ -847,9 +854,12 @@ def main(argv: list[str] | None = None) -> int:
             (label, "expand", m, [*otdus, "expand", src, "--out", "{out}", *flags, "--json"], "{out}")
         )
         if m in verify_methods:
-            vlabel = f"otdus verify ({m} output) --max-tokens {args.verify_max_tokens}"
+            vlabel = (
+                f"otdus verify ({m} output) --max-tokens {args.verify_max_tokens} {args.verify_args}".strip()
+            )
             if verify_ok:
                 vargv = [*otdus, "verify", "{out}", "--json", "--max-tokens", str(args.verify_max_tokens)]
+                vargv += shlex.split(args.verify_args)
                 runs.append((vlabel, "verify", m, vargv, None))
             else:
                 runs.append((vlabel, "skip", m, [], verify_why or "verify not requested"))
@@ -893,9 +903,8 @@ def main(argv: list[str] | None = None) -> int:
         argv_r = [a.replace("{out}", out_dir or "") for a in argv_t]
         prepare_cache(cache, src, warmup)
         log(f"running: {label}")
-        r = run_measured(
-            label, kind, m, argv_r, args.timeout, args.poll_ms / 1000, out_dir if out_t else None, gpu
-        )
+        limit = args.verify_timeout if kind == "verify" else args.timeout
+        r = run_measured(label, kind, m, argv_r, limit, args.poll_ms / 1000, out_dir if out_t else None, gpu)
         results.append(r)
         log(
             f"  {r.status} {r.reason} wall {_s(r.wall_s)} s (+sync {_s(r.sync_s)}), peak tree RSS "
