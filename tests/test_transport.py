@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from otdus_cli.transport.assignment import assignment
-from otdus_cli.transport.cost import euclidean_distances, paper_cost, raw_cost, unit_rows
+from otdus_cli.transport.cost import euclidean_distances, paper_cost, paper_cost_of_parts, raw_cost, unit_rows
 from otdus_cli.transport.official import official_sinkhorn
 from otdus_cli.transport.plan import TransportPlan
 from otdus_cli.transport.sinkhorn import sinkhorn
@@ -57,6 +57,21 @@ def test_paper_cost_is_unit_row_euclidean_divided_by_its_max():
     assert float(c.max()) == pytest.approx(1.0) and float(c.min()) >= 0.0
     # invariant to row scaling: only directions matter
     assert torch.allclose(paper_cost(x * 3.0, y), c, atol=1e-5)
+
+
+def test_cost_of_parts_is_the_paper_cost_of_concatenated_unit_parts():
+    xa = [_rows(40, 12, 30), _rows(40, 20, 31) * 5.0, _rows(40, 7, 32)]
+    xb = [_rows(36, 12, 33), _rows(36, 20, 34), _rows(36, 7, 35) * 0.1]
+    xa[1][3] = 0.0  # an all-zero part stays zero, as unit_rows leaves it
+    xb[2][5] = 0.0
+    got = paper_cost_of_parts(list(zip(xa, xb, strict=True)))
+    fa = torch.cat([unit_rows(x) for x in xa], dim=1)
+    fb = torch.cat([unit_rows(x) for x in xb], dim=1)
+    ref = torch.cdist(fa, fb)
+    assert torch.allclose(got, ref / ref.max(), atol=1e-5)
+    # one part: the paper cost itself; a degenerate input gives zeros, not NaN
+    assert torch.equal(paper_cost_of_parts([(xa[0], xb[0])]), paper_cost(xa[0], xb[0]))
+    assert not paper_cost(torch.zeros(4, 3), torch.zeros(5, 3)).any()
 
 
 def test_raw_cost_is_cdist_on_raw_rows():
@@ -124,6 +139,21 @@ def test_sinkhorn_is_deterministic():
     cost = paper_cost(_rows(70, 20, 14), _rows(70, 20, 15))
     a, b = sinkhorn(cost), sinkhorn(cost)
     assert torch.equal(a.plan, b.plan) and a.iterations == b.iterations
+
+
+@pytest.mark.parametrize("reg", [0.06, 0.01])
+def test_sinkhorn_overwrite_builds_the_plan_in_the_costs_buffer(reg):
+    # reg 0.01 forces absorptions, which rescale the kernel in place instead of rebuilding it
+    cost = paper_cost(_rows(48, 16, 18), _rows(48, 16, 19))
+    kept = sinkhorn(cost, reg=reg, tol=1e-6, max_iter=20000)
+    given = cost.clone()
+    res = sinkhorn(given, reg=reg, tol=1e-6, max_iter=20000, overwrite=True)
+    assert res.plan.data_ptr() == given.data_ptr()  # no second n x m buffer
+    assert res.converged and marginal_errors(res.plan)["marginal_error"] <= 2e-6
+    if reg == 0.01:
+        assert res.absorptions > 0 and kept.absorptions > 0
+    assert (res.plan - kept.plan).abs().max() * 48 < 1e-5
+    assert np.abs(res.plan.double().numpy() - _reference_plan(cost, reg)).max() * 48 < 1e-4
 
 
 def test_sinkhorn_does_not_modify_the_cost():

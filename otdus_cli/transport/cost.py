@@ -19,12 +19,16 @@ root), which needs only the n x m output and is fast on every device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["euclidean_distances", "paper_cost", "raw_cost", "unit_rows"]
+__all__ = ["euclidean_distances", "paper_cost", "paper_cost_of_parts", "raw_cost", "unit_rows"]
+
+_EPS = 1e-12
 
 
-def unit_rows(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+def unit_rows(x: torch.Tensor, eps: float = _EPS) -> torch.Tensor:
     """Rows of ``x`` (2-D) scaled to unit L2 norm; an all-zero row stays zero."""
     norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
     return x / norms.clamp_min(eps)
@@ -55,7 +59,44 @@ def paper_cost(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
 
     If every distance is zero (identical, degenerate inputs) the cost is all zeros.
     """
-    cost = euclidean_distances(unit_rows(xa), unit_rows(xb))
+    return paper_cost_of_parts([(xa, xb)])
+
+
+def paper_cost_of_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The paper's cost between rows made of several parts, each part scaled to unit norm.
+
+    Row i of A stands for [unit(A1_i) | unit(A2_i) | ...] (one part: the paper's cost). The
+    concatenation is never built: with e_i the number of nonzero parts of row i (an all-zero
+    part stays zero, as in ``unit_rows``),
+
+        |fa_i - fb_j|^2 = ea_i + eb_j - 2 sum_p cos_p(i, j),
+
+    so the only n x m buffer is the result, and no unit-row copy is made for the first part
+    (its product is divided by the norms afterwards). Computed in float32.
+    """
+    if not parts:
+        raise ValueError("no parts to compare")
+    dot: torch.Tensor | None = None
+    ea: torch.Tensor | float = 0.0
+    eb: torch.Tensor | float = 0.0
+    for xa, xb in parts:
+        if xa.dim() != 2 or xb.dim() != 2 or xa.shape[1] != xb.shape[1]:
+            raise ValueError(
+                f"expected two 2-D tensors with equal row length, got {tuple(xa.shape)}, {tuple(xb.shape)}"
+            )
+        a, b = xa.float(), xb.float()
+        na = torch.linalg.vector_norm(a, dim=1).clamp_min_(_EPS)
+        nb = torch.linalg.vector_norm(b, dim=1).clamp_min_(_EPS)
+        if dot is None:
+            dot = torch.mm(a, b.T)
+            dot.div_(na[:, None]).div_(nb[None, :])
+        else:
+            dot.addmm_(a / na[:, None], (b / nb[:, None]).T)
+        ea = ea + (na > _EPS).float()
+        eb = eb + (nb > _EPS).float()
+        del a, b
+    assert dot is not None and isinstance(ea, torch.Tensor) and isinstance(eb, torch.Tensor)
+    cost = dot.mul_(-2.0).add_(ea[:, None]).add_(eb[None, :]).clamp_(min=0.0).sqrt_()
     peak = cost.max()
     if peak > 0:
         cost.div_(peak)

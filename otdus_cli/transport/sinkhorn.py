@@ -58,6 +58,7 @@ __all__ = ["SinkhornResult", "sinkhorn"]
 
 # Exponents below this become exact zeros in the kernel (exp(-80) = 1.8e-35, still a normal float32).
 _EXP_FLOOR = -80.0
+_TINY = math.exp(_EXP_FLOOR)
 
 
 @dataclass
@@ -94,15 +95,17 @@ def _kernel(
     return _exp_in_place(out, reg)
 
 
-def _initial_kernel(cost: torch.Tensor, reg: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _initial_kernel(
+    cost: torch.Tensor, reg: float, in_place: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel at the c-transform potentials f_i = min_j C_ij, g_j = min_i (C_ij - f_i).
 
     The reduced costs C_ij - f_i - g_j lie in [0, max_i (max_j C_ij - f_i)] (g >= 0), so the
     flush-to-zero pass is skipped when that bound / reg cannot reach the floor (paper cost,
-    reg 0.06: 1 / 0.06 = 17).
+    reg 0.06: 1 / 0.06 = 17). ``in_place``: the kernel is built in the cost's own buffer.
     """
     f, row_max = torch.aminmax(cost, dim=1)
-    reduced = cost - f[:, None]
+    reduced = cost.sub_(f[:, None]) if in_place else cost - f[:, None]
     g = reduced.amin(dim=0)
     reduced.sub_(g[None, :])
     needs_floor = float((row_max - f).max()) / reg > -_EXP_FLOOR
@@ -116,6 +119,7 @@ def sinkhorn(
     max_iter: int = 2000,
     absorb: float = 1e3,
     overrelax: bool = True,
+    overwrite: bool = False,
 ) -> SinkhornResult:
     """Entropic OT plan between uniform marginals for ``cost`` (n x m), on the cost's device.
 
@@ -128,9 +132,14 @@ def sinkhorn(
         absorb: scalings outside [1/absorb, absorb] are absorbed into the dual potentials.
         overrelax: switch to over-relaxed updates when plain Sinkhorn is seen to converge slowly
             (module docstring); False gives plain Sinkhorn-Knopp throughout.
+        overwrite: the caller gives up ``cost`` (float32): the kernel, and then the plan, are
+            built in its buffer, so the solve needs no second n x m matrix. Absorptions then
+            rescale the kernel in place (K_ij u_i v_j, the same quantity up to rounding) instead
+            of rebuilding it from the cost, and entries that fall below exp(-80) become zeros.
 
     Returns a SinkhornResult. Memory: the cost plus one n x m float32 buffer (the kernel, turned
-    into the plan in place at the end). Deterministic for a given device and input.
+    into the plan in place at the end); with ``overwrite``, the cost's buffer alone.
+    Deterministic for a given device and input.
     """
     if cost.dim() != 2:
         raise ValueError(f"cost must be 2-D, got shape {tuple(cost.shape)}")
@@ -141,9 +150,12 @@ def sinkhorn(
     n, m = c.shape
     # Work with the scaled plan P = n T whose rows sum to 1 and columns to n / m.
     col_target = n / m
-    kernel, f, g = _initial_kernel(c, reg)
-    u = torch.ones(n, dtype=torch.float32, device=c.device)
-    v = torch.ones(m, dtype=torch.float32, device=c.device)
+    in_place = overwrite
+    kernel, f, g = _initial_kernel(c, reg, in_place=in_place)
+    if in_place:
+        del c  # the buffer is the kernel now
+    u = torch.ones(n, dtype=torch.float32, device=kernel.device)
+    v = torch.ones(m, dtype=torch.float32, device=kernel.device)
     absorptions = 0
     err = math.inf
     status = "max_iter"
@@ -186,9 +198,13 @@ def sinkhorn(
             omega = 1.0  # safeguard: over-relaxation diverging, plain Sinkhorn from here on
         if hi > absorb or lo < 1.0 / absorb:
             # diag(u) exp((f + g - C) / reg) diag(v) = exp((f + reg log u + g + reg log v - C) / reg)
-            f = f + reg * torch.log(u)
-            g = g + reg * torch.log(v)
-            kernel = _kernel(c, f, g, reg, kernel)
+            if in_place:  # no cost to rebuild from: scale the kernel itself
+                kernel.mul_(u[:, None]).mul_(v[None, :])
+                torch.nn.functional.threshold(kernel, _TINY, 0.0, inplace=True)
+            else:
+                f = f + reg * torch.log(u)
+                g = g + reg * torch.log(v)
+                kernel = _kernel(c, f, g, reg, kernel)
             u = torch.ones_like(u)
             v = torch.ones_like(v)
             kv = torch.mv(kernel, v)

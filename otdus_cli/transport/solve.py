@@ -13,15 +13,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from otdus_cli.transport.assignment import assignment
-from otdus_cli.transport.cost import paper_cost, raw_cost
+from otdus_cli.transport.cost import paper_cost, paper_cost_of_parts, raw_cost
 from otdus_cli.transport.official import official_sinkhorn
 from otdus_cli.transport.plan import TransportPlan
 from otdus_cli.transport.sinkhorn import sinkhorn
 
-__all__ = ["COSTS", "SOLVERS", "match_rows", "resolve_device", "solve_cost"]
+__all__ = ["COSTS", "SOLVERS", "match_parts", "match_rows", "resolve_device", "solve_cost"]
 
 COSTS = ("paper", "raw")
 SOLVERS = ("sinkhorn", "emd", "official")
@@ -46,10 +48,14 @@ def solve_cost(
     reg: float = DEFAULT_REG,
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
+    overwrite: bool = False,
 ) -> TransportPlan:
-    """Solve uniform-marginal OT on a precomputed cost matrix."""
+    """Solve uniform-marginal OT on a precomputed cost matrix.
+
+    ``overwrite``: the cost may be destroyed (Sinkhorn then builds the plan in its buffer).
+    """
     if solver == "sinkhorn":
-        res = sinkhorn(cost, reg=reg, tol=tol, max_iter=max_iter)
+        res = sinkhorn(cost, reg=reg, tol=tol, max_iter=max_iter, overwrite=overwrite)
         return TransportPlan(
             cost.shape[0],
             cost.shape[1],
@@ -84,11 +90,29 @@ def match_rows(
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
 ) -> TransportPlan:
-    """Plan matching the rows of ``xa`` (A's neurons) to the rows of ``xb`` (B's), in float32."""
+    """Plan matching the rows of ``xa`` (A's neurons) to the rows of ``xb`` (B's), in float32.
+
+    Memory: one n x m float32 matrix (the cost, turned into the plan in place by Sinkhorn) plus
+    float32 copies of inputs given in another dtype.
+    """
     if cost not in COSTS:
         raise ValueError(f"unknown cost {cost!r}; choose one of {', '.join(COSTS)}")
-    a, b = xa.float(), xb.float()
-    c = paper_cost(a, b) if cost == "paper" else raw_cost(a, b)
-    plan = solve_cost(c, solver=solver, reg=reg, tol=tol, max_iter=max_iter)
+    c = paper_cost(xa, xb) if cost == "paper" else raw_cost(xa.float(), xb.float())
+    plan = solve_cost(c, solver=solver, reg=reg, tol=tol, max_iter=max_iter, overwrite=True)
     plan.info["cost"] = cost
+    return plan
+
+
+def match_parts(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    solver: str = "sinkhorn",
+    reg: float = DEFAULT_REG,
+    tol: float = DEFAULT_TOL,
+    max_iter: int = DEFAULT_MAX_ITER,
+) -> TransportPlan:
+    """Plan matching rows made of several parts (``paper_cost_of_parts``), e.g. an MLP neuron's
+    gate row, up row and down column."""
+    c = paper_cost_of_parts(parts)
+    plan = solve_cost(c, solver=solver, reg=reg, tol=tol, max_iter=max_iter, overwrite=True)
+    plan.info["cost"] = "paper"
     return plan

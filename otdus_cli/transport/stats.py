@@ -23,14 +23,20 @@ import torch
 
 __all__ = ["plan_stats", "plan_entropy", "permutation_closeness", "marginal_errors"]
 
-_BLOCK = 1024
+_BLOCK_ELEMENTS = 1 << 22  # float64 blocks of 32 MB: small next to the plan itself
+
+
+def _row_blocks(plan: torch.Tensor):
+    """Row slices of ``plan`` of about _BLOCK_ELEMENTS entries, in float64."""
+    step = max(1, _BLOCK_ELEMENTS // max(1, plan.shape[1]))
+    for s in range(0, plan.shape[0], step):
+        yield s, plan[s : s + step].double()
 
 
 def plan_entropy(plan: torch.Tensor) -> float:
     """H(T) = -sum T log T (natural log), with 0 log 0 = 0."""
     total = 0.0
-    for s in range(0, plan.shape[0], _BLOCK):
-        t = plan[s : s + _BLOCK].double()
+    for _, t in _row_blocks(plan):
         total -= float(torch.special.xlogy(t, t).sum())
     return total
 
@@ -38,8 +44,7 @@ def plan_entropy(plan: torch.Tensor) -> float:
 def permutation_closeness(plan: torch.Tensor) -> float:
     """Mean over rows of (largest entry / row mass): 1.0 for a permutation."""
     acc = 0.0
-    for s in range(0, plan.shape[0], _BLOCK):
-        t = plan[s : s + _BLOCK].double()
+    for _, t in _row_blocks(plan):
         rows = t.sum(dim=1)
         acc += float((t.amax(dim=1) / rows.clamp_min(1e-300)).sum())
     return acc / plan.shape[0]
@@ -50,9 +55,8 @@ def marginal_errors(plan: torch.Tensor) -> dict[str, float]:
     n, m = plan.shape
     rows = torch.empty(n, dtype=torch.float64, device=plan.device)
     cols = torch.zeros(m, dtype=torch.float64, device=plan.device)
-    for s in range(0, n, _BLOCK):
-        t = plan[s : s + _BLOCK].double()
-        rows[s : s + _BLOCK] = t.sum(dim=1)
+    for s, t in _row_blocks(plan):
+        rows[s : s + t.shape[0]] = t.sum(dim=1)
         cols += t.sum(dim=0)
     row_err = float((rows * n - 1.0).abs().max())
     col_err = float((cols * m - 1.0).abs().max())
