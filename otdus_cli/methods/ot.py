@@ -45,7 +45,14 @@ from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.transport.assignment import assignment
 from otdus_cli.transport.cost import euclidean_distances, unit_rows
 from otdus_cli.transport.plan import TransportPlan
-from otdus_cli.transport.solve import DEFAULT_MAX_ITER, DEFAULT_REG, DEFAULT_TOL, match_rows, resolve_device
+from otdus_cli.transport.solve import (
+    DEFAULT_MAX_ITER,
+    DEFAULT_REG,
+    DEFAULT_TOL,
+    match_parts,
+    match_rows,
+    resolve_device,
+)
 
 __all__ = ["OTBuilder", "OTSettings", "VARIANTS"]
 
@@ -129,7 +136,13 @@ class Heads:
 
 
 class OTBuilder:
-    """Builds one new layer from (f_i, f_{i+1}) by OT alignment and averaging (see module doc)."""
+    """Builds one new layer from (f_i, f_{i+1}) by OT alignment and averaging (see module doc).
+
+    Streaming: parent tensors are read when a formula first needs them and each finished module
+    is yielded (and can be written and freed) before the next is built, so the builder's memory
+    is that of the largest module step: for an MLP projection, the n x n plan plus three
+    n x d matrices (aligned input, result, B's weight in its storage dtype).
+    """
 
     parents_needed = 2
 
@@ -149,34 +162,31 @@ class OTBuilder:
                 f"layers {a.index} and {b.index} differ: {missing[0]} exists only in layer {a.index}"
             )
         layout = _Layout(family, ctx.config, suffixes_a)
-        dev = settings.device
-        ta = layout.load(a, dev)
-        tb = layout.load(b, dev)
-        heads = Heads.from_config(ctx.config, ta["q"]["weight"].shape[0])
-        _check_shapes(ta, tb, heads)
+        pair = _ParentPair(_Parent(a, layout, settings.device), _Parent(b, layout, settings.device))
+        heads = Heads.from_config(ctx.config)
         stats: dict[str, Any] = {}
-        offset = float(family.norm_offset)
-        if settings.variant == "structured":
-            new = _structured(ta, tb, heads, settings, stats)  # plain averages: offset-free
-        else:
-            new = _paper(ta, tb, settings, offset, stats, official=settings.variant == "official")
-        if settings.zero_init:
-            for role in ("o", "down"):
-                new[role] = {kind: torch.zeros_like(t) for kind, t in new[role].items()}
         ctx.stats["variant"] = settings.variant
         ctx.stats["solver"] = "pot-sinkhorn" if settings.variant == "official" else settings.solver
         ctx.stats["parents"] = [a.index, b.index]
         ctx.stats["modules"] = stats
-        produced = layout.unload(new)
-        del ta, tb, new
+        if settings.variant == "structured":
+            roles = _structured(pair, heads, settings, stats)  # plain averages: offset-free
+        else:
+            roles = _paper(pair, heads, settings, float(family.norm_offset), stats)
+        outputs = _Outputs(layout)
+        done: set[str] = set()
+        for role, tensors in roles:
+            ready = outputs.put(role, tensors)
+            del tensors
+            while ready:
+                suffix, tensor = ready.pop(0)
+                done.add(suffix)
+                yield suffix, tensor
+                del tensor  # written by now; keep the frame from holding it
         for suffix in suffixes_a:
-            if suffix in produced:
-                yield suffix, produced.pop(suffix)
-            else:  # no role: the plain average (e.g. tensors a template does not describe)
-                yield (
-                    suffix,
-                    (a.get(suffix).to(dev, torch.float32) + b.get(suffix).to(dev, torch.float32)) * 0.5,
-                )
+            if suffix not in done:  # no role: the plain average (e.g. tensors a template does not describe)
+                dev = settings.device
+                yield suffix, _avg(a.get(suffix).to(dev, torch.float32), b.get(suffix).to(dev, torch.float32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,18 +205,19 @@ class _Layout:
             found = {kind: f"{path}.{kind}" for kind in ("weight", "bias") if f"{path}.{kind}" in present}
             if "weight" in found:
                 self.where[role] = found
-        roles = set(self.where)
-        for fused, parts in family.fused.items():
-            if fused in roles:
-                roles |= set(parts)
-        lacking = [r for r in _REQUIRED if r not in roles]
+        # part role -> the fused role that stores it (Phi-3: q -> qkv, gate -> gate_up)
+        self.fused_in: dict[str, str] = {
+            part: fused for fused, parts in family.fused.items() if fused in self.where for part in parts
+        }
+        self.roles = set(self.where) | set(self.fused_in)
+        lacking = [r for r in _REQUIRED if r not in self.roles]
         if lacking:
             raise OtdusError(
                 f"--method ot needs the {'/'.join(lacking)} tensors, which this {family.name} layer lacks "
                 "(is the family template right?)"
             )
 
-    def _sizes(self, fused: str, rows: int) -> list[int]:
+    def sizes(self, fused: str, rows: int) -> list[int]:
         parts = self.family.fused[fused]
         if parts == ("q", "k", "v"):
             heads = Heads.from_config(self.config)
@@ -219,65 +230,133 @@ class _Layout:
             raise OtdusError(f"fused {fused} has {rows} rows, the config implies {sum(sizes)} ({sizes})")
         return sizes
 
-    def load(self, layer: ParentLayer, device: torch.device) -> Tensors:
-        out: Tensors = {}
-        for role, kinds in self.where.items():
-            loaded = {kind: layer.get(name).to(device, torch.float32) for kind, name in kinds.items()}
-            if role in self.family.fused:
-                parts = self.family.fused[role]
-                sizes = self._sizes(role, loaded["weight"].shape[0])
-                for kind, t in loaded.items():
-                    for part, piece in zip(parts, torch.split(t, sizes, dim=0), strict=True):
-                        out.setdefault(part, {})[kind] = piece
-            else:
-                out[role] = loaded
-        return out
 
-    def unload(self, new: Tensors) -> dict[str, torch.Tensor]:
-        produced: dict[str, torch.Tensor] = {}
-        for role, kinds in self.where.items():
-            parts = self.family.fused.get(role, (role,))
-            if not all(p in new for p in parts):
-                continue  # not produced by the variant: the builder falls back to the plain average
-            for kind, name in kinds.items():
-                produced[name] = (
-                    torch.cat([new[p][kind] for p in parts], dim=0) if len(parts) > 1 else new[role][kind]
-                )
-        return produced
+class _Parent:
+    """One parent layer's roles, each read when first asked for (storage dtype, compute device).
+
+    A fused tensor is read once; its parts not asked for yet wait here until they are.
+    """
+
+    def __init__(self, layer: ParentLayer, layout: _Layout, device: torch.device):
+        self.layer = layer
+        self.layout = layout
+        self.device = device
+        self._waiting: Tensors = {}
+
+    def _read(self, role: str) -> dict[str, torch.Tensor]:
+        return {kind: self.layer.get(name).to(self.device) for kind, name in self.layout.where[role].items()}
+
+    def take(self, role: str) -> dict[str, torch.Tensor]:
+        if role in self._waiting:
+            return self._waiting.pop(role)
+        fused = self.layout.fused_in.get(role)
+        if fused is None:
+            return self._read(role)
+        parts = self.layout.family.fused[fused]
+        for kind, t in self._read(fused).items():
+            sizes = self.layout.sizes(fused, t.shape[0])
+            for part, piece in zip(parts, torch.split(t, sizes, dim=0), strict=True):
+                self._waiting.setdefault(part, {})[kind] = piece
+        return self._waiting.pop(role)
 
 
-def _check_shapes(ta: Tensors, tb: Tensors, heads: Heads) -> None:
-    for role in ta:
-        for kind, t in ta[role].items():
-            if tb[role][kind].shape != t.shape:
+@dataclass
+class _ParentPair:
+    a: _Parent
+    b: _Parent
+
+    def has(self, role: str) -> bool:
+        return role in self.a.layout.roles
+
+    def take(self, role: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(A's, B's) tensors of ``role``; their shapes must agree."""
+        ta, tb = self.a.take(role), self.b.take(role)
+        for kind, t in ta.items():
+            if tb[kind].shape != t.shape:
                 raise OtdusError(
-                    f"{role}.{kind}: shapes differ between the layers ({t.shape} vs {tb[role][kind].shape})"
+                    f"{role}.{kind}: shapes differ between the layers ({t.shape} vs {tb[kind].shape})"
                 )
-    rows_q, rows_k = ta["q"]["weight"].shape[0], ta["k"]["weight"].shape[0]
-    if rows_q != heads.n_q * heads.head_dim or rows_k != heads.n_kv * heads.head_dim:
+        return ta, tb
+
+
+class _Outputs:
+    """Finished roles -> (suffix, tensor); the parts of a fused tensor wait for each other."""
+
+    def __init__(self, layout: _Layout):
+        self.layout = layout
+        self._parts: dict[str, Tensors] = {}
+
+    def put(self, role: str, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        fused = self.layout.fused_in.get(role)
+        if fused is None:
+            where = self.layout.where.get(role, {})
+            return [(where[kind], t) for kind, t in tensors.items() if kind in where]
+        group = self._parts.setdefault(fused, {})
+        group[role] = tensors
+        parts = self.layout.family.fused[fused]
+        if not all(p in group for p in parts):
+            return []
+        del self._parts[fused]
+        return [
+            (name, torch.cat([group[p][kind] for p in parts], dim=0))
+            for kind, name in self.layout.where[fused].items()
+        ]
+
+
+def _check_heads(q_rows: int, k_rows: int, heads: Heads) -> None:
+    if q_rows != heads.n_q * heads.head_dim or k_rows != heads.n_kv * heads.head_dim:
         raise OtdusError(
-            f"q/k have {rows_q}/{rows_k} rows; the config implies {heads.n_q}x{heads.head_dim} and "
+            f"q/k have {q_rows}/{k_rows} rows; the config implies {heads.n_q}x{heads.head_dim} and "
             f"{heads.n_kv}x{heads.head_dim}"
         )
 
 
 # --------------------------------------------------------------------------------------------
-# Small helpers.
+# Small helpers. Inputs taken from a parent are never modified in place (a parent may hand out
+# tensors it keeps); results of products are fresh and updated in place to save a buffer.
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32)
 
 
 def _avg(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x + y) * 0.5
 
 
-def _avg_role(ta: Tensors, tb: Tensors, role: str) -> dict[str, torch.Tensor]:
-    return {kind: _avg(t, tb[role][kind]) for kind, t in ta[role].items()}
+def _avg_role(ta: dict[str, torch.Tensor], tb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {kind: _avg(_f32(t), tb[kind]) for kind, t in ta.items()}
+
+
+def _zeros_like_role(ta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """All-zero tensors of ``ta``'s shapes as broadcast views (no memory; written as zeros)."""
+    return {
+        kind: torch.zeros((), dtype=torch.float32, device=t.device).expand(t.shape) for kind, t in ta.items()
+    }
 
 
 def _aligned_role(
     plan: TransportPlan, ta: dict[str, torch.Tensor], tb: dict[str, torch.Tensor], scale: float | None
 ) -> dict[str, torch.Tensor]:
     """1/2 ((s T)^T X_A + X_B) for the weight (already input-aligned) and the bias of one role."""
-    return {kind: _avg(plan.rows_to_b(t, scale), tb[kind]) for kind, t in ta.items()}
+    out = {}
+    for kind, t in ta.items():
+        moved = plan.rows_to_b(_f32(t), scale)  # fresh: safe to update in place
+        out[kind] = _add_into(moved, tb[kind]).mul_(0.5)
+    return out
+
+
+_ADD_BLOCK_ELEMENTS = 1 << 22
+
+
+def _add_into(out: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """out += other, in row blocks when ``other`` needs converting (no full float32 copy of it)."""
+    if other.dtype == out.dtype or other.dim() < 2:
+        return out.add_(other)
+    step = max(1, _ADD_BLOCK_ELEMENTS // max(1, other[0].numel()))
+    for s in range(0, other.shape[0], step):
+        out[s : s + step].add_(other[s : s + step])
+    return out
 
 
 def _norm_through(
@@ -292,6 +371,7 @@ def _norm_through(
     columns sum to exactly 1 (a permutation); with the released code's unscaled T they sum to
     ~1/n and the offset term matters.
     """
+    g_a, g_b = _f32(g_a), _f32(g_b)
 
     def through(x: torch.Tensor) -> torch.Tensor:
         moved = plan.cols_to_b(x, scale)
@@ -306,14 +386,21 @@ def _norm_through(
 # --------------------------------------------------------------------------------------------
 # Variants "paper" and "official".
 
+Roles = Iterator[tuple[str, dict[str, torch.Tensor]]]
 
-def _paper(ta: Tensors, tb: Tensors, s: OTSettings, offset: float, stats: dict, official: bool) -> Tensors:
-    """The transport-matrix-flow table of reference.md section 2 (or its released-code form).
+
+def _paper(pair: _ParentPair, heads: Heads, s: OTSettings, offset: float, stats: dict) -> Roles:
+    """The transport-matrix-flow table of reference.md section 2 (or its released-code form),
+    yielding each module as soon as it is built.
 
     paper:    cost "paper", chosen solver, plans applied as n T.
     official: cost "raw", POT standard Sinkhorn, plans applied as T (scale 1): A's contribution
               shrinks by ~n, so q/k/v/gate/up come out ~ 1/2 W_B, exactly as the released code.
+    With zero-init on, o and down come out zero: their plans are still solved (T_O feeds the
+    post-attention norm and gate/up; T_D Gemma's post-feedforward norm; both go to the stats),
+    but the aligned weights are not computed.
     """
+    official = s.variant == "official"
     cost = "raw" if official else "paper"
     solver = "official" if official else s.solver
     scale = 1.0 if official else None  # None: the plan's own n
@@ -323,53 +410,75 @@ def _paper(ta: Tensors, tb: Tensors, s: OTSettings, offset: float, stats: dict, 
         stats[module] = plan.stats()
         return plan
 
-    new: Tensors = {}
+    def plain(role: str) -> Roles:
+        if pair.has(role):
+            ta, tb = pair.take(role)
+            yield role, _avg_role(ta, tb)
+
+    yield from plain("attn_norm")
+    rows: dict[str, int] = {}
     for role in ("q", "k", "v"):
-        plan = match(ta[role]["weight"], tb[role]["weight"], role)
-        new[role] = _aligned_role(plan, ta[role], tb[role], scale)
-        del plan
-    plan_o = match(ta["o"]["weight"], tb["o"]["weight"], "o")
+        ta, tb = pair.take(role)
+        rows[role] = ta["weight"].shape[0]
+        if role == "k":
+            _check_heads(rows["q"], rows["k"], heads)
+        plan = match(ta["weight"], tb["weight"], role)
+        out = _aligned_role(plan, ta, tb, scale)
+        del ta, tb, plan
+        yield role, out
+        del out  # the consumer has written it: do not hold it through the next module
+    yield from plain("q_norm")  # per head_dim, shared by all heads: no rows to align
+    yield from plain("k_norm")
+    ta, tb = pair.take("o")
+    plan_o = match(ta["weight"], tb["weight"], "o")
     # o's own alignment (only kept when zero_init is off): T_in = I per the paper's table.
-    new["o"] = _aligned_role(plan_o, ta["o"], tb["o"], scale)
-    # Post-attention (pre-MLP) norm: T_in = 1/2 (s T_O + I).
-    new["mlp_norm"] = {
-        "weight": _norm_through(
-            plan_o, ta["mlp_norm"]["weight"], tb["mlp_norm"]["weight"], offset, scale, mix=True
-        )
-    }
-    for role in ("gate", "up"):
-        w_in = plan_o.cols_to_b(ta[role]["weight"], scale)  # W_A T_in with T_in = s T_O
-        plan = match(w_in, tb[role]["weight"], role)
-        new[role] = _aligned_role(plan, {**ta[role], "weight": w_in}, tb[role], scale)
-        del plan, w_in
-    plan_d = match(ta["down"]["weight"], tb["down"]["weight"], "down")
-    new["down"] = _aligned_role(plan_d, ta["down"], tb["down"], scale)
-    new["attn_norm"] = _avg_role(ta, tb, "attn_norm") if "attn_norm" in ta else None
+    out = _zeros_like_role(ta) if s.zero_init else _aligned_role(plan_o, ta, tb, scale)
+    del ta, tb
+    yield "o", out
+    del out
     # Gemma's post-attention / post-feedforward norms scale o's / down's output rows, so in
     # "paper" they follow T_O / T_D (the plans of the rows they multiply). They only ever act on
     # the zeroed outputs, so they cannot change the function; the released code has no such
     # tensors, and "official" averages them plainly rather than invent a convention.
-    for role, plan in (("attn_out_norm", plan_o), ("mlp_out_norm", plan_d)):
-        if role in ta:
-            if official:
-                new[role] = _avg_role(ta, tb, role)
-            else:
-                new[role] = {
-                    "weight": _norm_through(
-                        plan, ta[role]["weight"], tb[role]["weight"], offset, scale, mix=False
-                    )
-                }
-    for role in ("q_norm", "k_norm"):  # per head_dim, shared by all heads: no rows to align
-        if role in ta:
-            new[role] = _avg_role(ta, tb, role)
-    return {k: v for k, v in new.items() if v is not None}
+    yield from _output_norm(pair, "attn_out_norm", plan_o, offset, scale, official)
+    # Post-attention (pre-MLP) norm: T_in = 1/2 (s T_O + I).
+    ta, tb = pair.take("mlp_norm")
+    yield "mlp_norm", {"weight": _norm_through(plan_o, ta["weight"], tb["weight"], offset, scale, mix=True)}
+    for role in ("gate", "up"):
+        ta, tb = pair.take(role)
+        inputs = {**ta, "weight": plan_o.cols_to_b(_f32(ta["weight"]), scale)}  # W_A T_in, T_in = s T_O
+        del ta
+        plan = match(inputs["weight"], tb["weight"], role)
+        out = _aligned_role(plan, inputs, tb, scale)
+        del inputs, tb, plan
+        yield role, out
+        del out
+    del plan_o
+    ta, tb = pair.take("down")
+    plan_d = match(ta["weight"], tb["weight"], "down")
+    out = _zeros_like_role(ta) if s.zero_init else _aligned_role(plan_d, ta, tb, scale)
+    del ta, tb
+    yield "down", out
+    yield from _output_norm(pair, "mlp_out_norm", plan_d, offset, scale, official)
+
+
+def _output_norm(
+    pair: _ParentPair, role: str, plan: TransportPlan, offset: float, scale: float | None, official: bool
+) -> Roles:
+    if not pair.has(role):
+        return
+    ta, tb = pair.take(role)
+    if official:
+        yield role, _avg_role(ta, tb)
+    else:
+        yield role, {"weight": _norm_through(plan, ta["weight"], tb["weight"], offset, scale, mix=False)}
 
 
 # --------------------------------------------------------------------------------------------
 # Variant "structured".
 
 
-def _structured(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings, stats: dict) -> Tensors:
+def _structured(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> Roles:
     """Alignment along the layer's real symmetries only (reference.md section 2.2, docs/ot.md).
 
     * Residual (hidden) axis: identity. A and B read and write the same residual stream, whose
@@ -384,40 +493,62 @@ def _structured(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings, stats: di
       dims d and d + head_dim/2 together at a fixed frequency), while V dims, which only meet
       O's columns, get their own plan, and O's columns follow both head and V-dim plans.
     """
-    new: Tensors = {}
     for role in _NORMS:
-        if role in ta:
-            new[role] = _avg_role(ta, tb, role)
+        if pair.has(role):
+            ta, tb = pair.take(role)
+            yield role, _avg_role(ta, tb)
 
-    # --- MLP: one plan per neuron (gate row, up row, down column).
-    feats_a = _neuron_features(ta)
-    feats_b = _neuron_features(tb)
-    plan = match_rows(
-        feats_a, feats_b, cost="paper", solver=s.solver, reg=s.reg, tol=s.tol, max_iter=s.max_iter
+    # --- MLP: one plan per neuron (gate row, up row, down column), on the three parts' cost.
+    mlp = {role: pair.take(role) for role in ("gate", "up", "down")}
+    (ga, gb), (ua, ub), (da, db) = mlp["gate"], mlp["up"], mlp["down"]
+    plan = match_parts(
+        [(ga["weight"], gb["weight"]), (ua["weight"], ub["weight"]), (da["weight"].T, db["weight"].T)],
+        solver=s.solver,
+        reg=s.reg,
+        tol=s.tol,
+        max_iter=s.max_iter,
     )
-    del feats_a, feats_b
     stats["gate_up"] = plan.stats()
     for role in ("gate", "up"):
-        new[role] = _aligned_role(plan, ta[role], tb[role], None)
-    new["down"] = {"weight": _avg(plan.cols_to_b(ta["down"]["weight"]), tb["down"]["weight"])}
-    if "bias" in ta["down"]:  # down's bias lives on the hidden axis: not permuted
-        new["down"]["bias"] = _avg(ta["down"]["bias"], tb["down"]["bias"])
-    del plan
+        ta, tb = mlp.pop(role)
+        out = _aligned_role(plan, ta, tb, None)
+        del ta, tb
+        yield role, out
+        del out
+    ta, tb = mlp.pop("down")
+    if s.zero_init:
+        down = _zeros_like_role(ta)
+    else:
+        down = {"weight": _add_into(plan.cols_to_b(_f32(ta["weight"])), tb["weight"]).mul_(0.5)}
+        if "bias" in ta:  # down's bias lives on the hidden axis: not permuted
+            down["bias"] = _avg(_f32(ta["bias"]), tb["bias"])
+    del ta, tb, plan
+    yield "down", down
 
     # --- Attention: head-level assignment, then V dims inside matched heads.
+    att = {role: pair.take(role) for role in ("q", "k", "v", "o")}
+    ta = {role: {kind: _f32(t) for kind, t in att[role][0].items()} for role in att}
+    tb = {role: {kind: _f32(t) for kind, t in att[role][1].items()} for role in att}
+    del att
+    _check_heads(ta["q"]["weight"].shape[0], ta["k"]["weight"].shape[0], heads)
+    yield from _structured_attention(ta, tb, heads, s, stats)
+
+
+def _structured_attention(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings, stats: dict) -> Roles:
     kv_perm, q_perm, head_stats = _match_heads(ta, tb, heads)
     stats["heads"] = head_stats
     hd, g = heads.head_dim, heads.group
     device = ta["q"]["weight"].device
     q_rows = _head_rows(q_perm, hd, device)  # B's head j takes the rows of A's head perm^-1(j)
     kv_rows = _head_rows(kv_perm, hd, device)
-    new["q"] = {kind: _avg(t[q_rows], tb["q"][kind]) for kind, t in ta["q"].items()}
-    new["k"] = {kind: _avg(t[kv_rows], tb["k"][kind]) for kind, t in ta["k"].items()}
+    yield "q", {kind: _avg(t[q_rows], tb["q"][kind]) for kind, t in ta["q"].items()}
+    yield "k", {kind: _avg(t[kv_rows], tb["k"][kind]) for kind, t in ta["k"].items()}
     # V dims: one plan per matched KV head pair; O's columns of that group's query heads follow.
     v_a = {kind: t[kv_rows] for kind, t in ta["v"].items()}  # A's KV heads in B's head order
-    o_a = ta["o"]["weight"][:, q_rows]  # A's query-head column blocks in B's head order
+    # A's query-head column blocks in B's head order (not needed when o comes out zero)
+    o_a = None if s.zero_init else ta["o"]["weight"][:, q_rows]
     v_new = {kind: torch.empty_like(t) for kind, t in v_a.items()}
-    o_new = torch.empty_like(o_a)
+    o_new = None if o_a is None else torch.empty_like(o_a)
     v_stats = []
     for j in range(heads.n_kv):
         rows = slice(j * hd, (j + 1) * hd)
@@ -433,23 +564,18 @@ def _structured(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings, stats: di
         v_stats.append(plan.stats())
         for kind, t in v_a.items():
             v_new[kind][rows] = _avg(plan.rows_to_b(t[rows]), tb["v"][kind][rows])
-        for h in range(j * g, (j + 1) * g):
+        for h in range(j * g, (j + 1) * g) if o_new is not None else ():
             cols = slice(h * hd, (h + 1) * hd)
             o_new[:, cols] = _avg(plan.cols_to_b(o_a[:, cols]), tb["o"]["weight"][:, cols])
-    new["v"] = v_new
-    new["o"] = {"weight": o_new}
-    if "bias" in ta["o"]:  # hidden axis: not permuted
-        new["o"]["bias"] = _avg(ta["o"]["bias"], tb["o"]["bias"])
     stats["v"] = _mean_stats(v_stats)
-    return new
-
-
-def _neuron_features(t: Tensors) -> torch.Tensor:
-    """Row k = [gate_k | up_k | down[:, k]], each part scaled to unit norm (equal say for each)."""
-    return torch.cat(
-        [unit_rows(t["gate"]["weight"]), unit_rows(t["up"]["weight"]), unit_rows(t["down"]["weight"].T)],
-        dim=1,
-    )
+    yield "v", v_new
+    if o_new is None:
+        yield "o", _zeros_like_role(ta["o"])
+        return
+    o_out = {"weight": o_new}
+    if "bias" in ta["o"]:  # hidden axis: not permuted
+        o_out["bias"] = _avg(ta["o"]["bias"], tb["o"]["bias"])
+    yield "o", o_out
 
 
 def _head_rows(perm: list[int], hd: int, device: torch.device) -> torch.Tensor:
