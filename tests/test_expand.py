@@ -252,3 +252,14 @@ def test_unconverged_transport_is_reported(tmp_path):
     summary = json.loads(result.stdout)
     assert summary["transport_warnings"] and "max_iter" in summary["transport_warnings"][0]
     assert "warning:" in result.stderr
+
+
+def test_reader_reads_row_ranges_of_a_tensor(sharded_llama):
+    reader = CheckpointReader(sharded_llama)
+    for name in reader.names:
+        whole = reader.get(name)
+        if whole.dim() == 0:
+            continue
+        rows = len(whole)
+        for start, stop in ((0, rows), (1, max(1, rows - 1)), (rows - 1, rows + 5), (rows, rows)):
+            assert torch.equal(reader.get_rows(name, start, stop), whole[start:stop]), (name, start, stop)

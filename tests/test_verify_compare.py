@@ -111,7 +111,7 @@ def test_lockstep_parity_with_zero_init_layer(tmp_path, story_plan):
     report = verify_expansion(STORIES, expanded, story_plan)
     assert report.expect_parity and report.parity and report.exit_code == 0
     assert report.verdict.startswith("PARITY")
-    assert report.logits_equal and report.logits_max_abs_diff == 0.0
+    assert report.logits_equal and report.logprob_max_abs_diff == 0.0
     assert report.first_divergence is None
     assert report.base.token_perplexity == report.expanded.token_perplexity
     assert report.base.token_perplexity == pytest.approx(3.548, abs=2e-3)
@@ -142,6 +142,17 @@ def test_lockstep_names_the_broken_layer(tmp_path, small_plan):
     assert "new layer 2" in report.verdict
     assert [c.equal for c in report.checks[:3]] == [True, True, True]  # embeddings, layers 0 and 1
     assert report.deltas["token_perplexity"] != 0
+
+
+def test_verdicts_hold_when_logits_come_in_small_chunks(tmp_path, small_plan, monkeypatch):
+    # one model's head and one chunk of logits at a time: chunks are compared by digest
+    from otdus_cli.verify import streaming
+
+    monkeypatch.setattr(streaming, "DEFAULT_MAX_LOGITS_BYTES", 3 * 512 * 4)  # 3 positions (vocab 512)
+    report = verify_expansion(STORIES, _expand(tmp_path / "ok", after=1), small_plan)
+    assert report.parity and report.logits_equal and report.logprob_max_abs_diff == 0.0
+    broken = verify_expansion(STORIES, _expand(tmp_path / "bad", after=1, o_proj_value=0.01), small_plan)
+    assert broken.exit_code == 1 and not broken.logits_equal and broken.logprob_max_abs_diff > 0
 
 
 def test_not_function_preserving_is_reported_not_failed(tmp_path, small_plan):

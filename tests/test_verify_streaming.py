@@ -119,3 +119,40 @@ def test_missing_or_foreign_tensors_are_clear_errors(tiny_models, tmp_path):
 def test_group_windows():
     assert group_windows([5, 3, 5, 5, 3], 2) == [[0, 2], [3], [1, 4]]
     assert group_windows([5, 5], 1) == [[0], [1]]
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "llama"])  # soft-capping; untied head
+def test_logits_in_position_chunks_match_the_full_forward(tiny_models, model_type):
+    folder = tiny_models[model_type]
+    streamed = StreamedModel(folder)
+    inputs = _inputs(streamed.config.vocab_size, seed=3)
+    acts = streamed.run(inputs)
+    per_position = streamed.config.vocab_size * 4
+    chunks = list(streamed.iter_logits(acts, max_logits_bytes=5 * per_position))  # 5 positions each
+    assert len(chunks) == sum(-(-n // 5) for n in LENGTHS)
+    assert all(logits.shape[1] <= 5 for _, _, logits in chunks)
+    for i, ref in enumerate(_reference(folder, inputs)):
+        mine = [(p0, logits[0]) for group, p0, logits in chunks if group == [i]]
+        assert [p0 for p0, _ in mine] == list(range(0, len(inputs[i]), 5))
+        joined = torch.cat([t for _, t in mine])
+        assert joined.shape == ref.shape and torch.allclose(joined, ref, atol=1e-5, rtol=1e-5)
+
+
+def _on_device(module) -> bool:
+    return not module.weight.is_meta
+
+
+def test_shell_stages_never_hold_an_untied_embedding_and_head_together(tiny_models):
+    streamed = StreamedModel(tiny_models["llama"])  # untied
+    emb, head = streamed.model.get_input_embeddings(), streamed.model.get_output_embeddings()
+    acts = streamed.start(_inputs(streamed.config.vocab_size)[:1])
+    assert not _on_device(emb) and not _on_device(head)  # freed for the layer loop
+    streamed._load_shell("embed")
+    assert _on_device(emb) and not _on_device(head)
+    for i in range(streamed.num_layers):
+        streamed.apply_layer(i, acts)
+    for _ in streamed.iter_logits(acts):
+        assert _on_device(head) and not _on_device(emb)
+    tied = StreamedModel(tiny_models["qwen2"])  # tied: one matrix serves both stages
+    tied._load_shell("head")
+    assert _on_device(tied.model.get_input_embeddings()) and _on_device(tied.model.get_output_embeddings())

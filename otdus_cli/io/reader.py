@@ -192,6 +192,27 @@ class CheckpointReader:
             return self._bin_state(self._bin_files[name])[name].clone()
         raise OtdusError(f"tensor {name} not found in {self.folder}")
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (along dim 0) of a tensor, reading only their bytes from a safetensors
+        shard (a row range is one contiguous byte range); other formats slice the loaded tensor."""
+        info = self._infos.get(name)
+        if info is None or not info.shape:
+            return self.get(name)[start:stop].clone()
+        rows = info.shape[0]
+        start, stop = max(0, min(start, rows)), max(0, min(stop, rows))
+        stop = max(start, stop)
+        row_bytes = info.nbytes // rows if rows else 0
+        shape = (stop - start, *info.shape[1:])
+        nbytes = (stop - start) * row_bytes
+        if nbytes == 0:
+            return torch.empty(shape, dtype=DTYPES[info.dtype])
+        buf = bytearray(nbytes)
+        with open(info.file, "rb") as f:
+            f.seek(info.begin + start * row_bytes)
+            if f.readinto(buf) != nbytes:
+                raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {name}")
+        return torch.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(shape)
+
     def total_bytes(self) -> int:
         return sum(math.prod(m.shape) * itemsize(m.dtype) for m in self._metas.values())
 

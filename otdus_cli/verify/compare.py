@@ -21,6 +21,7 @@ is expected and broken.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -36,15 +37,16 @@ from otdus_cli.verify.metrics import (
     EvalPlan,
     PerplexityMetrics,
     Progress,
+    Window,
+    iter_window_logprobs,
+    join_pieces,
     lm_eval_max_length,
     load_tokenizer,
-    logits_to_keep,
     metrics_from_logprobs,
     model_max_positions,
     plan_rolling,
     plan_token,
     score_plan,
-    window_logprobs,
 )
 from otdus_cli.verify.streaming import Activations, StreamedModel, parse_dtype
 from otdus_cli.verify.text import Corpus, wikitext_corpus
@@ -242,8 +244,8 @@ class VerifyReport:
     verdict: str
     exit_code: int
     tolerance: str
-    logits_equal: bool
-    logits_max_abs_diff: float
+    logits_equal: bool  # every logit bitwise equal (chunk digests)
+    logprob_max_abs_diff: float  # largest |difference| of a scored token's log-probability
     first_divergence: LayerCheck | None
     checks: list[LayerCheck] = field(default_factory=list)
 
@@ -265,6 +267,23 @@ def _max_abs_diff(a: Activations, b: Activations) -> tuple[float, bool]:
             d = float(diff.max()) if diff.numel() else 0.0
             worst = max(worst, d if not math.isnan(d) else math.inf)
     return worst, equal
+
+
+def _digest(logits: torch.Tensor) -> str:
+    data = logits.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"{tuple(logits.shape)}:{hashlib.sha256(data).hexdigest()}"
+
+
+def _score(model: StreamedModel, acts: Activations, windows: Sequence[Window]) -> tuple[list, list[str]]:
+    """Log-probs per window and a digest per logits chunk; frees the model's head afterwards."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in windows]
+    digests = []
+    for logits, scored in iter_window_logprobs(model, acts, windows):
+        digests.append(_digest(logits))
+        for i, lp in scored:
+            pieces[i].append(lp)
+    model.free_shell()
+    return join_pieces(windows, pieces), digests
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -348,25 +367,20 @@ def verify_expansion(
         base.apply_layer(base_done, acts_b)
         base_done += 1
 
-    keep = [logits_to_keep(w) for w in plan.windows]
-    lp_b: list[torch.Tensor | None] = [None] * len(plan.windows)
-    lp_e: list[torch.Tensor | None] = [None] * len(plan.windows)
-    logits_equal, logits_diff = True, 0.0
-    pairs = zip(base.iter_logits(acts_b, keep), expd.iter_logits(acts_e, keep), strict=True)
-    for (group, lb), (_, le) in pairs:
-        if lb.shape != le.shape:
-            logits_equal, logits_diff = False, math.inf
-        elif not torch.equal(lb, le):
-            logits_equal = False
-            d = float((lb.float() - le.float()).abs().max())
-            logits_diff = max(logits_diff, d if not math.isnan(d) else math.inf)
-        for row, i in enumerate(group):
-            lp_b[i] = window_logprobs(lb[row], plan.windows[i])
-            lp_e[i] = window_logprobs(le[row], plan.windows[i])
-    m_b = metrics_from_logprobs(plan, lp_b)  # type: ignore[arg-type]
-    m_e = metrics_from_logprobs(plan, lp_e)  # type: ignore[arg-type]
-    base.free_shell()
-    expd.free_shell()
+    # Logits one model at a time (its head, one chunk of positions): the chunks are compared by
+    # digest, so neither model's head or logits need to be held next to the other's.
+    lp_b, digests_b = _score(base, acts_b, plan.windows)
+    del acts_b
+    lp_e, digests_e = _score(expd, acts_e, plan.windows)
+    del acts_e
+    logits_equal = digests_b == digests_e
+    logprob_diff = max(
+        (float((x - y).abs().max()) for x, y in zip(lp_b, lp_e, strict=True) if x.numel()), default=0.0
+    )
+    if math.isnan(logprob_diff):
+        logprob_diff = math.inf
+    m_b = metrics_from_logprobs(plan, lp_b)
+    m_e = metrics_from_logprobs(plan, lp_e)
 
     vb, ve = m_b.values(), m_e.values()
     deltas = {k: ve[k] - vb[k] for k in vb if k in ve}
@@ -410,7 +424,7 @@ def verify_expansion(
         exit_code=exit_code,
         tolerance=tolerance,
         logits_equal=logits_equal,
-        logits_max_abs_diff=logits_diff,
+        logprob_max_abs_diff=logprob_diff,
         first_divergence=first,
         checks=checks,
     )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -265,20 +265,52 @@ def plan_token(
 
 
 # -- scoring ------------------------------------------------------------------------------------------
+def target_logprobs(logits: torch.Tensor, window: Window, first: int) -> torch.Tensor:
+    """Log-probabilities (float64, CPU) of the window's targets predicted at positions ``first`` ..
+    ``first + len(logits) - 1`` (logits [c, V] of those positions; target i is predicted at position
+    ``window.offset + i``); log-softmax in float32. Empty when the chunk predicts none of them."""
+    lo = max(0, first - window.offset)
+    hi = min(len(window.targets), first + logits.shape[0] - window.offset)
+    if hi <= lo:
+        return torch.empty(0, dtype=torch.float64)
+    rows = logits[window.offset + lo - first : window.offset + hi - first].float()
+    idx = torch.tensor(window.targets[lo:hi], dtype=torch.long, device=rows.device)
+    return torch.log_softmax(rows, dim=-1).gather(-1, idx[:, None])[:, 0].double().cpu()
+
+
 def window_logprobs(logits: torch.Tensor, window: Window) -> torch.Tensor:
     """Per-target log-probabilities (float64, CPU) from ``logits`` [k, V] that cover the window's last
     k positions; log-softmax in float32."""
-    k = logits.shape[0]
-    start = window.offset - (len(window.input_ids) - k)
-    if start < 0:
+    first = len(window.input_ids) - logits.shape[0]
+    if first > window.offset:
         raise OtdusError("internal: logits do not cover the scored positions")
-    rows = logits[start : start + len(window.targets)].float()
-    idx = torch.tensor(window.targets, dtype=torch.long, device=rows.device)
-    return torch.log_softmax(rows, dim=-1).gather(-1, idx[:, None])[:, 0].double().cpu()
+    return target_logprobs(logits, window, first)
 
 
 def logits_to_keep(window: Window) -> int:
     return len(window.input_ids) - window.offset
+
+
+def iter_window_logprobs(model, acts, windows: Sequence[Window]) -> Iterator[tuple[torch.Tensor, list]]:
+    """Score ``acts`` (a :class:`StreamedModel`'s finished activations) chunk by chunk.
+
+    Yields (logits chunk, [(window index, log-probs of the targets it predicts), ...]); the caller
+    may look at the chunk (e.g. to compare it) before it is dropped.
+    """
+    keep = [logits_to_keep(w) for w in windows]
+    for group, first, logits in model.iter_logits(acts, keep):
+        yield logits, [(i, target_logprobs(logits[row], windows[i], first)) for row, i in enumerate(group)]
+
+
+def join_pieces(windows: Sequence[Window], pieces: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """One log-prob vector per window from its chunks' pieces (checks every target was scored)."""
+    out = []
+    for window, parts in zip(windows, pieces, strict=True):
+        lp = torch.cat(list(parts)) if parts else torch.empty(0, dtype=torch.float64)
+        if lp.numel() != len(window.targets):
+            raise OtdusError("internal: scored positions do not match the window's targets")
+        out.append(lp)
+    return out
 
 
 def score_plan(model, plan: EvalPlan, progress: Progress | None = None) -> list[torch.Tensor]:
@@ -286,12 +318,12 @@ def score_plan(model, plan: EvalPlan, progress: Progress | None = None) -> list[
     windows = plan.windows
     layer_progress = (lambda i, n: progress("layers", i, n)) if progress else None
     acts = model.run([w.input_ids for w in windows], layer_progress)
-    result: list[torch.Tensor | None] = [None] * len(windows)
-    keep = [logits_to_keep(w) for w in windows]
-    for group, logits in model.iter_logits(acts, keep):
-        for row, i in enumerate(group):
-            result[i] = window_logprobs(logits[row], windows[i])
-    return result  # type: ignore[return-value]
+    pieces: list[list[torch.Tensor]] = [[] for _ in windows]
+    for _, scored in iter_window_logprobs(model, acts, windows):
+        for i, lp in scored:
+            pieces[i].append(lp)
+    model.free_shell()
+    return join_pieces(windows, pieces)
 
 
 def metrics_from_logprobs(plan: EvalPlan, logprobs: Sequence[torch.Tensor]) -> PerplexityMetrics:

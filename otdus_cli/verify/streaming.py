@@ -8,8 +8,10 @@ LM head and logit soft-capping. The stand-ins record the arguments each layer re
 layers are then materialised one at a time from the checkpoint, run over every window's hidden
 states with exactly those arguments, and freed.
 
-Peak memory: the non-layer weights (embeddings, final norm, head), one decoder layer, and the
-per-window hidden states.
+Peak memory: one decoder layer (or the embeddings, or the head: the shell is loaded in two stages,
+the input embeddings for the first step and the final norm + head for the logits, so an untied head
+and embedding matrix are never held together), the per-window hidden states, and one chunk of
+logits (positions are scored in chunks of at most ``max_logits_bytes``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from torch import nn
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
+
+# Large tensors are copied from disk in blocks of this size (float32 destination bytes).
+_COPY_BLOCK_BYTES = 64 * 2**20
+# Logits of one scoring step: 64 MiB is ~128 positions of a 128k vocabulary in float32.
+DEFAULT_MAX_LOGITS_BYTES = 64 * 2**20
 
 DTYPES = {
     "float32": torch.float32,
@@ -225,7 +232,8 @@ class StreamedModel:
         self.decoder.layers = nn.ModuleList(
             _LayerStandIn(i, layer, self._hub) for i, layer in enumerate(self.layers)
         )
-        self._shell_loaded = False
+        self._stage_skips = self._shell_stages()
+        self._shell_loaded: str | None = None  # "embed", "head" or "all": what is on the device
 
     # -- structure ------------------------------------------------------------------------------
     def _find_decoder(self) -> nn.Module:
@@ -273,6 +281,22 @@ class StreamedModel:
                 return value
         return None
 
+    def _copy_from_disk(self, target: torch.Tensor, name: str) -> None:
+        """target <- tensor ``name``, in row blocks, so converting a large matrix (an embedding in
+        bfloat16 -> float32) never holds a second full copy of it."""
+        shape = tuple(self.reader.meta(name).shape)
+        if tuple(target.shape) != shape:
+            raise OtdusError(
+                f"{self.folder.name}: {name} has shape {shape}, config implies {tuple(target.shape)}"
+            )
+        row_bytes = target[0].numel() * target.element_size() if target.dim() and len(target) else 0
+        if target.dim() == 0 or row_bytes * len(target) <= _COPY_BLOCK_BYTES:
+            target.copy_(self.reader.get(name))
+            return
+        step = max(1, _COPY_BLOCK_BYTES // row_bytes)
+        for start in range(0, len(target), step):
+            target[start : start + step].copy_(self.reader.get_rows(name, start, start + step))
+
     def _fetch(self, sources: tuple[str, ...], key: str) -> torch.Tensor:
         if len(sources) == 1:
             return self.reader.get(sources[0])
@@ -298,6 +322,9 @@ class StreamedModel:
                 if key in skip:
                     continue
                 sources = recipe[key] if recipe is not None else (prefix + key,)
+                if len(sources) == 1:
+                    self._copy_from_disk(target, sources[0])
+                    continue
                 value = self._fetch(sources, key)
                 if tuple(target.shape) != tuple(value.shape):
                     raise OtdusError(
@@ -306,29 +333,48 @@ class StreamedModel:
                     )
                 target.copy_(value)
 
-    def _load_shell(self) -> None:
-        """Embeddings, final norm, head and rotary buffers: everything outside the decoder layers."""
-        if self._shell_loaded:
+    def _shell_stages(self) -> dict[str, nn.Module | None]:
+        """Per shell stage, the module that stage can leave on the meta device.
+
+        "embed" (embedding the windows) needs no LM head, "head" (the logits, fed the final hidden
+        states as ``inputs_embeds``) no input embeddings; unless the two share one matrix, which
+        then serves both stages.
+        """
+        inp, out = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        weight_in, weight_out = getattr(inp, "weight", None), getattr(out, "weight", None)
+        if not isinstance(weight_in, nn.Parameter) or not isinstance(weight_out, nn.Parameter):
+            return {"embed": None, "head": None, "all": None}
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        shared = weight_in is weight_out and names.get(id(weight_out)) not in set(self.reader.names)
+        if shared:
+            return {"embed": None, "head": None, "all": None}
+        return {"embed": out, "head": inp, "all": None}
+
+    def _load_shell(self, stage: str = "all") -> None:
+        """The weights outside the decoder layers (embeddings, final norm, head, rotary buffers), all
+        of them or those one ``stage`` needs (see ``_shell_stages``)."""
+        if self._shell_loaded in (stage, "all"):
             return
+        if self._shell_loaded:
+            self.free_shell()
+        skip = self._stage_skips[stage]
+        skipped = {id(p) for p in skip.parameters()} if skip is not None else set()
         layer_ids = {id(p) for layer in self.layers for p in layer.parameters()}
         tied = dict(getattr(self.model, "all_tied_weights_keys", None) or {})
-        self.model.to_empty(device=self.device)  # stand-ins own nothing; real layers are not children
+        # stand-ins own nothing and real layers are not children; the skipped module stays on meta
         for sub in self.model.modules():
-            if _has_volatile_buffers(sub):
+            if sub is not skip:
+                sub.to_empty(device=self.device, recurse=False)
+        for sub in self.model.modules():
+            if sub is not skip and _has_volatile_buffers(sub):
                 self.model._init_weights(sub)
         on_disk = set(self.reader.names)
         with torch.no_grad():
             for name, param in self.model.named_parameters(remove_duplicate=False):
-                if id(param) in layer_ids:
+                if id(param) in layer_ids or id(param) in skipped or param.is_meta:
                     continue
                 if name in on_disk:
-                    value = self.reader.get(name)
-                    if tuple(value.shape) != tuple(param.shape):
-                        raise OtdusError(
-                            f"{self.folder.name}: {name} has shape {tuple(value.shape)}, config implies "
-                            f"{tuple(param.shape)}"
-                        )
-                    param.copy_(value)
+                    self._copy_from_disk(param, name)
                 elif name not in tied:
                     raise OtdusError(f"{self.folder.name}: tensor {name} not found")
             for name, buf in self.model.named_buffers():
@@ -340,12 +386,12 @@ class StreamedModel:
             owner_name, _, attr = target.rpartition(".")
             owner = self.model.get_submodule(owner_name)
             setattr(owner, attr, self.model.get_parameter(source))
-        self._shell_loaded = True
+        self._shell_loaded = stage
 
     def free_shell(self) -> None:
         if self._shell_loaded:
             self.model.to_empty(device="meta")
-            self._shell_loaded = False
+            self._shell_loaded = None
 
     def load_layer(self, index: int) -> nn.Module:
         layer = self.layers[index]
@@ -362,7 +408,7 @@ class StreamedModel:
         """Embed every window (token id lists) and record each layer's forward arguments."""
         if not inputs:
             raise OtdusError("nothing to evaluate (no windows)")
-        self._load_shell()
+        self._load_shell("embed")
         groups = group_windows([len(x) for x in inputs], self.batch_size)
         acts = Activations(groups=groups, inputs=[], hidden=[], layer_kwargs=[])
         by_shape: dict[tuple[int, int], dict[int, dict]] = {}
@@ -380,8 +426,8 @@ class StreamedModel:
                 kept_bytes += _tensor_bytes(kwargs)
             acts.layer_kwargs.append(by_shape.get(shape))
         if all(k is not None for k in acts.layer_kwargs):
-            # embeddings and head (GBs for large vocabularies) are not needed until the logits;
-            # iter_logits loads them again, so the layer loop holds one layer and the activations
+            # the embeddings (GBs for large vocabularies) are not needed again: the layer loop holds
+            # one layer and the activations; iter_logits loads the final norm and the head
             self.free_shell()
         return acts
 
@@ -407,7 +453,7 @@ class StreamedModel:
             for g, hidden in enumerate(acts.hidden):
                 kwargs = acts.layer_kwargs[g]
                 if kwargs is None:
-                    self._load_shell()  # recording runs the embeddings again
+                    self._load_shell("embed")  # recording runs the embeddings again
                     kwargs = self._record(acts.inputs[g])[1]
                 h = hidden.to(self.device)
                 out = layer(h, **kwargs[index])
@@ -421,19 +467,37 @@ class StreamedModel:
 
     @torch.inference_mode()
     def iter_logits(
-        self, acts: Activations, keep: Sequence[int] | None = None
-    ) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """Final norm + head (+ soft-capping) by the family's own forward: yields (window indices,
-        logits [B, k, V]) per batch, k = ``keep[window]`` last positions (all when not given)."""
-        self._load_shell()
+        self,
+        acts: Activations,
+        keep: Sequence[int] | None = None,
+        max_logits_bytes: int | None = None,
+    ) -> Iterator[tuple[list[int], int, torch.Tensor]]:
+        """Final norm + head (+ soft-capping) by the family's own forward, in position chunks.
+
+        Yields (window indices, first position p0, logits [B, c, V]) for positions p0 .. p0 + c - 1
+        of a batch, chunk after chunk, covering the last ``keep[window]`` positions (all when not
+        given); a chunk's logits take at most ``max_logits_bytes`` (default DEFAULT_MAX_LOGITS_BYTES;
+        at least one position). The final hidden states go in as ``inputs_embeds``, so the input
+        embeddings are not needed.
+        """
+        self._load_shell("head")
+        budget = DEFAULT_MAX_LOGITS_BYTES if max_logits_bytes is None else max_logits_bytes
         hub = self._hub
+        head = self.model.get_output_embeddings()
+        vocab = int(head.weight.shape[0]) if head is not None else int(self.config.vocab_size)
         try:
             for g, group in enumerate(acts.groups):
-                ids = acts.inputs[g]
-                k = ids.shape[1] if keep is None else max(keep[i] for i in group)
-                hub.mode, hub.final_hidden = "inject", acts.hidden[g].to(self.device)
-                out = self.model(input_ids=ids, use_cache=False, logits_to_keep=int(k))
-                yield group, out.logits
+                length = acts.inputs[g].shape[1]
+                k = length if keep is None else max(keep[i] for i in group)
+                per_position = len(group) * vocab * torch.empty((), dtype=self.dtype).element_size()
+                step = max(1, budget // max(1, per_position))
+                for p0 in range(length - k, length, step):
+                    chunk = acts.hidden[g][:, p0 : p0 + step].to(self.device)
+                    hub.mode, hub.final_hidden = "inject", chunk
+                    out = self.model(inputs_embeds=chunk, use_cache=False, logits_to_keep=0)
+                    hub.final_hidden = None
+                    del chunk
+                    yield group, p0, out.logits
         finally:
             hub.mode, hub.final_hidden = "record", None
 
@@ -451,8 +515,8 @@ class StreamedModel:
     def logits(self, inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Full logits [T, V] for each window (for checks on small models)."""
         acts = self.run(inputs)
-        result: list[torch.Tensor | None] = [None] * len(inputs)
-        for group, logits in self.iter_logits(acts):
+        pieces: list[list[torch.Tensor]] = [[] for _ in inputs]
+        for group, _, logits in self.iter_logits(acts):
             for row, i in enumerate(group):
-                result[i] = logits[row]
-        return result  # type: ignore[return-value]
+                pieces[i].append(logits[row])
+        return [p[0] if len(p) == 1 else torch.cat(p) for p in pieces]
