@@ -26,6 +26,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
@@ -43,7 +44,10 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on
 
 
 def _fail(message: str, code: int) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # one line whatever the message holds (wrapped library errors can span several), and printed as
+    # plain text: a message such as "[default]" must not be read as rich markup
+    line = " ".join(message.split())
+    err_console.print(Text.assemble(("error:", "bold red"), " ", line), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

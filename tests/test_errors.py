@@ -182,3 +182,15 @@ def test_full_disk_leaves_nothing(stories, tmp_path, monkeypatch):
     with pytest.raises(OtdusError, match="disk full"):
         expand(str(stories), tmp_path / "out", ExpandOptions(method="average"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stories260k"]
+
+
+def test_a_multi_line_library_error_is_printed_as_one_literal_line(stories, tmp_path, monkeypatch):
+    # wrapped third-party messages (tokenizers, transformers) can span lines and hold brackets
+    import otdus_cli.expand
+
+    def fail(*args, **kwargs):
+        raise OtdusError("cannot load X:\n  (1) a [bold]thing[/bold],\n  (2) [default: 3]")
+
+    monkeypatch.setattr(otdus_cli.expand, "expand", fail)
+    result = run_cli("expand", stories, "--out", tmp_path / "out")
+    assert_clean_failure(result, "cannot load X: (1) a [bold]thing[/bold], (2) [default: 3]", tmp_path)
