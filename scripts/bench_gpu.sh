@@ -22,7 +22,8 @@
 # Environment knobs: PYTHON, MODEL (llama-3.1-8b), LAYERS (base depth; default the model's,
 # reduced automatically when the disk cannot hold source + output), DEVICE (cuda), WORK (where
 # checkpoints go; default bench-out/gpu-work in the repo), OUT (where the report goes; the device
-# runner sets it, default bench-out/gpu), CMD_TIMEOUT (per command, 360 s), VERIFY=1 (also run
+# runner sets it, default bench-out/gpu), CMD_TIMEOUT (per command, 360 s), CP_REPEAT (cp runs, 1;
+# the median is the reference), VERIFY=1 (also run
 # `otdus verify` on the output), EXTRA (more flags for expand, e.g. "--ot-variant official").
 set -euo pipefail
 
@@ -35,6 +36,7 @@ WORK=${WORK:-$ROOT/bench-out/gpu-work}
 OUT=${OUT:-$ROOT/bench-out/gpu}
 CMD_TIMEOUT=${CMD_TIMEOUT:-360}
 VERIFY=${VERIFY:-0}
+CP_REPEAT=${CP_REPEAT:-1}
 EXTRA=${EXTRA:-}
 T0=$(date +%s)
 say() { echo "[bench_gpu $(date +%H:%M:%S)] $*"; }
@@ -103,7 +105,7 @@ rc=0
 "$PY" scripts/bench.py \
     --model "$MODEL" "${LAYER_ARGS[@]}" --dtype bf16 \
     --gen-device "$GEN_DEVICE" "${GPU_FLAG[@]}" \
-    --methods ot --position top --extra "ot=--device $DEVICE $EXTRA" \
+    --cp-repeat "$CP_REPEAT" --methods ot --position top --extra "ot=--device $DEVICE $EXTRA" \
     --verify-methods "$VERIFY_METHODS" \
     --otdus "$OTDUS" \
     --workdir "$WORK" --timeout "$CMD_TIMEOUT" \
