@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from otdus_cli import __version__
-from otdus_cli.arch.config_rules import rewrite_config, validate_with_transformers
+from otdus_cli.arch.config_rules import prefetch_config_validation, rewrite_config, validate_with_transformers
 from otdus_cli.arch.families import Family, family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
@@ -147,7 +147,7 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
     )
     if source.family.name == "generic" and any(lay.zero_init for lay in layer_map):
         raise OtdusError("zero-init needs a known architecture (which tensors to zero); add --no-zero-init")
-    config = rewrite_config(source.config, layer_map)
+    config = rewrite_config(source.config, layer_map, source.family.derives_layer_types)
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
     return Plan(
@@ -217,16 +217,20 @@ class _Engine:
         self.progress(n)
 
     def run(self) -> None:
+        device = resolve_device(self.plan.options.device)
+        # builders first: their imports (POT, SciPy) are done before the config prefetch starts
+        builders = {
+            lay.builder: make_builder(lay.builder)
+            for lay in self.plan.layer_map
+            if lay.builder not in ("base", "copy")
+        }
+        prefetch_config_validation(self.src.config.get("model_type"))
         for name in self.src.head:
             self._copy(name, name)
-        device = resolve_device(self.plan.options.device)
-        builders: dict[str, object] = {}
         for lay in self.plan.layer_map:
             if lay.builder in ("base", "copy"):
                 self._copy_layer(lay)
             else:
-                if lay.builder not in builders:
-                    builders[lay.builder] = make_builder(lay.builder)
                 self._build_layer(lay, builders[lay.builder], device)
         for name in self.src.tail:
             self._copy(name, name)

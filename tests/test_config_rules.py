@@ -78,3 +78,25 @@ def test_mtp_layers_are_refused():
         rewrite_config(
             {"model_type": "llama", "num_hidden_layers": 4, "num_nextn_predict_layers": 1}, layer_map(4)
         )
+
+
+def test_families_that_skip_transformers_at_plan_time_really_have_no_derived_layer_types():
+    """Family.derives_layer_types False means: this transformers never derives a non-uniform
+    layer_types list for the family (so rewriting the depth cannot change any layer's type)."""
+    import warnings
+
+    from conftest import COMMON, TINY_CONFIGS
+    from transformers import AutoConfig
+
+    from otdus_cli.arch.families import family_for
+
+    for model_type, extra in TINY_CONFIGS.items():
+        family = family_for({"model_type": model_type})
+        for depth in (5, 12):
+            kwargs = {**COMMON, **extra, "num_hidden_layers": depth, "sliding_window": 16}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = AutoConfig.for_model(model_type, **kwargs)
+            types = getattr(config, "layer_types", None)
+            if not family.derives_layer_types:
+                assert types is None or len(set(types)) == 1, (model_type, types)

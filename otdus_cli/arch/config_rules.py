@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -32,13 +35,20 @@ def derived_layer_types(config: dict) -> list[str] | None:
     return list(types) if isinstance(types, list) else None
 
 
-def rewrite_config(config: dict, layer_map: list[OutputLayer]) -> dict:
-    """A copy of `config` describing the expanded stack."""
+def rewrite_config(config: dict, layer_map: list[OutputLayer], derives_layer_types: bool = True) -> dict:
+    """A copy of `config` describing the expanded stack.
+
+    ``derives_layer_types``: whether transformers may derive layer_types for this family (see
+    Family.derives_layer_types); if not, only an explicit layer_types list is carried over.
+    """
     base_layers = int(config["num_hidden_layers"])
     sources = [lay.source for lay in layer_map]
     out = copy.deepcopy(config)
     out["num_hidden_layers"] = len(layer_map)
-    types = derived_layer_types(config)
+    if derives_layer_types:
+        types = derived_layer_types(config)
+    else:
+        types = list(config["layer_types"]) if isinstance(config.get("layer_types"), list) else None
     if types is not None:
         if len(types) != base_layers:
             raise OtdusError(f"config layer_types has {len(types)} entries for {base_layers} layers")
@@ -96,8 +106,35 @@ def _rewrite_sparse_step(config: dict, out: dict, sources: list[int]) -> None:
     out["mlp_only_layers"] = [j for j, i in enumerate(sources) if not sparse(i) and (j + 1) % step == 0]
 
 
+_prefetch: threading.Thread | None = None
+
+
+def _import_autoconfig(model_type: str | None) -> None:
+    # any failure is left to validate_with_transformers, which imports again and reports it
+    with contextlib.suppress(BaseException):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415
+
+        if model_type:
+            CONFIG_MAPPING[model_type]  # imports that family's configuration module
+
+
+def prefetch_config_validation(model_type: str | None = None) -> None:
+    """Import transformers' config machinery (seconds of CPU) on a thread while the caller does I/O,
+    so ``validate_with_transformers`` at the end of an expansion does not add it to the wall time.
+    Call it after the caller's own imports are done (two threads importing at once can deadlock on
+    module locks when their imports are circular)."""
+    global _prefetch
+    if _prefetch is None and "transformers.models.auto" not in sys.modules:
+        _prefetch = threading.Thread(
+            target=_import_autoconfig, args=(model_type,), name="otdus-prefetch", daemon=True
+        )
+        _prefetch.start()
+
+
 def validate_with_transformers(folder: Path, expected_layers: int) -> None:
     """Load the written config the way users will, so a bad config fails here and not in their job."""
+    if _prefetch is not None:
+        _prefetch.join()
     from transformers import AutoConfig
 
     try:

@@ -50,6 +50,10 @@ class Family:
     moe: bool = False
     # fused tensors: role -> the roles stacked along its rows, in order (sizes from the config)
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # transformers derives per-layer attention types (layer_types) from other fields of this
+    # family's config; only then is transformers asked at plan time (its import takes seconds).
+    # tests/test_config_rules.py checks the flag against the installed transformers.
+    derives_layer_types: bool = False
 
     def is_zero_target(self, suffix: str) -> bool:
         return any(re.fullmatch(p, suffix) for p in self.zero_init)
@@ -61,8 +65,13 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), LLAMA_ROLES),
     Family("mistral", ("mistral",), LLAMA_ROLES),
-    Family("qwen2", ("qwen2",), LLAMA_ROLES),
-    Family("qwen3", ("qwen3",), {**LLAMA_ROLES, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}),
+    Family("qwen2", ("qwen2",), LLAMA_ROLES, derives_layer_types=True),
+    Family(
+        "qwen3",
+        ("qwen3",),
+        {**LLAMA_ROLES, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
+        derives_layer_types=True,
+    ),
     Family(
         "gemma2",
         ("gemma2",),
@@ -73,6 +82,7 @@ FAMILIES: tuple[Family, ...] = (
             "mlp_out_norm": "post_feedforward_layernorm",
         },
         norm_offset=1.0,
+        derives_layer_types=True,
     ),
     Family(
         "gemma3",
@@ -86,6 +96,7 @@ FAMILIES: tuple[Family, ...] = (
             "k_norm": "self_attn.k_norm",
         },
         norm_offset=1.0,
+        derives_layer_types=True,
     ),
     Family(
         "phi3",
@@ -101,13 +112,13 @@ FAMILIES: tuple[Family, ...] = (
         fused={"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")},
     ),
     Family("mixtral", ("mixtral",), {}, zero_init=MOE_ZERO, moe=True),
-    Family("qwen2_moe", ("qwen2_moe",), {}, zero_init=MOE_ZERO, moe=True),
+    Family("qwen2_moe", ("qwen2_moe",), {}, zero_init=MOE_ZERO, moe=True, derives_layer_types=True),
     Family("qwen3_moe", ("qwen3_moe",), {}, zero_init=MOE_ZERO, moe=True),
     Family("olmoe", ("olmoe",), {}, zero_init=MOE_ZERO, moe=True),
 )
 
 # Used only with --allow-unknown-arch, for methods that copy layers whole.
-GENERIC = Family("generic", (), {}, zero_init=())
+GENERIC = Family("generic", (), {}, zero_init=(), derives_layer_types=True)
 
 _BY_MODEL_TYPE = {mt: fam for fam in FAMILIES for mt in fam.model_types}
 
