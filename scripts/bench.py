@@ -723,7 +723,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify-methods", default="ot", help="outputs to run `otdus verify` on ('' for none)")
     ap.add_argument("--verify-max-tokens", type=int, default=4096)
     ap.add_argument(
-        "--verify-args", default="", help="more verify flags, e.g. '--protocol token --seq-len 2048'"
+        "--verify-args",
+        default="--protocol token --seq-len 2048",
+        help="more verify flags (default: the token protocol; lm-eval's rolling windows of a "
+        "128k-context model are one forward pass per article, minutes per article on a CPU)",
     )
     ap.add_argument("--verify-timeout", type=float, default=1800, help="seconds, per verify")
     ap.add_argument("--position", default="top", help="--position for pair methods (copy/average/random/ot)")
