@@ -29,6 +29,7 @@ case for Sinkhorn). --stories PATH benchmarks the real adjacent layers of a smal
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 import warnings
@@ -124,7 +125,8 @@ def _fmt_official(r: dict) -> str:
     return f"{r['iterations']:>6} it {t:>9}  {err}{note}{bad}"
 
 
-def bench_pair(xa: torch.Tensor, xb: torch.Tensor, label: str, args, device: torch.device) -> None:
+def bench_pair(xa: torch.Tensor, xb: torch.Tensor, label: str, args, device: torch.device) -> dict:
+    """Times ours and POT on one pair of weight matrices; prints a summary and returns the figures."""
     _sync(device)
     start = time.perf_counter()
     cost = paper_cost(xa, xb)
@@ -142,12 +144,45 @@ def bench_pair(xa: torch.Tensor, xb: torch.Tensor, label: str, args, device: tor
     print(f"  official (paper cost) {_fmt_official(off)}")
     speedup = off["seconds"] / max(ours["seconds"], 1e-9)
     print(f"  speed-up ours vs official, same problem: {speedup:.0f}x")
+    result = {
+        "label": label,
+        "rows": int(xa.shape[0]),
+        "dim": int(xa.shape[1]),
+        "cost_s": cost_s,
+        "ours": ours,
+        "official": off,
+        "speedup_same_cost": speedup,
+        "released": None,
+    }
+    del cost
     if args.released:
         raw = raw_cost(xa, xb).to(off_device)
         rel = time_official(raw, args.reg, args.chunk, args.budget)
         rmin, rmax = float(raw.min()), float(raw.max())
         print(f"  released (raw cost {rmin:.1f}..{rmax:.1f}) {_fmt_official(rel)}")
-    del cost
+        result["released"] = {**rel, "raw_cost_range": [rmin, rmax]}
+        result["speedup_released"] = rel["seconds"] / max(ours["seconds"], 1e-9)
+    return result
+
+
+def module_shapes(config: dict) -> dict[str, str]:
+    """ "ROWSxDIM" -> the modules of that weight shape, from a Llama-style config.json."""
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    n_q = int(config["num_attention_heads"])
+    n_kv = int(config.get("num_key_value_heads") or n_q)
+    hd = int(config.get("head_dim") or hidden // n_q)
+    shapes: dict[str, list[str]] = {}
+    for rows, dim, module in (
+        (n_q * hd, hidden, "q_proj"),
+        (n_kv * hd, hidden, "k_proj"),
+        (n_kv * hd, hidden, "v_proj"),
+        (hidden, n_q * hd, "o_proj"),
+        (inter, hidden, "gate_proj"),
+        (inter, hidden, "up_proj"),
+        (hidden, inter, "down_proj"),
+    ):
+        shapes.setdefault(f"{rows}x{dim}", []).append(module)
+    return {size: ", ".join(mods) for size, mods in shapes.items()}
 
 
 def synthetic(rows: int, dim: int, rho: float, scale: float, seed: int, device: torch.device):
@@ -189,6 +224,8 @@ def main() -> None:
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", default=None, help="config.json: its module shapes instead of --sizes")
+    p.add_argument("--json-out", default=None, help="also write every figure to this JSON file")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,6 +237,7 @@ def main() -> None:
         f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
         f"reg {args.reg}, tol {args.tol}, max_iter {args.max_iter}"
     )
+    results: list[dict] = []
     if args.stories:
         from pathlib import Path
 
@@ -211,15 +249,35 @@ def main() -> None:
             for mod in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
                 xa = w[f"model.layers.{i}.{mod}.weight"].float().to(device)
                 xb = w[f"model.layers.{i + 1}.{mod}.weight"].float().to(device)
-                bench_pair(xa, xb, f"[layers {i},{i + 1}] {mod} {tuple(xa.shape)}", args, device)
-        return
-    for size in args.sizes.split(","):
-        rows, dim = (int(x) for x in size.lower().split("x"))
-        for rho in (float(r) for r in args.rho.split(",")):
-            xa, xb = synthetic(rows, dim, rho, args.scale, args.seed, device)
-            label = f"[{rows} rows x {dim}] {LLAMA_8B.get(size, '')} rho={rho}"
-            bench_pair(xa, xb, label, args, device)
-            del xa, xb
+                r = bench_pair(xa, xb, f"[layers {i},{i + 1}] {mod} {tuple(xa.shape)}", args, device)
+                results.append({**r, "modules": mod, "rho": None})
+    else:
+        names = LLAMA_8B
+        if args.config:
+            with open(args.config) as f:
+                names = module_shapes(json.load(f))
+        sizes = list(names) if args.config else args.sizes.split(",")
+        for size in sizes:
+            rows, dim = (int(x) for x in size.lower().split("x"))
+            for rho in (float(r) for r in args.rho.split(",")):
+                xa, xb = synthetic(rows, dim, rho, args.scale, args.seed, device)
+                label = f"[{rows} rows x {dim}] {names.get(size, '')} rho={rho}"
+                r = bench_pair(xa, xb, label, args, device)
+                results.append({**r, "modules": names.get(size, ""), "rho": rho})
+                del xa, xb
+    if args.json_out:
+        report = {
+            "device": str(device),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "reg": args.reg,
+            "tol": args.tol,
+            "budget_s": args.budget,
+            "scale": args.scale,
+            "results": results,
+        }
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
