@@ -715,6 +715,8 @@ def run_transport_bench(src: str, args) -> dict | None:
             args.transport_rho,
             "--budget",
             str(args.transport_budget),
+            "--device",
+            args.transport_device,
             "--json-out",
             out,
         ]
@@ -886,6 +888,9 @@ def main(argv: list[str] | None = None) -> int:
         "the rest of its 10000 iterations is extrapolated; 0 skips the section",
     )
     ap.add_argument("--transport-rho", default="0,0.9", help="row correlations of the synthetic module pairs")
+    ap.add_argument(
+        "--transport-device", default="cpu", help="our solver's device there (POT stays on the CPU)"
+    )
     ap.add_argument(
         "--transport-only",
         action="store_true",

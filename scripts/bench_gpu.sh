@@ -8,6 +8,9 @@
 #   every 100 ms; plus any GPU figure otdus reports in its --json) and the ratio to cp.
 # All measuring is done by scripts/bench.py; this script only checks the environment.
 #
+# On the device machine (no network): run scripts/device_wheels.sh here first and carry ".whl";
+# the wheels in it (POT, pydantic, typer: what the device image lacks) are installed before otdus runs.
+#
 # Assumptions (nothing is downloaded unless pip can reach an index):
 #   - a Python with a CUDA build of torch is already installed: $PYTHON, else the repo's .venv
 #     if its torch sees a GPU, else python3. If torch is missing, `pip install torch` is tried
@@ -23,7 +26,8 @@
 # reduced automatically when the disk cannot hold source + output), DEVICE (cuda), WORK (where
 # checkpoints go; default bench-out/gpu-work in the repo), OUT (where the report goes; the device
 # runner sets it, default bench-out/gpu), CMD_TIMEOUT (per command, 360 s), CP_REPEAT (cp runs, 1;
-# the median is the reference), VERIFY=1 (also run
+# the median is the reference), TRANSPORT_BUDGET (seconds of POT per module solve in the OT-solve
+# section, 5; 0 skips it), VERIFY=1 (also run
 # `otdus verify` on the output), EXTRA (more flags for expand, e.g. "--ot-variant official").
 set -euo pipefail
 
@@ -37,6 +41,7 @@ OUT=${OUT:-$ROOT/bench-out/gpu}
 CMD_TIMEOUT=${CMD_TIMEOUT:-360}
 VERIFY=${VERIFY:-0}
 CP_REPEAT=${CP_REPEAT:-1}
+TRANSPORT_BUDGET=${TRANSPORT_BUDGET:-5}
 EXTRA=${EXTRA:-}
 T0=$(date +%s)
 say() { echo "[bench_gpu $(date +%H:%M:%S)] $*"; }
@@ -60,6 +65,14 @@ say "python: $PY"
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
 
 # ---- otdus's dependencies, from this tree ---------------------------------------------------
+# Wheels fetched by scripts/device_wheels.sh (carried as .whl) come first: the device has no network.
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+    SITE=${TMPDIR:-/tmp}/otdus-site
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$ROOT"/.whl/*.whl || { say "FAILED: installing the carried wheels in .whl"; exit 2; }
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    say "installed the carried wheels: $(cd "$ROOT/.whl" && ls | cut -d- -f1 | tr '\n' ' ')"
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 missing=$("$PY" - <<'EOF'
 import importlib
@@ -106,6 +119,7 @@ rc=0
     --model "$MODEL" "${LAYER_ARGS[@]}" --dtype bf16 \
     --gen-device "$GEN_DEVICE" "${GPU_FLAG[@]}" \
     --cp-repeat "$CP_REPEAT" --methods ot --position top --extra "ot=--device $DEVICE $EXTRA" \
+    --transport-device "$DEVICE" --transport-budget "$TRANSPORT_BUDGET" \
     --verify-methods "$VERIFY_METHODS" \
     --otdus "$OTDUS" \
     --workdir "$WORK" --timeout "$CMD_TIMEOUT" \
