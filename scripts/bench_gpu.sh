@@ -8,7 +8,8 @@
 #   every 100 ms; plus any GPU figure otdus reports in its --json) and the ratio to cp.
 # All measuring is done by scripts/bench.py; this script only checks the environment.
 #
-# On the device machine (no network): run scripts/device_wheels.sh here first and carry ".whl";
+# On the device machine (no network): run scripts/device_wheels.sh here first and carry ".whl"
+# (scripts/device_check.sh runs the CUDA tests and then this script, in one call);
 # the wheels in it (POT, pydantic, typer: what the device image lacks) are installed before otdus runs.
 #
 # Assumptions (nothing is downloaded unless pip can reach an index):

@@ -474,3 +474,15 @@ def test_modules_are_yielded_before_later_modules_are_read(stories, variant):
     assert read_after, "every tensor was read before the first module came out"
     if variant != "structured":  # paper/official: q out before the MLP (or even o) is read
         assert {LLAMA["gate"], LLAMA["up"], LLAMA["down"], LLAMA["o"]} <= read_after
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("variant", ["paper", "structured"])
+def test_cuda_build_matches_cpu(planted_mlp, variant):
+    a, b, config = planted_mlp
+    cpu, _ = _build(a, b, config, variant=variant, tol=PLANTED_TOL, zero_init=False, device="cpu")
+    gpu, stats = _build(a, b, config, variant=variant, tol=PLANTED_TOL, zero_init=False, device="cuda")
+    assert sorted(gpu) == sorted(cpu)
+    for name, t in gpu.items():
+        assert t.device.type == "cuda", name
+        assert torch.allclose(t.cpu(), cpu[name], atol=1e-4, rtol=1e-3), name

@@ -209,3 +209,10 @@ def test_streamed_and_plain_torch_agree_on_stories(story_plan, story_report):
             count += len(w.targets)
     assert count == 1804
     assert math.exp(-total / count) == pytest.approx(story_report.metrics.token_perplexity, rel=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_lockstep_parity_on_cuda(tmp_path, small_plan):
+    report = verify_expansion(STORIES, _expand(tmp_path / "exp", after=2), small_plan, device="cuda")
+    assert report.device.startswith("cuda") and report.parity and report.exit_code == 0
+    assert report.logits_equal
