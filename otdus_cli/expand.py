@@ -13,15 +13,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from otdus_cli import __version__
 from otdus_cli.arch.config_rules import prefetch_config_validation, rewrite_config, validate_with_transformers
 from otdus_cli.arch.families import Family, family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
-from otdus_cli.io.safetensors_format import CODES, FLOAT_CODES
+from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, atomic_output_dir, parse_size
 from otdus_cli.manifest import MANIFEST
 from otdus_cli.methods.base import BuildContext
@@ -155,10 +154,14 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
     )
 
 
+if TYPE_CHECKING:
+    import torch
+
+
 def _out_dtype(code: str, dtype: str) -> str:
     if dtype == "auto" or code not in FLOAT_CODES:
         return code
-    return CODES[getattr(torch, dtype)]
+    return CODE_OF_NAME[dtype]
 
 
 def _planned_tensors(source: SourceModel, layer_map: list[OutputLayer], dtype: str) -> list[PlannedTensor]:
@@ -186,6 +189,8 @@ class ExpandResult:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch  # noqa: PLC0415 - copy-type expansions never need torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -217,13 +222,15 @@ class _Engine:
         self.progress(n)
 
     def run(self) -> None:
-        device = resolve_device(self.plan.options.device)
-        # builders first: their imports (POT, SciPy) are done before the config prefetch starts
+        # builders first: their imports (torch, POT, SciPy) are done before the config prefetch starts
         builders = {
             lay.builder: make_builder(lay.builder)
             for lay in self.plan.layer_map
             if lay.builder not in ("base", "copy")
         }
+        # copy-type plans move bytes only: no torch (seconds of import) unless a device was named
+        named = self.plan.options.device
+        device = resolve_device(named) if builders or named != "auto" else None
         prefetch_config_validation(self.src.config.get("model_type"))
         for name in self.src.head:
             self._copy(name, name)

@@ -263,3 +263,20 @@ def test_reader_reads_row_ranges_of_a_tensor(sharded_llama):
         rows = len(whole)
         for start, stop in ((0, rows), (1, max(1, rows - 1)), (rows - 1, rows + 5), (rows, rows)):
             assert torch.equal(reader.get_rows(name, start, stop), whole[start:stop]), (name, start, stop)
+
+
+def test_planning_does_not_import_torch(stories):
+    """`otdus plan` / `inspect` and the copy path read headers and move bytes: importing torch
+    (seconds) is left to the commands that compute with tensors."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from otdus_cli.cli import app\n"
+        "from otdus_cli.expand import make_plan, open_source\n"
+        "from otdus_cli.options import ExpandOptions\n"
+        f"make_plan(open_source({str(stories)!r}), ExpandOptions(method='copy'))\n"
+        "assert 'torch' not in sys.modules, 'planning imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

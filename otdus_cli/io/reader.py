@@ -14,12 +14,14 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.memory import return_freed_tensors_to_os
-from otdus_cli.io.safetensors_format import CODES, DTYPES, TensorInfo, itemsize, read_header
+from otdus_cli.io.safetensors_format import TensorInfo, code_of, itemsize, read_header, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -124,9 +126,10 @@ class CheckpointReader:
             if name not in state:
                 raise OtdusError(f"{path.name} does not contain {name}, which the index lists")
             t = state[name]
-            if t.dtype not in CODES:
+            code = code_of(t.dtype)
+            if code is None:
                 raise OtdusError(f"tensor {name} has unsupported dtype {t.dtype}")
-            self._metas[name] = TensorMeta(name, CODES[t.dtype], tuple(t.shape))
+            self._metas[name] = TensorMeta(name, code, tuple(t.shape))
         if not self._metas:
             raise OtdusError(f"{f} holds no tensors")
 
@@ -145,6 +148,8 @@ class CheckpointReader:
     def _bin_state(self, path: Path) -> dict[str, torch.Tensor]:
         """Load a pickle shard safely: weights_only (no code execution), memory-mapped."""
         if path not in self._bin_cache:
+            import torch  # noqa: PLC0415 - safetensors checkpoints never need it here
+
             if not path.is_file():
                 raise OtdusError(f"missing shard {path.name}")
             try:
@@ -178,6 +183,8 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         """Load one tensor into memory (a fresh CPU tensor; nothing else is kept)."""
+        import torch  # noqa: PLC0415 - imported on first tensor work, not for copies
+
         info = self._infos.get(name)
         if info is not None:
             buf = bytearray(info.nbytes)
@@ -186,8 +193,8 @@ class CheckpointReader:
                 if f.readinto(buf) != info.nbytes:
                     raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {name}")
             if info.nbytes == 0:
-                return torch.empty(info.shape, dtype=DTYPES[info.dtype])
-            return torch.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(info.shape)
+                return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+            return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(info.shape)
         if name in self._bin_files:
             return self._bin_state(self._bin_files[name])[name].clone()
         raise OtdusError(f"tensor {name} not found in {self.folder}")
@@ -195,6 +202,8 @@ class CheckpointReader:
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` (along dim 0) of a tensor, reading only their bytes from a safetensors
         shard (a row range is one contiguous byte range); other formats slice the loaded tensor."""
+        import torch  # noqa: PLC0415
+
         info = self._infos.get(name)
         if info is None or not info.shape:
             return self.get(name)[start:stop].clone()
@@ -205,13 +214,13 @@ class CheckpointReader:
         shape = (stop - start, *info.shape[1:])
         nbytes = (stop - start) * row_bytes
         if nbytes == 0:
-            return torch.empty(shape, dtype=DTYPES[info.dtype])
+            return torch.empty(shape, dtype=torch_dtype(info.dtype))
         buf = bytearray(nbytes)
         with open(info.file, "rb") as f:
             f.seek(info.begin + start * row_bytes)
             if f.readinto(buf) != nbytes:
                 raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {name}")
-        return torch.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(shape)
+        return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(shape)
 
     def total_bytes(self) -> int:
         return sum(math.prod(m.shape) * itemsize(m.dtype) for m in self._metas.values())

@@ -14,33 +14,46 @@ import os
 import struct
 from dataclasses import dataclass
 
-import torch
-
 from otdus_cli.errors import OtdusError
 
-# safetensors dtype code -> (torch dtype, bytes per element)
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+# safetensors dtype code -> (torch dtype name, bytes per element). Kept as names so that reading
+# headers and copying bytes never imports torch (seconds of start-up); ``torch_dtype`` maps them.
+_DTYPE_TABLE: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
 }
-CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+KNOWN_CODES = frozenset(_DTYPE_TABLE)
 FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
+# torch dtype names (as in config.json's torch_dtype) -> code
+CODE_OF_NAME: dict[str, str] = {name: code for code, (name, _) in _DTYPE_TABLE.items()}
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 
 def itemsize(code: str) -> int:
-    return torch.empty((), dtype=DTYPES[code]).element_size()
+    return _DTYPE_TABLE[code][1]
+
+
+def torch_dtype(code: str):
+    """The torch dtype of a safetensors code (imports torch)."""
+    import torch  # noqa: PLC0415 - only tensor work needs torch
+
+    return getattr(torch, _DTYPE_TABLE[code][0])
+
+
+def code_of(dtype) -> str | None:
+    """The safetensors code of a torch dtype, or None for one safetensors cannot store."""
+    return CODE_OF_NAME.get(str(dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,7 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             begin, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise OtdusError(f"{name}: corrupt header entry for tensor {tname!r}") from None
-        if code not in DTYPES:
+        if code not in KNOWN_CODES:
             raise OtdusError(f"{name}: tensor {tname!r} has unsupported dtype {code}")
         nbytes = math.prod(shape) * itemsize(code)
         if end - begin != nbytes or begin < 0:

@@ -17,11 +17,13 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.safetensors_format import CODES, DTYPES, TensorInfo, build_header, itemsize
+from otdus_cli.io.safetensors_format import TensorInfo, build_header, code_of, itemsize, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 COPY_CHUNK = 64 * 1024 * 1024
 ZERO_CHUNK = 16 * 1024 * 1024
@@ -129,7 +131,9 @@ class ShardedWriter:
             raise RuntimeError(
                 f"{name}: built shape {tuple(tensor.shape)} differs from planned {planned.shape}"
             )
-        data = tensor.detach().to(device="cpu", dtype=DTYPES[planned.dtype]).contiguous()
+        import torch  # noqa: PLC0415 - only built tensors need it; copies and zeros do not
+
+        data = tensor.detach().to(device="cpu", dtype=torch_dtype(planned.dtype)).contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy()
         _pwrite_all(self._fds[slot.file], memoryview(raw), slot.offset)
         return planned.nbytes
@@ -178,7 +182,10 @@ class ShardedWriter:
 
 
 def dtype_code(dtype: torch.dtype) -> str:
-    return CODES[dtype]
+    code = code_of(dtype)
+    if code is None:
+        raise ValueError(f"safetensors cannot store {dtype}")
+    return code
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

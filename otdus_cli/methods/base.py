@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from otdus_cli.arch.families import Family
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _cpu() -> torch.device:
+    import torch  # noqa: PLC0415 - planning and copying never need torch
+
+    return torch.device("cpu")
 
 
 class ParentLayer(Protocol):
@@ -36,7 +43,7 @@ class BuildContext:
 
     family: Family
     config: dict  # the source config.json
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device = field(default_factory=_cpu)
     options: dict[str, Any] = field(default_factory=dict)  # method-specific options
     seed: int = 0
     output_index: int = 0  # index of the new layer in the output stack
