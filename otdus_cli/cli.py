@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -847,9 +848,21 @@ def diagnose(
 
 
 @app.command()
-def version() -> None:
-    """Print the otdus version."""
-    out_console.print(__version__)
+def version(json_out: JsonFlag = False) -> None:
+    """Print the otdus version (with --json: also Python's and the key libraries' versions)."""
+    if not json_out:
+        out_console.print(__version__)
+        return
+    from importlib.metadata import PackageNotFoundError  # noqa: PLC0415
+    from importlib.metadata import version as dist_version  # noqa: PLC0415
+
+    libs = {}
+    for dist in ("torch", "transformers", "safetensors", "huggingface_hub", "POT", "typer", "pydantic"):
+        try:
+            libs[dist] = dist_version(dist)
+        except PackageNotFoundError:
+            libs[dist] = None
+    _emit_json({"otdus": __version__, "python": platform.python_version(), "libraries": libs})
 
 
 def main(argv: list[str] | None = None) -> Callable | None:

@@ -28,3 +28,14 @@ def test_help_lists_options_with_defaults(command):
             assert default in text, default
     if command == "verify":
         assert "[default: wikitext]" in text and "[default: 2048]" in text
+
+
+def test_version_plain_and_json():
+    import json
+
+    from otdus_cli import __version__
+
+    plain = CliRunner().invoke(app, ["version"])
+    assert plain.exit_code == 0 and plain.stdout.strip() == __version__
+    data = json.loads(CliRunner().invoke(app, ["version", "--json"]).stdout)
+    assert data["otdus"] == __version__ and data["libraries"]["torch"] and data["python"]
