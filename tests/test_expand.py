@@ -254,8 +254,17 @@ def test_unconverged_transport_is_reported(tmp_path):
     assert "warning:" in result.stderr
 
 
-def test_reader_reads_row_ranges_of_a_tensor(sharded_llama):
-    reader = CheckpointReader(sharded_llama)
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_reader_reads_row_ranges_of_a_tensor(sharded_llama, stories, tmp_path, fmt):
+    folder = sharded_llama
+    if fmt == "bin":  # a pickle checkpoint: rows sliced from the memory-mapped tensor
+        from safetensors.torch import load_file
+
+        folder = tmp_path / "bin"
+        folder.mkdir()
+        (folder / "config.json").write_bytes((stories / "config.json").read_bytes())
+        torch.save(load_file(str(stories / "model.safetensors")), folder / "pytorch_model.bin")
+    reader = CheckpointReader(folder)
     for name in reader.names:
         whole = reader.get(name)
         if whole.dim() == 0:

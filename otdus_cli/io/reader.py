@@ -205,6 +205,8 @@ class CheckpointReader:
         import torch  # noqa: PLC0415
 
         info = self._infos.get(name)
+        if info is None and name in self._bin_files:  # memory-mapped pickle: copy only the rows
+            return self._bin_state(self._bin_files[name])[name][start:stop].clone()
         if info is None or not info.shape:
             return self.get(name)[start:stop].clone()
         rows = info.shape[0]
