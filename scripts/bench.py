@@ -656,11 +656,6 @@ def render_entry(e: dict) -> str:
             parts.append(
                 f"{slow:.2f}x cp per output byte ({'within' if slow <= 1.5 else 'OVER'} the 1.5x target)"
             )
-            if plan and plan.wall_s and r.durable_s > plan.wall_s:
-                net = cp_tp / (r.output_bytes / (r.durable_s - plan.wall_s))
-                parts.append(
-                    f"{net:.2f}x net of the fixed start-up ({plan.wall_s:.1f} s, the fixed-overhead row)"
-                )
         if parts:
             checks.append(f"- `{r.label}`: " + "; ".join(parts) + ".")
     if checks:
