@@ -17,7 +17,7 @@ from otdus_cli.verify.metrics import (
     plan_rolling,
     plan_token,
     rolling_windows,
-    window_logprobs,
+    target_logprobs,
 )
 from otdus_cli.verify.text import Corpus
 
@@ -131,13 +131,16 @@ def test_metric_formulas():
     assert m.headline() == ("word_perplexity", m.word_perplexity)
 
 
-def test_window_logprobs_uses_the_right_positions():
+def test_target_logprobs_uses_the_right_positions():
     logits = torch.randn(5, 11)
     w = Window([3, 4, 5, 6, 7], [6, 7], 3, 0)  # positions 3, 4 predict 6, 7
-    full = window_logprobs(logits, w)
     ref = torch.log_softmax(logits, -1)[[3, 4], [6, 7]].double()
-    assert torch.equal(full, ref)
-    assert torch.equal(window_logprobs(logits[-2:], w), ref)  # only the last 2 positions computed
+    assert torch.equal(target_logprobs(logits, w, 0), ref)
+    assert torch.equal(target_logprobs(logits[-2:], w, 3), ref)  # only the last 2 positions computed
+    # chunks: positions 0-3 predict target 0 only, 4 target 1, 0-2 none
+    assert torch.equal(target_logprobs(logits[:4], w, 0), ref[:1])
+    assert torch.equal(target_logprobs(logits[4:], w, 4), ref[1:])
+    assert target_logprobs(logits[:3], w, 0).numel() == 0
 
 
 def test_lm_eval_max_length_resolution():

@@ -183,46 +183,27 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         """Load one tensor into memory (a fresh CPU tensor; nothing else is kept)."""
-        import torch  # noqa: PLC0415 - imported on first tensor work, not for copies
-
         info = self._infos.get(name)
         if info is not None:
-            buf = bytearray(info.nbytes)
-            with open(info.file, "rb") as f:
-                f.seek(info.begin)
-                if f.readinto(buf) != info.nbytes:
-                    raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {name}")
-            if info.nbytes == 0:
-                return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-            return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(info.shape)
+            return _read_tensor(info, 0, info.shape)
         if name in self._bin_files:
             return self._bin_state(self._bin_files[name])[name].clone()
         raise OtdusError(f"tensor {name} not found in {self.folder}")
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` (along dim 0) of a tensor, reading only their bytes from a safetensors
-        shard (a row range is one contiguous byte range); other formats slice the loaded tensor."""
-        import torch  # noqa: PLC0415
-
+        shard (a row range is one contiguous byte range); a pickle's rows are sliced from its
+        memory-mapped tensor."""
         info = self._infos.get(name)
-        if info is None and name in self._bin_files:  # memory-mapped pickle: copy only the rows
-            return self._bin_state(self._bin_files[name])[name][start:stop].clone()
         if info is None or not info.shape:
+            if name in self._bin_files:
+                return self._bin_state(self._bin_files[name])[name][start:stop].clone()
             return self.get(name)[start:stop].clone()
         rows = info.shape[0]
-        start, stop = max(0, min(start, rows)), max(0, min(stop, rows))
-        stop = max(start, stop)
+        start = max(0, min(start, rows))
+        stop = max(start, min(stop, rows))
         row_bytes = info.nbytes // rows if rows else 0
-        shape = (stop - start, *info.shape[1:])
-        nbytes = (stop - start) * row_bytes
-        if nbytes == 0:
-            return torch.empty(shape, dtype=torch_dtype(info.dtype))
-        buf = bytearray(nbytes)
-        with open(info.file, "rb") as f:
-            f.seek(info.begin + start * row_bytes)
-            if f.readinto(buf) != nbytes:
-                raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {name}")
-        return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(shape)
+        return _read_tensor(info, start * row_bytes, (stop - start, *info.shape[1:]))
 
     def total_bytes(self) -> int:
         return sum(math.prod(m.shape) * itemsize(m.dtype) for m in self._metas.values())
@@ -234,3 +215,19 @@ class CheckpointReader:
             "config_sha256": file_sha256(self.folder / "config.json"),
             "index_sha256": file_sha256(index) if index else None,
         }
+
+
+def _read_tensor(info: TensorInfo, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A fresh CPU tensor of ``shape`` from ``info``'s data, starting ``offset`` bytes in."""
+    import torch  # noqa: PLC0415 - imported on first tensor work, not for header reads and copies
+
+    dtype = torch_dtype(info.dtype)
+    nbytes = math.prod(shape) * itemsize(info.dtype)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = bytearray(nbytes)
+    with open(info.file, "rb") as f:
+        f.seek(info.begin + offset)
+        if f.readinto(buf) != nbytes:
+            raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {info.name}")
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)

@@ -38,14 +38,13 @@ from otdus_cli.verify.metrics import (
     PerplexityMetrics,
     Progress,
     Window,
-    iter_window_logprobs,
-    join_pieces,
     lm_eval_max_length,
     load_tokenizer,
     metrics_from_logprobs,
     model_max_positions,
     plan_rolling,
     plan_token,
+    score_activations,
     score_plan,
 )
 from otdus_cli.verify.streaming import Activations, StreamedModel, parse_dtype
@@ -275,15 +274,10 @@ def _digest(logits: torch.Tensor) -> str:
 
 
 def _score(model: StreamedModel, acts: Activations, windows: Sequence[Window]) -> tuple[list, list[str]]:
-    """Log-probs per window and a digest per logits chunk; frees the model's head afterwards."""
-    pieces: list[list[torch.Tensor]] = [[] for _ in windows]
-    digests = []
-    for logits, scored in iter_window_logprobs(model, acts, windows):
-        digests.append(_digest(logits))
-        for i, lp in scored:
-            pieces[i].append(lp)
-    model.free_shell()
-    return join_pieces(windows, pieces), digests
+    """Log-probs per window and a digest per logits chunk."""
+    digests: list[str] = []
+    logprobs = score_activations(model, acts, windows, on_chunk=lambda chunk: digests.append(_digest(chunk)))
+    return logprobs, digests
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -278,35 +278,29 @@ def target_logprobs(logits: torch.Tensor, window: Window, first: int) -> torch.T
     return torch.log_softmax(rows, dim=-1).gather(-1, idx[:, None])[:, 0].double().cpu()
 
 
-def window_logprobs(logits: torch.Tensor, window: Window) -> torch.Tensor:
-    """Per-target log-probabilities (float64, CPU) from ``logits`` [k, V] that cover the window's last
-    k positions; log-softmax in float32."""
-    first = len(window.input_ids) - logits.shape[0]
-    if first > window.offset:
-        raise OtdusError("internal: logits do not cover the scored positions")
-    return target_logprobs(logits, window, first)
-
-
 def logits_to_keep(window: Window) -> int:
     return len(window.input_ids) - window.offset
 
 
-def iter_window_logprobs(model, acts, windows: Sequence[Window]) -> Iterator[tuple[torch.Tensor, list]]:
-    """Score ``acts`` (a :class:`StreamedModel`'s finished activations) chunk by chunk.
+def score_activations(
+    model, acts, windows: Sequence[Window], on_chunk: Callable[[torch.Tensor], None] | None = None
+) -> list[torch.Tensor]:
+    """Target log-probs for every window from a :class:`StreamedModel`'s finished activations.
 
-    Yields (logits chunk, [(window index, log-probs of the targets it predicts), ...]); the caller
-    may look at the chunk (e.g. to compare it) before it is dropped.
+    The logits come chunk by chunk (``StreamedModel.iter_logits``); ``on_chunk`` sees each chunk
+    before it is dropped (verify digests them). The model's head is freed afterwards.
     """
     keep = [logits_to_keep(w) for w in windows]
+    pieces: list[list[torch.Tensor]] = [[] for _ in windows]
     for group, first, logits in model.iter_logits(acts, keep):
-        yield logits, [(i, target_logprobs(logits[row], windows[i], first)) for row, i in enumerate(group)]
-
-
-def join_pieces(windows: Sequence[Window], pieces: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """One log-prob vector per window from its chunks' pieces (checks every target was scored)."""
+        if on_chunk is not None:
+            on_chunk(logits)
+        for row, i in enumerate(group):
+            pieces[i].append(target_logprobs(logits[row], windows[i], first))
+    model.free_shell()
     out = []
     for window, parts in zip(windows, pieces, strict=True):
-        lp = torch.cat(list(parts)) if parts else torch.empty(0, dtype=torch.float64)
+        lp = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
         if lp.numel() != len(window.targets):
             raise OtdusError("internal: scored positions do not match the window's targets")
         out.append(lp)
@@ -315,15 +309,9 @@ def join_pieces(windows: Sequence[Window], pieces: Sequence[Sequence[torch.Tenso
 
 def score_plan(model, plan: EvalPlan, progress: Progress | None = None) -> list[torch.Tensor]:
     """Target log-probs for every window of ``plan`` with a :class:`StreamedModel`."""
-    windows = plan.windows
     layer_progress = (lambda i, n: progress("layers", i, n)) if progress else None
-    acts = model.run([w.input_ids for w in windows], layer_progress)
-    pieces: list[list[torch.Tensor]] = [[] for _ in windows]
-    for _, scored in iter_window_logprobs(model, acts, windows):
-        for i, lp in scored:
-            pieces[i].append(lp)
-    model.free_shell()
-    return join_pieces(windows, pieces)
+    acts = model.run([w.input_ids for w in plan.windows], layer_progress)
+    return score_activations(model, acts, plan.windows)
 
 
 def metrics_from_logprobs(plan: EvalPlan, logprobs: Sequence[torch.Tensor]) -> PerplexityMetrics:

@@ -334,21 +334,20 @@ class StreamedModel:
                 target.copy_(value)
 
     def _shell_stages(self) -> dict[str, nn.Module | None]:
-        """Per shell stage, the module that stage can leave on the meta device.
+        """Per shell stage, the module that stage can leave on the meta device (none if unlisted).
 
         "embed" (embedding the windows) needs no LM head, "head" (the logits, fed the final hidden
-        states as ``inputs_embeds``) no input embeddings; unless the two share one matrix, which
-        then serves both stages.
+        states as ``inputs_embeds``) no input embeddings; unless the two share one matrix stored
+        once, which then serves both stages.
         """
         inp, out = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         weight_in, weight_out = getattr(inp, "weight", None), getattr(out, "weight", None)
         if not isinstance(weight_in, nn.Parameter) or not isinstance(weight_out, nn.Parameter):
-            return {"embed": None, "head": None, "all": None}
-        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
-        shared = weight_in is weight_out and names.get(id(weight_out)) not in set(self.reader.names)
-        if shared:
-            return {"embed": None, "head": None, "all": None}
-        return {"embed": out, "head": inp, "all": None}
+            return {}
+        head_name = next(name for name, module in self.model.named_modules() if module is out) + ".weight"
+        if weight_in is weight_out and head_name not in self.reader:  # tied, and stored once
+            return {}
+        return {"embed": out, "head": inp}
 
     def _load_shell(self, stage: str = "all") -> None:
         """The weights outside the decoder layers (embeddings, final norm, head, rotary buffers), all
@@ -357,7 +356,7 @@ class StreamedModel:
             return
         if self._shell_loaded:
             self.free_shell()
-        skip = self._stage_skips[stage]
+        skip = self._stage_skips.get(stage)
         skipped = {id(p) for p in skip.parameters()} if skip is not None else set()
         layer_ids = {id(p) for layer in self.layers for p in layer.parameters()}
         tied = dict(getattr(self.model, "all_tied_weights_keys", None) or {})
