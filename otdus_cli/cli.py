@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from otdus_cli import __version__
-from otdus_cli.errors import OtdusError
+from otdus_cli.errors import Interrupted, OtdusError, exit_on_signals
 
 app = typer.Typer(
     help="Depth up-scaling checkpoint surgery for Hugging Face LLMs: OT-DUS and its baselines, streamed.",
@@ -59,9 +59,12 @@ def _user_errors():
         yield
     except OtdusError as exc:
         _fail(str(exc), exc.exit_code)
-    except KeyboardInterrupt:
-        err_console.print("interrupted; no output was left behind")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        # Interrupted (any signal, from the output life cycle) says what is where; a bare Ctrl-C
+        # outside an expansion has nothing to report
+        stopped = exc if isinstance(exc, Interrupted) else Interrupted()
+        err_console.print(str(stopped), highlight=False, soft_wrap=True)
+        raise typer.Exit(stopped.exit_code) from None
     except typer.Exit:
         raise
     except Exception as exc:
@@ -262,7 +265,11 @@ def expand(
     revision: Revision = None,
     allow_unknown_arch: AllowUnknown = False,
     force: Annotated[
-        bool, typer.Option(help="Replace --out if it exists (only once the new one is complete).")
+        bool,
+        typer.Option(
+            help="Replace an existing --out, only if it is an earlier otdus output (every file listed by "
+            "its otdus.json) or an empty folder, and only once the new output is complete."
+        ),
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:
@@ -303,9 +310,9 @@ def expand(
                 progress=advance,
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
             )
-    warnings = _transport_warnings(result.manifest.get("transport", {}))
+    warnings = result.notes + _transport_warnings(result.manifest.get("transport", {}))
     for line in warnings:
-        err_console.print(f"[yellow]warning:[/] {line}", highlight=False)
+        err_console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
     summary = {
         "out": str(result.out),
         "transport_warnings": warnings,
@@ -651,7 +658,12 @@ def ppl(
 @app.command()
 def demo(
     out: Annotated[
-        Path, typer.Option("--out", "-o", help="Where the expanded demo model goes (replaced).")
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Where the expanded demo model goes (an earlier demo output there is replaced).",
+        ),
     ] = Path("demo-out"),
     method: Annotated[str, typer.Option(help="Expansion method.")] = "ot",
     max_tokens: Annotated[int, typer.Option(help="WikiText tokens to verify on.")] = 16384,
@@ -866,6 +878,7 @@ def version(json_out: JsonFlag = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> Callable | None:
+    exit_on_signals()  # SIGTERM/SIGHUP (timeout, Slurm) clean up like Ctrl-C
     app(args=argv)
     return None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 
 class OtdusError(Exception):
     """A problem with the user's input or environment that the CLI reports in one line (exit 2)."""
@@ -13,3 +15,41 @@ class ParityError(OtdusError):
     """Function preservation was expected and does not hold (exit 1)."""
 
     exit_code = 1
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT, SIGTERM or SIGHUP (Ctrl-C, `timeout`, Slurm's time limit).
+
+    A KeyboardInterrupt, so code that cleans up on Ctrl-C cleans up on every signal alike; ``detail``
+    says what was left where, ``exit_code`` is the shell convention 128 + signal number.
+    """
+
+    def __init__(self, signum: int = signal.SIGINT, detail: str = ""):
+        super().__init__(signum, detail)
+        self.signum = int(signum)
+        self.detail = detail
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def signal_name(self) -> str:
+        try:
+            return signal.Signals(self.signum).name
+        except ValueError:
+            return f"signal {self.signum}"
+
+    def __str__(self) -> str:
+        return f"interrupted by {self.signal_name}" + (f": {self.detail}" if self.detail else "")
+
+
+def raise_interrupted(signum: int, frame: object) -> None:
+    """Signal handler: turn SIGTERM/SIGHUP into an exception, so clean-up runs as for Ctrl-C."""
+    raise Interrupted(signum)
+
+
+def exit_on_signals() -> None:
+    """Install raise_interrupted for SIGTERM and SIGHUP (main thread only; the CLI calls it)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, raise_interrupted)

@@ -19,9 +19,10 @@ from otdus_cli import __version__
 from otdus_cli.arch.config_rules import prefetch_config_validation, rewrite_config, validate_with_transformers
 from otdus_cli.arch.families import Family, family_for
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.output_dir import OutputReport, staged_output
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
-from otdus_cli.io.writer import PlannedTensor, ShardedWriter, atomic_output_dir, parse_size
+from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
 from otdus_cli.manifest import MANIFEST
 from otdus_cli.methods.base import BuildContext
 from otdus_cli.methods.registry import Method, get_method, make_builder, plan_layers
@@ -186,6 +187,7 @@ class ExpandResult:
     bytes_written: int
     seconds: float
     stats: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # stale temporary folders removed or found, ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -337,10 +339,8 @@ def expand(
     if on_plan:
         on_plan(plan)
     out = Path(out)
-    src_folder = source.resolved.folder.resolve()
-    if out.resolve() == src_folder or out.resolve().is_relative_to(src_folder):
-        raise OtdusError("--out is inside the source model folder; the input is never modified")
-    with atomic_output_dir(out, force) as tmp:
+    report = OutputReport()
+    with staged_output(out, protected=[source.resolved.folder], force=force, report=report) as tmp:
         engine = _Engine(plan, tmp, progress)
         try:
             engine.run()
@@ -353,4 +353,5 @@ def expand(
         manifest = build_manifest(plan, engine.stats, side_files)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
-    return ExpandResult(out, plan, manifest, written, time.perf_counter() - start, engine.stats)
+    seconds = time.perf_counter() - start
+    return ExpandResult(out, plan, manifest, written, seconds, engine.stats, report.notes)

@@ -189,15 +189,6 @@ def test_pickle_checkpoint_loads_weights_only(stories, tmp_path):
         assert torch.equal(logits(load_causal_lm(stories)), logits(load_causal_lm(tmp_path / "out")))
 
 
-def test_force_replaces_existing_output(stories, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
-    expand(str(stories), out, ExpandOptions(method="copy", layers=1), force=True)
-    assert not (out / "old.txt").exists() and (out / "otdus.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "stories260k"]  # no temporary leftovers
-
-
 def test_input_is_never_modified(stories, tmp_path):
     before = {p.name: p.read_bytes() for p in stories.iterdir()}
     expand(str(stories), tmp_path / "out", ExpandOptions(method="average"))

@@ -2,8 +2,7 @@
 
 The full layout (every tensor's name, dtype, shape, shard and byte offset) is decided before any
 data is written, so each tensor can be written straight to its final place, in any order, and
-memory holds at most one tensor. Output goes to a temporary folder beside the destination and is
-renamed into place only when complete; any failure or Ctrl-C removes the temporary folder.
+memory holds at most one tensor. The folder written into is a temporary one (see output_dir.py).
 """
 
 from __future__ import annotations
@@ -12,9 +11,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -212,32 +208,3 @@ def _copy_range(src: int, src_off: int, dst: int, dst_off: int, count: int) -> N
         src_off += n
         dst_off += n
         count -= n
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary folder beside `out`; on success it becomes `out`, on any failure it vanishes."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise OtdusError(f"output folder {out} already exists (use --force to replace it)")
-    parent = out.absolute().parent
-    if not parent.is_dir():
-        raise OtdusError(f"parent folder of --out does not exist: {parent}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.otdus-tmp-", dir=parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any folder
-    try:
-        yield tmp
-        if out.exists():  # --force: swap, then remove the old one
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.otdus-old-", dir=parent))
-            os.rename(out, trash / "old")
-            os.rename(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno == 28:
-            raise OtdusError(f"disk full while writing {out}; nothing was left behind") from None
-        raise

@@ -1,0 +1,344 @@
+"""otdus never deletes or overwrites what it did not create (README: Safety).
+
+--force replaces only an earlier otdus output or an empty folder; concurrent runs to one --out are
+exclusive; a folder that appears during a run is never replaced; signals and SIGKILL leave nothing
+that is not reported or swept; the source is never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from otdus_cli.cli import app
+from otdus_cli.errors import Interrupted, OtdusError
+from otdus_cli.expand import expand
+from otdus_cli.io import output_dir
+from otdus_cli.io.output_dir import OWNER_FILE, OutputLock
+from otdus_cli.options import ExpandOptions
+
+runner = CliRunner()
+OTDUS = str(Path(sys.executable).parent / "otdus")
+
+
+def run_cli(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative path -> sha256): proof that nothing was touched."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if "otdus-" in p.name)
+
+
+def one_error_line(result, code: int = 2) -> str:
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.fixture()
+def earlier_output(stories, tmp_path) -> Path:
+    out = tmp_path / "earlier"
+    expand(str(stories), out, ExpandOptions(method="copy", layers=1))
+    return out
+
+
+# -- what --force may replace ------------------------------------------------------------------------
+def test_force_never_replaces_an_ancestor_of_the_source(stories, tmp_path):
+    before = tree_digest(tmp_path)
+    line = one_error_line(run_cli("expand", stories, "--out", tmp_path, "--force", "--method", "copy"))
+    assert "contains the source model" in line
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["folder", "file", "home-like"])
+def test_force_never_replaces_what_otdus_did_not_write(stories, tmp_path, kind):
+    target = tmp_path / "precious"
+    if kind == "file":
+        target.write_text("my thesis")
+    else:
+        target.mkdir()
+        (target / "thesis.tex").write_text("chapter 1")
+        if kind == "home-like":
+            (target / ".bashrc").write_text("export A=1")
+            (target / "models").mkdir()
+    before = tree_digest(tmp_path)
+    line = one_error_line(run_cli("expand", stories, "--out", target, "--force", "--method", "copy"))
+    assert "replaces only an earlier otdus output" in line or "existing file" in line
+    assert tree_digest(tmp_path) == before
+    assert leftovers(tmp_path) == []
+
+
+def test_force_refuses_an_otdus_output_holding_foreign_files(stories, earlier_output):
+    (earlier_output / "notes.md").write_text("results of a week of training")
+    before = tree_digest(earlier_output)
+    line = one_error_line(run_cli("expand", stories, "--out", earlier_output, "--force", "--method", "copy"))
+    assert "notes.md" in line and "otdus did not write" in line
+    assert tree_digest(earlier_output) == before
+
+
+def test_force_replaces_an_earlier_otdus_output_and_an_empty_folder(stories, earlier_output, tmp_path):
+    args = ("--force", "--method", "copy", "--layers", "2")
+    result = run_cli("expand", stories, "--out", earlier_output, *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads((earlier_output / "config.json").read_text())["num_hidden_layers"] == 7
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli("expand", stories, "--out", empty, "--force", "--method", "copy").exit_code == 0
+    assert (empty / "otdus.json").is_file()
+    assert leftovers(tmp_path) == []
+
+
+def test_without_force_an_existing_otdus_output_is_refused(stories, earlier_output):
+    before = tree_digest(earlier_output)
+    line = one_error_line(run_cli("expand", stories, "--out", earlier_output, "--method", "copy"))
+    assert "already exists" in line and "--force" in line
+    assert tree_digest(earlier_output) == before
+
+
+def test_demo_does_not_replace_a_foreign_folder(tmp_path):
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "data.csv").write_text("1,2,3")
+    result = run_cli("demo", "--out", target)
+    assert result.exit_code == 2, result.output
+    assert (target / "data.csv").read_text() == "1,2,3"
+
+
+@pytest.mark.parametrize("where", [".", "..", "cwd-abs"])
+def test_out_of_the_working_directory_or_a_parent_is_refused(stories, tmp_path, monkeypatch, where):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("keep")
+    monkeypatch.chdir(work)
+    out = str(work) if where == "cwd-abs" else where
+    before = tree_digest(tmp_path)
+    line = one_error_line(run_cli("expand", stories, "--out", out, "--force", "--method", "copy"))
+    assert "working directory" in line
+    assert tree_digest(tmp_path) == before and leftovers(work) == [] and leftovers(tmp_path) == []
+
+
+def test_symlink_and_mount_point_are_refused_up_front(stories, tmp_path):
+    dangling = tmp_path / "link"
+    dangling.symlink_to(tmp_path / "nowhere")
+    line = one_error_line(run_cli("expand", stories, "--out", dangling, "--method", "copy"))
+    assert "symbolic link" in line
+    assert leftovers(tmp_path) == [] and dangling.is_symlink()
+    mount = Path("/proc")
+    assert os.path.ismount(mount)
+    line = one_error_line(run_cli("expand", stories, "--out", mount, "--force", "--method", "copy"))
+    assert "mount point" in line
+    assert not [p for p in Path("/").iterdir() if "otdus-" in p.name]
+
+
+def test_unwritable_parent_is_one_line(stories, tmp_path):
+    parent = tmp_path / "frozen"
+    parent.mkdir()
+    if subprocess.run(["chattr", "+i", str(parent)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available on this filesystem")
+    try:
+        line = one_error_line(run_cli("expand", stories, "--out", parent / "out", "--method", "copy"))
+        assert "cannot create files in" in line
+    finally:
+        subprocess.run(["chattr", "-i", str(parent)], check=True)
+    assert list(parent.iterdir()) == []
+
+
+# -- a failed or interrupted forced run keeps the earlier output -------------------------------------
+@pytest.mark.parametrize("failure", [OtdusError("builder failed"), KeyboardInterrupt()])
+def test_failed_forced_run_keeps_the_earlier_output(stories, earlier_output, monkeypatch, failure):
+    import otdus_cli.expand as engine
+
+    before = tree_digest(earlier_output)
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(engine, "validate_with_transformers", fail)
+    with pytest.raises(type(failure)):
+        expand(str(stories), earlier_output, ExpandOptions(method="average", layers=2), force=True)
+    assert tree_digest(earlier_output) == before
+    assert leftovers(earlier_output.parent) == []
+
+
+def test_signal_during_the_forced_swap_is_held_and_reported_truthfully(stories, earlier_output, monkeypatch):
+    real = output_dir.remove_otdus_output
+
+    def interrupted_removal(folder, names):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives in the middle of the swap
+        return real(folder, names)
+
+    monkeypatch.setattr(output_dir, "remove_otdus_output", interrupted_removal)
+    with pytest.raises(Interrupted) as info:
+        expand(str(stories), earlier_output, ExpandOptions(method="copy", layers=2), force=True)
+    assert "complete and in place" in str(info.value)
+    assert info.value.exit_code == 130
+    assert json.loads((earlier_output / "config.json").read_text())["num_hidden_layers"] == 7
+    assert leftovers(earlier_output.parent) == []
+
+
+# -- concurrent runs and folders that appear ---------------------------------------------------------
+def test_a_folder_appearing_during_the_run_is_never_replaced(stories, tmp_path, monkeypatch):
+    import otdus_cli.expand as engine
+
+    out = tmp_path / "out"
+    real = engine.validate_with_transformers
+
+    def someone_else_writes(folder, layers):
+        out.mkdir()
+        (out / "their.bin").write_text("theirs")
+        return real(folder, layers)
+
+    monkeypatch.setattr(engine, "validate_with_transformers", someone_else_writes)
+    with pytest.raises(OtdusError, match="appeared while this run was writing"):
+        expand(str(stories), out, ExpandOptions(method="copy"))
+    assert (out / "their.bin").read_text() == "theirs"
+    assert sorted(p.name for p in out.iterdir()) == ["their.bin"]
+    assert leftovers(tmp_path) == []
+
+
+def test_an_empty_folder_appearing_during_the_run_is_not_replaced_either(stories, tmp_path, monkeypatch):
+    import otdus_cli.expand as engine
+
+    out = tmp_path / "out"
+    real = engine.validate_with_transformers
+
+    def someone_else_claims(folder, layers):
+        out.mkdir()  # os.rename would silently replace an empty folder
+        return real(folder, layers)
+
+    monkeypatch.setattr(engine, "validate_with_transformers", someone_else_claims)
+    with pytest.raises(OtdusError, match="appeared"):
+        expand(str(stories), out, ExpandOptions(method="copy"))
+    assert out.is_dir() and list(out.iterdir()) == []
+
+
+_HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from otdus_cli.io.output_dir import OutputLock
+OutputLock(Path(sys.argv[1]).absolute()).acquire()
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_concurrent_runs_to_one_out_one_wins(stories, tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True
+    )  # another otdus process in the middle of its run
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = one_error_line(run_cli("expand", stories, "--out", out, "--method", "copy"))
+        assert f"pid {holder.pid}" in line and "writing" in line
+        assert not out.exists()
+    finally:
+        holder.kill()  # SIGKILL: the kernel releases the lock
+        holder.wait()
+    assert run_cli("expand", stories, "--out", out, "--method", "copy").exit_code == 0
+    assert leftovers(tmp_path) == []
+
+
+def test_two_real_runs_to_one_out(stories, tmp_path):
+    out = tmp_path / "out"
+    cmd = [OTDUS, "expand", str(stories), "--out", str(out), "--method", "ot", "--json"]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(cmd, **pipes) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
+    codes = sorted(r[0] for r in results)
+    assert codes in ([0, 0], [0, 2]), results
+    if codes == [0, 2]:  # they overlapped: the loser says why, the winner's output is whole
+        loser = next(r for r in results if r[0] == 2)
+        assert "another otdus run" in loser[2] or "already exists" in loser[2], loser
+    assert json.loads((out / "otdus.json").read_text())["num_hidden_layers"] == 7
+    assert leftovers(tmp_path) == []
+
+
+# -- signals ---------------------------------------------------------------------------------------
+def _wait_for_tmp(parent: Path, proc: subprocess.Popen, timeout: float = 60) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [p for p in parent.iterdir() if "otdus-tmp-" in p.name]
+        if found:
+            return found[0]
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before writing: {proc.stderr.read()}")
+        time.sleep(0.005)
+    raise AssertionError("no temporary folder appeared")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signals_leave_nothing_and_say_so(stories, tmp_path, sig):
+    before = tree_digest(stories)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [OTDUS, "expand", str(stories), "--out", str(out), "--method", "average"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for_tmp(tmp_path, proc)
+    proc.send_signal(sig)
+    code = proc.wait(timeout=60)
+    stderr = proc.stderr.read()
+    assert code == 128 + sig, stderr
+    assert f"interrupted by {signal.Signals(sig).name}" in stderr
+    assert "partial output was removed" in stderr and "Traceback" not in stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+    assert tree_digest(stories) == before
+
+
+def test_after_sigkill_the_next_run_sweeps_the_dead_runs_folder(stories, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [OTDUS, "expand", str(stories), "--out", str(out), "--method", "average"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stale = _wait_for_tmp(tmp_path, proc)
+    proc.kill()
+    proc.wait()
+    assert json.loads((stale / OWNER_FILE).read_text())["pid"] == proc.pid
+    live = tmp_path / f".out.{output_dir.TMP_TAG}live"  # a folder of a run that still runs: never touched
+    live.mkdir()
+    (live / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    result = run_cli("expand", stories, "--out", out, "--method", "copy")
+    assert result.exit_code == 0, result.output
+    assert "removed" in result.stderr and stale.name in result.stderr
+    assert "may still run" in result.stderr and live.name in result.stderr
+    assert not stale.exists() and live.is_dir()
+
+
+def test_lock_is_released_and_reacquirable(tmp_path):
+    out = tmp_path / "x"
+    lock = OutputLock(out)
+    lock.acquire()
+    with pytest.raises(OtdusError, match="another otdus run"):
+        OutputLock(out).acquire()
+    lock.release()
+    second = OutputLock(out)
+    second.acquire()
+    second.release()
+    assert leftovers(tmp_path) == []
