@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from otdus_cli import __version__
-from otdus_cli.arch.config_rules import prefetch_config_validation, rewrite_config, validate_with_transformers
+from otdus_cli.arch.config_rules import (
+    finish_prefetch,
+    prefetch_config_validation,
+    rewrite_config,
+    validate_with_transformers,
+)
 from otdus_cli.arch.families import Family, family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.output_dir import OutputReport, staged_output
@@ -51,7 +56,17 @@ class SourceLayer:
         return self.prefix + suffix
 
     def get(self, suffix: str) -> torch.Tensor:
-        return self.reader.get(self.name(suffix))
+        """One tensor for a builder; non-finite weights would flow into every layer built from it."""
+        import torch  # noqa: PLC0415 - only builders read tensors
+
+        tensor = self.reader.get(self.name(suffix))
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise OtdusError(
+                f"source tensor {self.name(suffix)} holds {bad} NaN/Inf values; new layers would inherit "
+                "them (refusing before any output is written)"
+            )
+        return tensor
 
     def shape(self, suffix: str) -> tuple[int, ...]:
         return self.reader.meta(self.name(suffix)).shape
@@ -82,7 +97,7 @@ def open_source(model: str, revision: str | None = None, allow_unknown_arch: boo
     reader = CheckpointReader(resolved.folder)
     family = family_for(reader.config, allow_unknown_arch)
     depth = reader.config.get("num_hidden_layers")
-    if not isinstance(depth, int) or depth < 1:
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
         raise OtdusError("config.json has no valid num_hidden_layers (multimodal wrappers are not supported)")
     pattern = family.layer_regex()
     by_layer: dict[int, list[str]] = {}
@@ -93,19 +108,50 @@ def open_source(model: str, revision: str | None = None, allow_unknown_arch: boo
             by_layer.setdefault(int(m.group(1)), []).append(m.group(2))
         else:
             others.append(name)
+    # compare with what the checkpoint holds before anything proportional to the config's count
+    if depth > len(by_layer):
+        first_missing = next(i for i in range(len(by_layer) + 1) if i not in by_layer)
+        raise OtdusError(
+            f"config.json says {depth} layers but the checkpoint holds tensors for {len(by_layer)} "
+            f"(none for layer {first_missing})"
+        )
     extra = sorted(i for i in by_layer if i >= depth)
     if extra:
         raise OtdusError(f"checkpoint has tensors for layer {extra[0]} but config says {depth} layers")
-    missing = [i for i in range(depth) if i not in by_layer]
-    if missing:
-        raise OtdusError(f"checkpoint has no tensors for layer {missing[0]} (config says {depth} layers)")
     layers = [
         SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i])) for i in range(depth)
     ]
+    _check_layers_alike(layers, family, reader.config)
     others.sort()
     head = [n for n in others if "embed" in n]
     tail = [n for n in others if "embed" not in n]
     return SourceModel(resolved, reader, family, layers, head, tail)
+
+
+def _check_layers_alike(layers: list[SourceLayer], family: Family, config: dict) -> None:
+    """Layers of one kind (the family says which differ, e.g. dense layers in a MoE stack) must hold the
+    same tensors with the same dtypes and shapes: a copy of a layer that lacks one would load with
+    random weights, or not at all."""
+    first: dict[str, SourceLayer] = {}
+    for layer in layers:
+        kind = family.layer_kind(config, layer.index)
+        ref = first.setdefault(kind, layer)
+        if ref is layer:
+            continue
+        mine, theirs = set(layer.suffixes()), set(ref.suffixes())
+        if mine != theirs:
+            lacks = sorted(theirs - mine)
+            what = f"lacks {lacks[0]}" if lacks else f"has an extra tensor {sorted(mine - theirs)[0]}"
+            raise OtdusError(
+                f"layer {layer.index} {what}, unlike layer {ref.index}; the checkpoint is incomplete"
+            )
+        for suffix in layer.suffixes():
+            a, b = ref.reader.meta(ref.name(suffix)), layer.reader.meta(layer.name(suffix))
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                raise OtdusError(
+                    f"layer {layer.index} {suffix} is {b.dtype} {list(b.shape)}, but layer {ref.index}'s is "
+                    f"{a.dtype} {list(a.shape)}; the checkpoint is inconsistent"
+                )
 
 
 @dataclass
@@ -347,6 +393,7 @@ def expand(
             engine.writer.finish()
         finally:
             engine.writer.close()
+            finish_prefetch()
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
         side_files = _copy_side_files(source.resolved.folder, tmp)
         validate_with_transformers(tmp, len(plan.layer_map))

@@ -7,13 +7,13 @@ is one clear error.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from otdus_cli.bundled import BUNDLED_MODELS
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.reader import read_json_object
 
 # Small files worth carrying to the expanded model (everything else a repo holds is left behind).
 SIDE_FILE_PATTERNS = [
@@ -87,8 +87,8 @@ def _weight_files(folder: Path) -> list[str]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = folder / index_name
         if index.is_file():
-            try:
-                return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise OtdusError(f"{index_name} of the downloaded model is corrupt") from None
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise OtdusError(f"{index_name} of the downloaded model is corrupt (no weight_map)")
+            return sorted({str(v) for v in weight_map.values()})
     return ["model.safetensors"]

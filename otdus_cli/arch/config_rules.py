@@ -131,10 +131,16 @@ def prefetch_config_validation(model_type: str | None = None) -> None:
         _prefetch.start()
 
 
-def validate_with_transformers(folder: Path, expected_layers: int) -> None:
-    """Load the written config the way users will, so a bad config fails here and not in their job."""
+def finish_prefetch() -> None:
+    """Wait for the import thread: a caller that imports transformers next (a test, a study's next
+    arm) must not meet a half-imported package."""
     if _prefetch is not None:
         _prefetch.join()
+
+
+def validate_with_transformers(folder: Path, expected_layers: int) -> None:
+    """Load the written config the way users will, so a bad config fails here and not in their job."""
+    finish_prefetch()
     from transformers import AutoConfig
 
     try:

@@ -7,7 +7,9 @@ config fields depend on depth. Adding a family means adding a template here, not
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from otdus_cli.errors import OtdusError
@@ -37,6 +39,21 @@ MOE_ZERO = (
 )
 
 
+def uniform_layers(config: dict, index: int) -> str:
+    """Every decoder layer holds the same tensors."""
+    return "decoder"
+
+
+def qwen_moe_layers(config: dict, index: int) -> str:
+    """Qwen2/3-MoE: a layer has experts unless listed in mlp_only_layers or off the sparse step
+    (the rule of transformers' Qwen2MoeDecoderLayer); the others hold a dense MLP."""
+    only = config.get("mlp_only_layers") or []
+    step = config.get("decoder_sparse_step") or 1
+    experts = config.get("num_experts") or 0
+    sparse = index not in only and experts > 0 and (index + 1) % step == 0
+    return "sparse" if sparse else "dense"
+
+
 @dataclass(frozen=True)
 class Family:
     """Template for one architecture family."""
@@ -54,6 +71,8 @@ class Family:
     # family's config; only then is transformers asked at plan time (its import takes seconds).
     # tests/test_config_rules.py checks the flag against the installed transformers.
     derives_layer_types: bool = False
+    # which layers must hold identical tensors (names, dtypes, shapes): those of the same kind
+    layer_kind: Callable[[dict, int], str] = uniform_layers
 
     def is_zero_target(self, suffix: str) -> bool:
         return any(re.fullmatch(p, suffix) for p in self.zero_init)
@@ -112,8 +131,16 @@ FAMILIES: tuple[Family, ...] = (
         fused={"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")},
     ),
     Family("mixtral", ("mixtral",), {}, zero_init=MOE_ZERO, moe=True),
-    Family("qwen2_moe", ("qwen2_moe",), {}, zero_init=MOE_ZERO, moe=True, derives_layer_types=True),
-    Family("qwen3_moe", ("qwen3_moe",), {}, zero_init=MOE_ZERO, moe=True),
+    Family(
+        "qwen2_moe",
+        ("qwen2_moe",),
+        {},
+        zero_init=MOE_ZERO,
+        moe=True,
+        derives_layer_types=True,
+        layer_kind=qwen_moe_layers,
+    ),
+    Family("qwen3_moe", ("qwen3_moe",), {}, zero_init=MOE_ZERO, moe=True, layer_kind=qwen_moe_layers),
     Family("olmoe", ("olmoe",), {}, zero_init=MOE_ZERO, moe=True),
 )
 
@@ -129,12 +156,15 @@ def supported_model_types() -> list[str]:
 
 def family_for(config: dict, allow_unknown: bool = False) -> Family:
     """Pick the template for a config, refusing quantized or unknown checkpoints."""
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "unknown")
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         raise OtdusError(
             f"quantized checkpoints are not supported (quant_method={method}); use the unquantized model"
         )
     model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise OtdusError(f"config.json: model_type must be a string, got {json.dumps(model_type)[:60]}")
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]
     if allow_unknown:

@@ -59,8 +59,10 @@ def read_json_object(path: Path) -> dict:
     """A JSON file that must hold an object; anything else is one clear error."""
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise OtdusError(f"{path} is not valid JSON") from None
+    except OSError as exc:
+        raise OtdusError(f"cannot read {path} ({exc.strerror})") from None
     if not isinstance(data, dict):
         raise OtdusError(f"{path} is not a JSON object")
     return data
@@ -96,13 +98,10 @@ class CheckpointReader:
         return read_json_object(path)
 
     def _read_index(self, name: str) -> dict[str, Path]:
-        try:
-            index = json.loads((self.folder / name).read_text())
-            weight_map = index["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            raise OtdusError(f"{name} is corrupt (no valid weight_map)") from None
+        index = read_json_object(self.folder / name)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise OtdusError(f"{name} is corrupt (no valid weight_map)")
         self.index_file = name
         return {tensor: _inside(self.folder, str(shard)) for tensor, shard in weight_map.items()}
 

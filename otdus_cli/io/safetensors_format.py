@@ -72,11 +72,39 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("duplicate key")
+    return dict(pairs)
+
+
+def _shape(value: object) -> tuple[int, ...] | None:
+    """A shape as safetensors accepts it: a list of non-negative integers (not bools, not floats)."""
+    if not isinstance(value, list):
+        return None
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
+        return None
+    return tuple(value)
+
+
+def _offsets(value: object) -> tuple[int, int] | None:
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+        return None
+    return value[0], value[1]
+
+
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one safetensors file's header; return its tensors and metadata.
 
-    Checks everything that a truncated or corrupt file would break, so that problems surface
-    as one clear error before any output is written.
+    Enforces what the safetensors library enforces, so a truncated, corrupt or crafted file is one
+    clear error before any output is written: a JSON object header of at most 100 MB, metadata a map
+    of strings, every entry a known dtype, a shape of non-negative integers and offsets matching it,
+    the tensors' byte ranges contiguous from 0 (no overlap, no gap) and ending exactly at the end of
+    the file. Stricter in one point: a name given twice is refused (the library keeps one of them,
+    and another reader might keep the other).
     """
     name = os.path.basename(path)
     try:
@@ -90,37 +118,58 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 raise OtdusError(
                     f"{name}: corrupt or truncated safetensors file (header length {header_len})"
                 )
-            header = json.loads(f.read(header_len))
+            header = json.loads(f.read(header_len).decode("utf-8"), object_pairs_hook=_no_duplicates)
     except FileNotFoundError:
         raise OtdusError(f"missing shard: {path}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise OtdusError(f"{name}: corrupt safetensors header (not valid JSON)") from None
     except OSError as exc:
         raise OtdusError(f"{name}: cannot read ({exc.strerror})") from None
     if not isinstance(header, dict):
-        raise OtdusError(f"{name}: corrupt safetensors header")
-    metadata = header.pop("__metadata__", None) or {}
+        raise OtdusError(f"{name}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise OtdusError(f"{name}: corrupt safetensors header (__metadata__ must map strings to strings)")
     data_start = 8 + header_len
+    data_size = size - data_start
     tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     for tname, entry in header.items():
-        try:
-            code = entry["dtype"]
-            shape = tuple(int(s) for s in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise OtdusError(f"{name}: corrupt header entry for tensor {tname!r}") from None
-        if code not in KNOWN_CODES:
+        if not isinstance(entry, dict):
+            raise OtdusError(f"{name}: corrupt header entry for tensor {tname!r}")
+        code, shape, offsets = (
+            entry.get("dtype"),
+            _shape(entry.get("shape")),
+            _offsets(entry.get("data_offsets")),
+        )
+        if shape is None or offsets is None:
+            raise OtdusError(f"{name}: corrupt header entry for tensor {tname!r} (shape or data_offsets)")
+        if not isinstance(code, str) or code not in KNOWN_CODES:
             raise OtdusError(f"{name}: tensor {tname!r} has unsupported dtype {code}")
+        begin, end = offsets
         nbytes = math.prod(shape) * itemsize(code)
-        if end - begin != nbytes or begin < 0:
+        if end < begin or end - begin != nbytes:
             raise OtdusError(f"{name}: corrupt header, tensor {tname!r} offsets do not match its shape")
-        if data_start + end > size:
+        if end > data_size:
             raise OtdusError(
                 f"{name}: truncated file, tensor {tname!r} ends at byte {data_start + end} "
                 f"but the file has {size} bytes"
             )
+        spans.append((begin, end, tname))
         tensors[tname] = TensorInfo(tname, code, shape, os.path.abspath(path), data_start + begin, nbytes)
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    position = 0
+    for begin, end, tname in sorted(spans):
+        if begin != position:
+            what = "overlaps the previous tensor" if begin < position else "leaves a gap before it"
+            raise OtdusError(f"{name}: corrupt header, tensor {tname!r} {what} (byte {begin})")
+        position = end
+    if position != data_size:
+        raise OtdusError(
+            f"{name}: corrupt file, its tensors cover {position} bytes of a {data_size}-byte data buffer"
+        )
+    return tensors, dict(metadata)
 
 
 def build_header(

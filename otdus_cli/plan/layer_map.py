@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass
 from otdus_cli.errors import OtdusError
 
 POSITIONS = ("top", "bottom", "mid", "top-bottom", "uniform")
+# No growth operator in the literature goes beyond a few times the base depth; a bound keeps a typo
+# (--layers 1000000000) from building a layer map until memory runs out.
+MAX_GROWTH = 64
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,11 @@ def _count(base_layers: int, layers: int | None, ratio: float | None) -> int:
         count = base_layers // 2 if layers is None else layers
     if count < 1:
         raise OtdusError(f"the expansion adds {count} layers; it must add at least one")
+    if count > MAX_GROWTH * base_layers:
+        raise OtdusError(
+            f"the expansion adds {count} layers to a {base_layers}-layer model; at most "
+            f"{MAX_GROWTH * base_layers} ({MAX_GROWTH}x the base depth) are supported"
+        )
     return count
 
 
