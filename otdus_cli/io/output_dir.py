@@ -8,9 +8,10 @@ otdus never deletes or overwrites what it did not create:
   or an earlier otdus output (its ``otdus.json`` manifest lists every file it holds). A lock file
   beside ``--out`` (``.NAME.otdus-lock``, an advisory ``flock`` the kernel releases when its owner
   dies) makes concurrent runs to one ``--out`` exclusive: the second one is refused.
-* **temporary folder**: ``.NAME.otdus-tmp-XXXX`` beside ``--out``, with an owner record (pid, host)
-  so that the folder of a run killed with SIGKILL is recognised and removed by the next run to the
-  same ``--out`` (a folder of a live run, or of another host, is reported, never touched).
+* **temporary folder**: ``.NAME.otdus-tmp-PID@HOST.XXXX`` beside ``--out``: its owner is in its
+  name, set atomically with its creation, so the folder of a run killed with SIGKILL is recognised
+  and removed by the next run to the same ``--out`` (a folder of a live run, or of another host, is
+  reported, never touched).
 * **swap**: an atomic rename that fails if something appeared at ``--out`` meanwhile
   (``renameat2(RENAME_NOREPLACE)``), or, with ``--force``, an atomic exchange with the earlier output
   (``RENAME_EXCHANGE``), whose files are then removed one by one. Signals are held back during the
@@ -41,7 +42,6 @@ from pathlib import Path
 from otdus_cli.errors import Interrupted, OtdusError
 
 MANIFEST = "otdus.json"  # also otdus_cli.manifest.MANIFEST (not imported: that module reads JSON)
-OWNER_FILE = ".otdus-owner.json"
 TMP_TAG = "otdus-tmp-"
 OLD_TAG = "otdus-old-"
 LOCK_TAG = "otdus-lock"
@@ -192,30 +192,38 @@ class OutputLock:
             self.fd = None
 
 
-def _read_record(fd_or_path: int | Path) -> dict | None:
+def _read_record(fd: int) -> dict | None:
+    """The lock holder's record (pid, host, start), if readable."""
     try:
-        if isinstance(fd_or_path, int):
-            data = os.pread(fd_or_path, 4096, 0)
-        else:
-            data = Path(fd_or_path).read_bytes()[:4096]
-        record = json.loads(data)
+        record = json.loads(os.pread(fd, 4096, 0))
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
 
 
+def owner_prefix(out: Path, tag: str) -> str:
+    """Name prefix of this process's temporary folders for ``out``: the owner is part of the name."""
+    return f".{out.name}.{tag}{os.getpid()}@{socket.gethostname()}."
+
+
+def _owner_of(folder: Path, out: Path, tag: str) -> tuple[int, str] | None:
+    rest = folder.name[len(f".{out.name}.{tag}") :]
+    pid, at, host_and_suffix = rest.partition("@")
+    host = host_and_suffix.rpartition(".")[0]
+    return (int(pid), host) if at and pid.isdigit() and host else None
+
+
 def sweep_stale(out: Path) -> list[str]:
     """Remove temporary folders of dead otdus runs to ``out`` (caller holds the lock); report the rest."""
     notes = []
-    parent = out.parent
     for tag in (TMP_TAG, OLD_TAG):
-        for folder in sorted(parent.glob(f".{glob_escape(out.name)}.{tag}*")):
-            record = _read_record(folder / OWNER_FILE) if folder.is_dir() else None
-            if record is None:
-                notes.append(f"{folder} looks like an otdus temporary folder but has no owner record; kept")
+        for folder in sorted(out.parent.glob(f".{glob_escape(out.name)}.{tag}*")):
+            owner = _owner_of(folder, out, tag) if folder.is_dir() else None
+            if owner is None:
+                notes.append(f"{folder} looks like an otdus temporary folder but names no owner; kept")
                 continue
-            pid, host = record.get("pid"), record.get("host")
-            if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+            pid, host = owner
+            if host == socket.gethostname() and not _pid_alive(pid):
                 shutil.rmtree(folder, ignore_errors=True)
                 notes.append(f"removed {folder}, left by an otdus run that died (pid {pid})")
             else:
@@ -278,9 +286,6 @@ def remove_otdus_output(folder: Path, names: set[str]) -> list[str]:
     for name in names:
         with contextlib.suppress(FileNotFoundError):
             (folder / name).unlink()
-    for stray in (OWNER_FILE,):
-        with contextlib.suppress(FileNotFoundError):
-            (folder / stray).unlink()
     try:
         folder.rmdir()
     except OSError:
@@ -291,7 +296,6 @@ def remove_otdus_output(folder: Path, names: set[str]) -> list[str]:
 
 def _swap(tmp: Path, out: Path, expected: str, parent: Path) -> list[str]:
     """Put the finished ``tmp`` at ``out``; ``expected`` is what the claim found there."""
-    (tmp / OWNER_FILE).unlink()
     if expected == "absent":
         _move_into_place(tmp, out)
         return []
@@ -300,8 +304,7 @@ def _swap(tmp: Path, out: Path, expected: str, parent: Path) -> list[str]:
     old_names = otdus_output_files(out) if expected == "otdus" else set()
     if _renameat2(tmp, out, _RENAME_EXCHANGE):  # tmp now holds the earlier output
         return remove_otdus_output(tmp, old_names or set())
-    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.{OLD_TAG}", dir=parent))
-    (trash / OWNER_FILE).write_text(json.dumps(_owner_record()))
+    trash = Path(tempfile.mkdtemp(prefix=owner_prefix(out, OLD_TAG), dir=parent))
     os.rename(out, trash / "old")
     try:
         _move_into_place(tmp, out)
@@ -360,45 +363,52 @@ def staged_output(
     report = report if report is not None else OutputReport()
     check_target(out, protected, force)  # fail fast, before taking the lock
     absolute = Path(os.path.abspath(out))
-    parent = absolute.parent
     lock = OutputLock(absolute)
-    lock.acquire()
+    expected = "absent"
     tmp: Path | None = None
     try:
-        expected = check_target(out, protected, force)  # again, now that no other otdus run can race us
-        report.notes += sweep_stale(absolute)
-        try:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{absolute.name}.{TMP_TAG}", dir=parent))
-        except OSError as exc:
-            raise OtdusError(f"cannot create the output folder in {parent} ({exc.strerror})") from None
-        (tmp / OWNER_FILE).write_text(json.dumps(_owner_record()))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any folder
-        try:
-            yield tmp
-        except BaseException as exc:
-            with held_signals():
-                shutil.rmtree(tmp, ignore_errors=True)
-            tmp = None
-            if isinstance(exc, KeyboardInterrupt):
-                kept = "was not changed" if expected != "absent" else "was not created"
-                raise Interrupted(_signum(exc), f"the partial output was removed; {out} {kept}") from None
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-                raise OtdusError(f"disk full while writing {out}; nothing was left behind") from None
-            raise
+        # the claim is held together: a signal in the middle would leave a lock file or a folder
+        # that no variable names yet
         with held_signals() as arrived:
-            try:
-                report.notes += _swap(tmp, absolute, expected, parent)
-                report.replaced = expected == "otdus"
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            finally:
-                tmp = None
+            lock.acquire()
+            expected = check_target(out, protected, force)  # again, now that no other run can race us
+            report.notes += sweep_stale(absolute)
+            tmp = _make_temporary(absolute)
         if arrived() is not None:
-            raise Interrupted(arrived(), f"the run had already finished: {out} is complete and in place")
-    finally:
-        if tmp is not None:  # an exception before the body ran
+            raise Interrupted(arrived())
+        yield tmp
+    except BaseException as exc:
+        with held_signals():  # a second Ctrl-C must not stop the clean-up half way
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            lock.release()
+        kept = "was not changed" if expected != "absent" else "was not created"
+        if isinstance(exc, KeyboardInterrupt):
+            what = "the partial output was removed" if tmp is not None else "nothing was written"
+            raise Interrupted(_signum(exc), f"{what}; {out} {kept}") from None
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise OtdusError(f"disk full while writing {out}; nothing was left behind") from None
+        raise
+    with held_signals() as arrived:
+        try:
+            report.notes += _swap(tmp, absolute, expected, absolute.parent)
+            report.replaced = expected == "otdus"
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-        lock.release()
+            raise
+        finally:
+            lock.release()
+    if arrived() is not None:
+        raise Interrupted(arrived(), f"the run had already finished: {out} is complete and in place")
+
+
+def _make_temporary(out: Path) -> Path:
+    """The temporary folder beside ``out``, named after its owner for stale-folder sweeps."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=owner_prefix(out, TMP_TAG), dir=out.parent))
+    except OSError as exc:
+        raise OtdusError(f"cannot create the output folder in {out.parent} ({exc.strerror})") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any folder
+    return tmp
