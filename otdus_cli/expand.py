@@ -22,11 +22,13 @@ from otdus_cli.arch.config_rules import (
     rewrite_config,
     validate_with_transformers,
 )
-from otdus_cli.arch.families import Family, family_for
+from otdus_cli.arch.families import family_for
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.fingerprint import stack_fingerprints
 from otdus_cli.io.output_dir import OutputReport, staged_output
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
+from otdus_cli.io.stack import LayerStack, read_stack
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
 from otdus_cli.manifest import MANIFEST
 from otdus_cli.methods.base import BuildContext
@@ -40,118 +42,18 @@ _NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model
 ProgressFn = Callable[[int], None]
 
 
-class SourceLayer:
-    """A base layer of the source checkpoint, read lazily (implements methods.base.ParentLayer)."""
-
-    def __init__(self, reader: CheckpointReader, prefix: str, index: int, suffixes: list[str]):
-        self.reader = reader
-        self.prefix = prefix
-        self.index = index
-        self._suffixes = suffixes
-
-    def suffixes(self) -> list[str]:
-        return list(self._suffixes)
-
-    def name(self, suffix: str) -> str:
-        return self.prefix + suffix
-
-    def get(self, suffix: str) -> torch.Tensor:
-        """One tensor for a builder; non-finite weights would flow into every layer built from it."""
-        import torch  # noqa: PLC0415 - only builders read tensors
-
-        tensor = self.reader.get(self.name(suffix))
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise OtdusError(
-                f"source tensor {self.name(suffix)} holds {bad} NaN/Inf values; new layers would inherit "
-                "them (refusing before any output is written)"
-            )
-        return tensor
-
-    def shape(self, suffix: str) -> tuple[int, ...]:
-        return self.reader.meta(self.name(suffix)).shape
-
-
 @dataclass
-class SourceModel:
-    """A checkpoint seen as: tensors before the stack, the decoder layers, tensors after."""
+class SourceModel(LayerStack):
+    """The source checkpoint of an expansion: its layer stack and where it came from."""
 
     resolved: ResolvedSource
-    reader: CheckpointReader
-    family: Family
-    layers: list[SourceLayer]
-    head: list[str]  # embeddings and anything else outside the stack, written first
-    tail: list[str]  # final norm, lm_head ...
-
-    @property
-    def config(self) -> dict:
-        return self.reader.config
-
-    @property
-    def depth(self) -> int:
-        return len(self.layers)
 
 
 def open_source(model: str, revision: str | None = None, allow_unknown_arch: bool = False) -> SourceModel:
     resolved = resolve_source(model, revision)
     reader = CheckpointReader(resolved.folder)
-    family = family_for(reader.config, allow_unknown_arch)
-    depth = reader.config.get("num_hidden_layers")
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-        raise OtdusError("config.json has no valid num_hidden_layers (multimodal wrappers are not supported)")
-    pattern = family.layer_regex()
-    by_layer: dict[int, list[str]] = {}
-    others: list[str] = []
-    for name in reader.names:
-        m = pattern.fullmatch(name)
-        if m:
-            by_layer.setdefault(int(m.group(1)), []).append(m.group(2))
-        else:
-            others.append(name)
-    # compare with what the checkpoint holds before anything proportional to the config's count
-    if depth > len(by_layer):
-        first_missing = next(i for i in range(len(by_layer) + 1) if i not in by_layer)
-        raise OtdusError(
-            f"config.json says {depth} layers but the checkpoint holds tensors for {len(by_layer)} "
-            f"(none for layer {first_missing})"
-        )
-    extra = sorted(i for i in by_layer if i >= depth)
-    if extra:
-        raise OtdusError(f"checkpoint has tensors for layer {extra[0]} but config says {depth} layers")
-    layers = [
-        SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i])) for i in range(depth)
-    ]
-    _check_layers_alike(layers, family, reader.config)
-    others.sort()
-    head = [n for n in others if "embed" in n]
-    tail = [n for n in others if "embed" not in n]
-    return SourceModel(resolved, reader, family, layers, head, tail)
-
-
-def _check_layers_alike(layers: list[SourceLayer], family: Family, config: dict) -> None:
-    """Layers of one kind (the family says which differ, e.g. dense layers in a MoE stack) must hold the
-    same tensors with the same dtypes and shapes: a copy of a layer that lacks one would load with
-    random weights, or not at all."""
-    first: dict[str, SourceLayer] = {}
-    for layer in layers:
-        kind = family.layer_kind(config, layer.index)
-        ref = first.setdefault(kind, layer)
-        if ref is layer:
-            continue
-        mine, theirs = set(layer.suffixes()), set(ref.suffixes())
-        if mine != theirs:
-            lacks = sorted(theirs - mine)
-            what = f"lacks {lacks[0]}" if lacks else f"has an extra tensor {sorted(mine - theirs)[0]}"
-            raise OtdusError(
-                f"layer {layer.index} {what}, unlike layer {ref.index}; the checkpoint is incomplete"
-            )
-        for suffix in layer.suffixes():
-            a, b = ref.reader.meta(ref.name(suffix)), layer.reader.meta(layer.name(suffix))
-            if (a.dtype, a.shape) != (b.dtype, b.shape):
-                raise OtdusError(
-                    f"layer {layer.index} {suffix} is {b.dtype} {list(b.shape)}, but layer {ref.index}'s is "
-                    f"{a.dtype} {list(a.shape)}; the checkpoint is inconsistent"
-                )
+    stack = read_stack(reader, family_for(reader.config, allow_unknown_arch))
+    return SourceModel(**vars(stack), resolved=resolved)
 
 
 @dataclass
@@ -356,7 +258,9 @@ def build_manifest(plan: Plan, stats: dict[int, dict], side_files: list[str]) ->
             "model_type": src.config.get("model_type"),
             "family": src.family.name,
             "num_hidden_layers": src.depth,
+            "kind": src.resolved.kind,
             **src.reader.fingerprint(),
+            "fingerprints": stack_fingerprints(src),
         },
         "method": plan.method.name,
         "options": plan.options.model_dump(),

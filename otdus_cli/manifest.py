@@ -1,27 +1,92 @@
-"""The `otdus.json` manifest written beside every expanded checkpoint (see README: Output)."""
+"""The `otdus.json` manifest written beside every expanded checkpoint (see README: Output).
+
+A manifest is read as untrusted input: a damaged or hand-edited one is one clear error, never a
+traceback, and nothing in it decides by itself what verify expects (see verify/proof.py).
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import read_json_object
 
 MANIFEST = "otdus.json"
 
 
+class ManifestLayer(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    index: int
+    source: int
+    new: bool
+    parents: list[int] = []
+    builder: str = "base"
+    zero_init: bool = False
+
+
+class ManifestSource(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str
+    revision: str | None = None
+    path: str | None = None
+    kind: str | None = None  # "local", "hub", "bundled" (absent in manifests of otdus <= 0.1.0 runs)
+    config_sha256: str | None = None
+    index_sha256: str | None = None
+    fingerprints: dict | None = None
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    otdus_version: str
+    source: ManifestSource
+    method: str
+    num_hidden_layers: int
+    layers: list[ManifestLayer]
+    new_parameters: list[str] = []
+    copied_files: list[str] = []
+
+
 def read_manifest(folder: str | os.PathLike[str]) -> dict | None:
-    """The manifest of an expanded checkpoint, or None for a folder that has none."""
+    """The manifest of an expanded checkpoint (validated), or None for a folder that has none."""
     path = Path(folder) / MANIFEST
-    return read_json_object(path) if path.is_file() else None
-
-
-def manifest_source(folder: str | os.PathLike[str]) -> tuple[str, str | None] | None:
-    """The base model an expansion came from: a folder that still exists, else its hub id and revision."""
-    source = (read_manifest(folder) or {}).get("source")
-    if not isinstance(source, dict):
+    if not path.is_file():
         return None
-    path = source.get("path")
+    data = read_json_object(path)
+    try:
+        Manifest.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "top level"
+        raise OtdusError(f"{path} is damaged ({where}: {err['msg']}); it cannot be trusted") from None
+    if len(data["layers"]) != data["num_hidden_layers"]:
+        raise OtdusError(f"{path} is damaged (its layer map does not have num_hidden_layers entries)")
+    return data
+
+
+def manifest_source(folder: str | os.PathLike[str]) -> tuple[str, str | None, str] | None:
+    """The base model an expansion came from, as (model, revision, kind) for resolve_source.
+
+    A recorded folder is used only if it still exists: a relative id is never looked up against
+    the current directory, nor taken for a hub repository. Hub and bundled ids resolve as such.
+    """
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return None
+    source = manifest["source"]
+    path, ident, kind = source.get("path"), source["id"], source.get("kind")
+    if kind is None:  # manifests written before "kind" was recorded
+        kind = "bundled" if ident.startswith("bundled:") else ("hub" if source.get("revision") else "local")
+    if kind in ("bundled", "hub"):
+        return ident, source.get("revision"), kind
     if path and Path(path).is_dir():
-        return str(path), None
-    return (str(source["id"]), source.get("revision")) if source.get("id") else None
+        return str(path), None, "local"
+    raise OtdusError(
+        f"the base model recorded in {Path(folder) / MANIFEST} ({path or ident}) no longer exists; "
+        "give it with --base"
+    )

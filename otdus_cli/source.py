@@ -40,14 +40,21 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 @dataclass(frozen=True)
 class ResolvedSource:
     folder: Path
-    id: str  # what the user gave: a hub id or the folder path
+    id: str  # what the user gave: a hub id, a folder path or a bundled name
     revision: str | None  # resolved commit for hub models
+    kind: str = "local"  # "local", "hub" or "bundled": how the id is to be resolved again
 
 
-def resolve_source(model: str, revision: str | None = None) -> ResolvedSource:
-    if model in BUNDLED_MODELS:
-        return ResolvedSource(BUNDLED_MODELS[model], model, None)
+def resolve_source(model: str, revision: str | None = None, kind: str | None = None) -> ResolvedSource:
+    """A folder for a model argument. ``kind`` ("local", "hub", "bundled") pins how it is read, as a
+    manifest records it; by default a bundled name, then an existing path, then a hub id."""
+    if model in BUNDLED_MODELS and kind in (None, "bundled"):
+        return ResolvedSource(BUNDLED_MODELS[model], model, None, "bundled")
+    if kind == "bundled":
+        raise OtdusError(f"{model} is not a model bundled with this otdus version")
     path = Path(model).expanduser()
+    if kind == "hub":
+        return _download(model, revision)
     if path.exists():
         if not path.is_dir():
             raise OtdusError(f"{model} is a file; give the model folder")
@@ -79,7 +86,7 @@ def _download(repo_id: str, revision: str | None) -> ResolvedSource:
         raise OtdusError(f"cannot fetch {repo_id} from the hub: {str(exc).splitlines()[0]}") from None
     except OSError as exc:
         raise OtdusError(f"cannot fetch {repo_id}: {exc}") from None
-    return ResolvedSource(folder, repo_id, folder.name)
+    return ResolvedSource(folder, repo_id, folder.name, "hub")
 
 
 def _weight_files(folder: Path) -> list[str]:

@@ -98,9 +98,12 @@ def _expand(out: Path, after: int, o_proj_value: float = 0.0, function_preservin
         for j, i in enumerate(sources)
     ]
     manifest = {
+        "otdus_version": "test",
+        "method": "copy",
+        "num_hidden_layers": depth + 1,
         "function_preserving": function_preserving,
         "layers": layers,
-        "source": {"path": str(STORIES)},
+        "source": {"id": str(STORIES), "path": str(STORIES)},
     }
     (out / "otdus.json").write_text(json.dumps(manifest))
     return out
@@ -156,10 +159,23 @@ def test_verdicts_hold_when_logits_come_in_small_chunks(tmp_path, small_plan, mo
 
 
 def test_not_function_preserving_is_reported_not_failed(tmp_path, small_plan):
+    # a new layer the map says is not zero-initialised, and whose o_proj/down_proj are not zero
     expanded = _expand(tmp_path / "exp", after=1, o_proj_value=0.01, function_preserving=False)
+    manifest = json.loads((expanded / "otdus.json").read_text())
+    manifest["layers"][2]["zero_init"] = False
+    (expanded / "otdus.json").write_text(json.dumps(manifest))
     report = verify_expansion(STORIES, expanded, small_plan)
     assert not report.expect_parity and report.exit_code == 0
     assert report.verdict.startswith("no parity expected")
+    assert not report.proof.preserving and "layer 2 is new and not an identity" in report.proof.reason
+
+
+def test_a_hand_edited_boolean_does_not_turn_broken_into_a_pass(tmp_path, small_plan):
+    # the map still says zero-init: the manifest's function_preserving flag is not trusted
+    expanded = _expand(tmp_path / "exp", after=1, o_proj_value=0.01, function_preserving=False)
+    report = verify_expansion(STORIES, expanded, small_plan)
+    assert report.expect_parity and report.exit_code == 1
+    assert "static check: layer 2 is new and not an identity" in report.verdict
 
 
 def test_bfloat16_parity_within_tolerance(tmp_path, small_plan):
@@ -175,8 +191,18 @@ def test_mapping_function_instead_of_manifest(tmp_path, small_plan):
     mapping = [0, None, 1, 2, 3, 4]  # expanded layer -> base layer it copies; None = new layer
     report = verify_expansion(STORIES, expanded, small_plan, layer_map=lambda j: mapping[j])
     assert report.expect_parity and report.parity and report.exit_code == 0
-    with pytest.raises(OtdusError, match="no otdus.json"):
-        verify_expansion(STORIES, expanded, small_plan)
+    # no manifest, no map: the fingerprints give the same map, and the proof holds
+    inferred = verify_expansion(STORIES, expanded, small_plan)
+    assert inferred.expect_parity and inferred.parity and inferred.exit_code == 0
+    assert [f.copy_of if f.base else None for f in inferred.proof.layers] == mapping
+    assert inferred.proof.preserving and [f.identity for f in inferred.proof.layers] == [
+        False,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
 
 
 def test_correspondence_rules():

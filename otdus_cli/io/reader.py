@@ -204,6 +204,27 @@ class CheckpointReader:
         row_bytes = info.nbytes // rows if rows else 0
         return _read_tensor(info, start * row_bytes, (stop - start, *info.shape[1:]))
 
+    def nbytes(self, name: str) -> int:
+        meta = self.meta(name)
+        return math.prod(meta.shape) * itemsize(meta.dtype)
+
+    def read_bytes(self, name: str, offset: int, count: int) -> bytes:
+        """``count`` raw bytes of tensor ``name`` from byte ``offset`` of its data (as stored on disk)."""
+        info = self._infos.get(name)
+        if info is not None:
+            count = max(0, min(count, info.nbytes - offset))
+            with open(info.file, "rb") as f:
+                data = os.pread(f.fileno(), count, info.begin + offset)
+            if len(data) != count:
+                raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {name}")
+            return data
+        if name in self._bin_files:
+            import torch  # noqa: PLC0415
+
+            tensor = self._bin_state(self._bin_files[name])[name].contiguous()
+            return tensor.reshape(-1).view(torch.uint8)[offset : offset + count].numpy().tobytes()
+        raise OtdusError(f"tensor {name} not found in {self.folder}")
+
     def total_bytes(self) -> int:
         return sum(math.prod(m.shape) * itemsize(m.dtype) for m in self._metas.values())
 

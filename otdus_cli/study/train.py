@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.reader import CheckpointReader
 
 __all__ = ["TrainConfig", "TrainCurve", "batch_order", "evaluate", "load_model", "train"]
 
@@ -58,10 +59,16 @@ def load_model(folder: str, device: torch.device):
     """A checkpoint as a float32 causal LM (transformers, never remote code), in train mode."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy import
 
-    # Eager attention: deterministic, and faster than SDPA's backward for small CPU models.
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch.float32, attn_implementation="eager", trust_remote_code=False
-    )
+    # our reader first: it validates every safetensors header and loads pickles only with
+    # weights_only, so a corrupt or malicious checkpoint is one clear error before transformers sees it
+    CheckpointReader(folder)
+    try:
+        # Eager attention: deterministic, and faster than SDPA's backward for small CPU models.
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, attn_implementation="eager", trust_remote_code=False
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise OtdusError(f"transformers cannot load {folder}: {str(exc).splitlines()[0][:300]}") from None
     return model.to(device)
 
 

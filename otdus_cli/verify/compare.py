@@ -31,7 +31,7 @@ import torch
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
-from otdus_cli.manifest import MANIFEST, read_manifest
+from otdus_cli.manifest import read_manifest
 from otdus_cli.verify.metrics import (
     DEFAULT_SEQ_LEN,
     EvalPlan,
@@ -47,6 +47,7 @@ from otdus_cli.verify.metrics import (
     score_activations,
     score_plan,
 )
+from otdus_cli.verify.proof import StaticProof, static_check
 from otdus_cli.verify.streaming import Activations, StreamedModel, parse_dtype
 from otdus_cli.verify.text import Corpus, wikitext_corpus
 
@@ -247,6 +248,7 @@ class VerifyReport:
     logprob_max_abs_diff: float  # largest |difference| of a scored token's log-probability
     first_divergence: LayerCheck | None
     checks: list[LayerCheck] = field(default_factory=list)
+    proof: StaticProof | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -300,42 +302,38 @@ def verify_expansion(
 ) -> VerifyReport:
     """Stream base and expanded side by side over ``plan``'s windows and judge function preservation.
 
-    ``layer_map`` defaults to the manifest in ``expanded_dir``; ``expect_parity`` to the manifest's
-    ``function_preserving`` (or, without it, to what the layer map implies).
+    First the static check (verify/proof.py): the base must be the one the manifest recorded (else
+    WrongBase, exit 2), and the expanded layers are matched to the base's by fingerprints.
+    ``layer_map`` (list of manifest-style entries, or a function) defaults to the manifest's, else to
+    the map the fingerprints show. Parity is expected (unless ``expect_parity`` says) when the layer
+    map claims a function-preserving expansion or the static proof shows one.
     """
     torch_dtype = parse_dtype(dtype)
+    base_reader, expd_reader = CheckpointReader(base_dir), CheckpointReader(expanded_dir)
+    claimed = list(layer_map) if layer_map is not None and not callable(layer_map) else None
+    proof = static_check(base_reader, expd_reader, claimed)
+    manifest = read_manifest(expanded_dir)
+    if layer_map is None:
+        layer_map = manifest["layers"] if manifest else proof.layer_map()
     base = StreamedModel(
-        base_dir,
+        base_reader,
         device=device,
         dtype=torch_dtype,
         attn_implementation=attn_implementation,
         batch_size=batch_size,
     )
     expd = StreamedModel(
-        expanded_dir,
+        expd_reader,
         device=device,
         dtype=torch_dtype,
         attn_implementation=attn_implementation,
         batch_size=batch_size,
     )
-    manifest = read_manifest(expanded_dir)
-    if layer_map is None:
-        if manifest and isinstance(manifest.get("layers"), list):
-            layer_map = manifest["layers"]
-        elif expd.num_layers == base.num_layers:
-            layer_map = lambda j: j  # noqa: E731 - same depth, no manifest: layer j against layer j
-        else:
-            raise OtdusError(
-                f"{expanded_dir} has no {MANIFEST} and a different depth than the base "
-                f"({expd.num_layers} vs {base.num_layers}); give the layer map"
-            )
     entries = layer_entries(layer_map, expd.num_layers)
     points = correspondence(entries, base.num_layers)
     if expect_parity is None:
-        if manifest and "function_preserving" in manifest:
-            expect_parity = bool(manifest["function_preserving"])
-        else:
-            expect_parity = default_function_preserving(entries, base.num_layers)
+        # the map's claim or the proof; never a boolean a hand edit could flip
+        expect_parity = default_function_preserving(entries, base.num_layers) or proof.preserving
 
     inputs = [w.input_ids for w in plan.windows]
     acts_b = base.start(inputs)
@@ -398,6 +396,7 @@ def verify_expansion(
             where = (
                 f"; first divergence at {first.name} (max |diff| {first.max_abs_diff:.3g})" if first else ""
             )
+            where += f"; static check: {proof.reason}" if proof.reason else ""
             verdict = f"BROKEN: expected function preservation, {name} {value_b:.6g} -> {value_e:.6g}{where}"
             exit_code = 1
     else:
@@ -421,4 +420,5 @@ def verify_expansion(
         logprob_max_abs_diff=logprob_diff,
         first_divergence=first,
         checks=checks,
+        proof=proof,
     )

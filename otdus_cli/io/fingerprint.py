@@ -1,0 +1,63 @@
+"""Cheap fingerprints of tensors: is this the same tensor, byte for byte, without reading it all?
+
+A tensor's fingerprint hashes its dtype, its shape and its bytes: all of them for a tensor of at
+most ``FULL_BYTES``, else ``BLOCKS`` blocks of ``BLOCK_BYTES`` spread evenly from its first byte to its
+last. Reading 68 kB per tensor fingerprints a 70B checkpoint in seconds, from disk or page cache;
+it tells apart different layers, models and checkpoints (a tensor trained for one step differs in
+every block), not a deliberate edit between two sampled blocks. ``otdus verify``'s perplexity run
+remains the final word on what a checkpoint computes.
+
+Fingerprints identify the source in the manifest (one per base layer, one per other tensor) and let
+verify match an expanded checkpoint's layers to its base's without a manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.io.stack import LayerStack
+
+SCHEME = "sampled-sha256-v1"
+FULL_BYTES = 1 << 20
+BLOCKS = 16
+BLOCK_BYTES = 4096
+
+
+def _offsets(nbytes: int) -> list[int]:
+    if nbytes <= FULL_BYTES:
+        return [0]
+    last = nbytes - BLOCK_BYTES
+    return sorted({round(k * last / (BLOCKS - 1)) for k in range(BLOCKS)})
+
+
+def tensor_fingerprint(reader: CheckpointReader, name: str) -> str:
+    meta = reader.meta(name)
+    nbytes = reader.nbytes(name)
+    h = hashlib.sha256(f"{meta.dtype}{list(meta.shape)}".encode())
+    if nbytes <= FULL_BYTES:
+        h.update(reader.read_bytes(name, 0, nbytes))
+    else:
+        for offset in _offsets(nbytes):
+            h.update(reader.read_bytes(name, offset, BLOCK_BYTES))
+    return h.hexdigest()[:32]
+
+
+def group_fingerprint(reader: CheckpointReader, prefix: str, suffixes: Iterable[str]) -> str:
+    """One fingerprint for a decoder layer: its tensors by name relative to the layer (so layer 3 of a
+    base and its copy at index 5 of an expansion agree)."""
+    h = hashlib.sha256()
+    for suffix in sorted(suffixes):
+        h.update(f"{suffix}={tensor_fingerprint(reader, prefix + suffix)};".encode())
+    return h.hexdigest()[:32]
+
+
+def stack_fingerprints(stack: LayerStack) -> dict:
+    """What the manifest records of the source: one fingerprint per layer and per other tensor."""
+    reader = stack.reader
+    return {
+        "scheme": SCHEME,
+        "layers": [group_fingerprint(reader, lay.prefix, lay.suffixes()) for lay in stack.layers],
+        "other": {name: tensor_fingerprint(reader, name) for name in stack.head + stack.tail},
+    }

@@ -1,0 +1,127 @@
+"""A checkpoint seen through its family template: tensors before the stack, decoder layers, after.
+
+Reading only headers, it checks what every later step relies on: the layer count of config.json
+matches the tensors present (compared before anything proportional to the count is built), and
+layers of one kind (the family says which may differ, e.g. dense layers in a MoE stack) hold the
+same tensors with the same dtypes and shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from otdus_cli.arch.families import Family
+from otdus_cli.errors import OtdusError
+from otdus_cli.io.reader import CheckpointReader
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SourceLayer:
+    """A decoder layer of a checkpoint, read lazily (implements methods.base.ParentLayer)."""
+
+    def __init__(self, reader: CheckpointReader, prefix: str, index: int, suffixes: list[str]):
+        self.reader = reader
+        self.prefix = prefix
+        self.index = index
+        self._suffixes = suffixes
+
+    def suffixes(self) -> list[str]:
+        return list(self._suffixes)
+
+    def name(self, suffix: str) -> str:
+        return self.prefix + suffix
+
+    def get(self, suffix: str) -> torch.Tensor:
+        """One tensor for a builder; non-finite weights would flow into every layer built from it."""
+        import torch  # noqa: PLC0415 - only builders read tensors
+
+        tensor = self.reader.get(self.name(suffix))
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise OtdusError(
+                f"source tensor {self.name(suffix)} holds {bad} NaN/Inf values; new layers would inherit "
+                "them (refusing before any output is written)"
+            )
+        return tensor
+
+    def shape(self, suffix: str) -> tuple[int, ...]:
+        return self.reader.meta(self.name(suffix)).shape
+
+
+@dataclass
+class LayerStack:
+    """A checkpoint as: tensors before the stack, the decoder layers, tensors after."""
+
+    reader: CheckpointReader
+    family: Family
+    layers: list[SourceLayer]
+    head: list[str]  # embeddings and anything else outside the stack, written first
+    tail: list[str]  # final norm, lm_head ...
+
+    @property
+    def config(self) -> dict:
+        return self.reader.config
+
+    @property
+    def depth(self) -> int:
+        return len(self.layers)
+
+
+def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
+    depth = reader.config.get("num_hidden_layers")
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+        raise OtdusError("config.json has no valid num_hidden_layers (multimodal wrappers are not supported)")
+    pattern = family.layer_regex()
+    by_layer: dict[int, list[str]] = {}
+    others: list[str] = []
+    for name in reader.names:
+        m = pattern.fullmatch(name)
+        if m:
+            by_layer.setdefault(int(m.group(1)), []).append(m.group(2))
+        else:
+            others.append(name)
+    if depth > len(by_layer):
+        first_missing = next(i for i in range(len(by_layer) + 1) if i not in by_layer)
+        raise OtdusError(
+            f"config.json says {depth} layers but the checkpoint holds tensors for {len(by_layer)} "
+            f"(none for layer {first_missing})"
+        )
+    extra = sorted(i for i in by_layer if i >= depth)
+    if extra:
+        raise OtdusError(f"checkpoint has tensors for layer {extra[0]} but config says {depth} layers")
+    layers = [
+        SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i])) for i in range(depth)
+    ]
+    check_layers_alike(layers, family, reader.config)
+    others.sort()
+    head = [n for n in others if "embed" in n]
+    tail = [n for n in others if "embed" not in n]
+    return LayerStack(reader, family, layers, head, tail)
+
+
+def check_layers_alike(layers: list[SourceLayer], family: Family, config: dict) -> None:
+    """Layers of one kind must hold the same tensors with the same dtypes and shapes: a copy of a layer
+    that lacks one would load with random weights, or not at all."""
+    first: dict[str, SourceLayer] = {}
+    for layer in layers:
+        kind = family.layer_kind(config, layer.index)
+        ref = first.setdefault(kind, layer)
+        if ref is layer:
+            continue
+        mine, theirs = set(layer.suffixes()), set(ref.suffixes())
+        if mine != theirs:
+            lacks = sorted(theirs - mine)
+            what = f"lacks {lacks[0]}" if lacks else f"has an extra tensor {sorted(mine - theirs)[0]}"
+            raise OtdusError(
+                f"layer {layer.index} {what}, unlike layer {ref.index}; the checkpoint is incomplete"
+            )
+        for suffix in layer.suffixes():
+            a, b = ref.reader.meta(ref.name(suffix)), layer.reader.meta(layer.name(suffix))
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                raise OtdusError(
+                    f"layer {layer.index} {suffix} is {b.dtype} {list(b.shape)}, but layer {ref.index}'s is "
+                    f"{a.dtype} {list(a.shape)}; the checkpoint is inconsistent"
+                )

@@ -1,0 +1,204 @@
+"""What verify may expect, from the checkpoints themselves: base identity and a static proof.
+
+Before any forward pass:
+
+* **base identity**: when the expanded checkpoint's manifest recorded its source (hashes of
+  config.json and the index, a fingerprint per layer and per other tensor), the base given to verify
+  must match them; a mismatch is "this is not the model the expansion was made from" (exit 2), not a
+  broken expansion.
+* **static proof**: every expanded layer is matched to the base by fingerprints (io/fingerprint.py):
+  a *copy* of base layer i, or *new*. A new layer whose output projections (the family's zero-init
+  targets: o_proj, down_proj, every expert's down projection) are exactly zero adds exactly 0.0 to
+  the residual stream for finite activations: an *identity*. The expansion computes the base function
+  when every base layer appears once, in order, as a copy, every other layer is an identity, and the
+  tensors outside the stack (embeddings, final norm, head) are the base's. Copies are checked by
+  sampled fingerprints, zeros by reading every byte.
+
+The layer map a manifest states is a claim; the proof checks it. Parity is expected when the
+claim or the proof says the function is preserved, so editing a manifest can never turn a broken
+checkpoint into a pass. Without a manifest the map is inferred from the fingerprints alone, which is
+how checkpoints made by other tools (mergekit, hand edits) are verified.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from otdus_cli.arch.families import family_for
+from otdus_cli.errors import OtdusError
+from otdus_cli.io.fingerprint import SCHEME, group_fingerprint, tensor_fingerprint
+from otdus_cli.io.reader import CheckpointReader, file_sha256
+from otdus_cli.io.stack import LayerStack, read_stack
+from otdus_cli.manifest import MANIFEST
+
+_ZERO_CHUNK = 16 * 2**20
+
+
+class WrongBase(OtdusError):
+    """The base given to verify is not the model the expansion was made from (exit 2)."""
+
+
+def open_stack(folder: str | os.PathLike[str] | CheckpointReader) -> LayerStack:
+    reader = folder if isinstance(folder, CheckpointReader) else CheckpointReader(folder)
+    return read_stack(reader, family_for(reader.config, allow_unknown=True))
+
+
+# -- base identity ------------------------------------------------------------------------------------
+def check_recorded_base(manifest: dict | None, base: LayerStack) -> list[str]:
+    """Compare ``base`` with what the manifest recorded of the source; raise WrongBase naming the first
+    check that fails. Returns the checks made (for the report)."""
+    if not manifest:
+        return []
+    source = manifest["source"]
+    made: list[str] = []
+    where = f"the base {base.reader.folder}"
+    recorded_config = source.get("config_sha256")
+    if recorded_config:
+        made.append("config.json hash")
+        if file_sha256(base.reader.folder / "config.json") != recorded_config:
+            raise WrongBase(
+                f"{where} is not the model this expansion was made from: its config.json differs from the "
+                f"one recorded in {MANIFEST} (source {source['id']})"
+            )
+    recorded_index = source.get("index_sha256")
+    if recorded_index:
+        made.append("index hash")
+        index = base.reader.folder / base.reader.index_file if base.reader.index_file else None
+        if index is None or file_sha256(index) != recorded_index:
+            raise WrongBase(
+                f"{where} is not the model this expansion was made from: its weight index differs from the "
+                f"one recorded in {MANIFEST}"
+            )
+    prints = source.get("fingerprints")
+    if isinstance(prints, dict) and prints.get("scheme") == SCHEME:
+        made.append("tensor fingerprints")
+        layers = prints.get("layers") or []
+        if len(layers) != base.depth:
+            raise WrongBase(f"{where} has {base.depth} layers; the expansion was made from {len(layers)}")
+        for layer, recorded in zip(base.layers, layers, strict=True):
+            if group_fingerprint(base.reader, layer.prefix, layer.suffixes()) != recorded:
+                raise WrongBase(
+                    f"{where} is not the model this expansion was made from: its layer {layer.index} "
+                    "differs from the recorded fingerprint (modified or retrained since?)"
+                )
+        for name, recorded in (prints.get("other") or {}).items():
+            if name not in base.reader or tensor_fingerprint(base.reader, name) != recorded:
+                raise WrongBase(
+                    f"{where} is not the model this expansion was made from: its {name} differs from the "
+                    "recorded fingerprint"
+                )
+    return made
+
+
+# -- static proof ----------------------------------------------------------------------------------------
+@dataclass
+class LayerFinding:
+    index: int  # expanded layer
+    copy_of: int | None  # base layer whose tensors it holds, byte for byte (by fingerprint)
+    base: bool  # counted as that base layer in the base order (first copy in order)
+    identity: bool  # a layer whose zero-init targets are all exactly zero
+    claim: str  # what the manifest says, "" without one
+    note: str = ""
+
+
+@dataclass
+class StaticProof:
+    layers: list[LayerFinding]
+    outside_equal: bool  # embeddings, final norm, head: the base's
+    preserving: bool
+    reason: str  # why the proof fails ("" when it holds)
+    base_checks: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def layer_map(self) -> list[dict]:
+        """The layer map the proof found, in the manifest's format (for the lockstep comparison)."""
+        out = []
+        for f in self.layers:
+            new = not f.base
+            out.append({"index": f.index, "source": f.copy_of, "new": new, "zero_init": new and f.identity})
+        return out
+
+
+def _all_zero(reader: CheckpointReader, name: str) -> bool:
+    nbytes = reader.nbytes(name)
+    for offset in range(0, nbytes, _ZERO_CHUNK):
+        if any(reader.read_bytes(name, offset, _ZERO_CHUNK)):
+            return False
+    return True
+
+
+def _identity(stack: LayerStack, index: int) -> bool:
+    layer = stack.layers[index]
+    targets = [s for s in layer.suffixes() if stack.family.is_zero_target(s)]
+    # o_proj and a down projection at least: a family without zero targets proves nothing
+    return len(targets) >= 2 and all(_all_zero(stack.reader, layer.name(s)) for s in targets)
+
+
+def prove(base: LayerStack, expanded: LayerStack, claimed: Sequence[dict] | None = None) -> StaticProof:
+    """Match expanded layers to base layers and decide whether the base function is preserved."""
+    indices_of: dict[str, list[int]] = {}
+    for lay in base.layers:
+        indices_of.setdefault(group_fingerprint(base.reader, lay.prefix, lay.suffixes()), []).append(
+            lay.index
+        )
+    findings: list[LayerFinding] = []
+    consumed = -1
+    for j, layer in enumerate(expanded.layers):
+        matches = indices_of.get(group_fingerprint(expanded.reader, layer.prefix, layer.suffixes()), [])
+        claim = ""
+        if claimed is not None:
+            entry = claimed[j]
+            claim = "new" if entry.get("new") else f"copy of base layer {entry.get('source')}"
+        in_order = consumed + 1 in matches
+        copy_of = consumed + 1 if in_order else (matches[0] if matches else None)
+        if in_order:
+            consumed += 1
+        identity = not in_order and _identity(expanded, j)
+        note = ""
+        if claimed is not None and not claimed[j].get("new") and claimed[j].get("source") not in matches:
+            note = f"claimed a copy of base layer {claimed[j].get('source')}, but its tensors differ"
+        findings.append(LayerFinding(j, copy_of, in_order, identity, claim, note))
+
+    outside = sorted(base.head + base.tail)
+    outside_equal = outside == sorted(expanded.head + expanded.tail) and all(
+        tensor_fingerprint(base.reader, n) == tensor_fingerprint(expanded.reader, n) for n in outside
+    )
+    reason = ""
+    if not outside_equal:
+        reason = "embeddings, final norm or head differ from the base's"
+    elif consumed != base.depth - 1:
+        missing = consumed + 1
+        reason = f"base layer {missing} does not appear, in order, as a copy"
+    else:
+        bad = next((f for f in findings if not f.base and not f.identity), None)
+        if bad is not None:
+            what = f"a copy of base layer {bad.copy_of}" if bad.copy_of is not None else "new"
+            reason = f"layer {bad.index} is {what} and not an identity (its output projections are not zero)"
+    return StaticProof(findings, outside_equal, reason == "", reason)
+
+
+def static_check(
+    base: str | os.PathLike[str] | CheckpointReader,
+    expanded: str | os.PathLike[str] | CheckpointReader,
+    claimed: Sequence[dict] | None = None,
+) -> StaticProof:
+    """Base identity (when the expanded checkpoint has a manifest), then the static proof against the
+    claimed layer map (default: the manifest's; none: inferred from fingerprints)."""
+    from otdus_cli.manifest import read_manifest  # noqa: PLC0415
+
+    base_stack, expanded_stack = open_stack(base), open_stack(expanded)
+    manifest = read_manifest(expanded_stack.reader.folder)
+    checks = check_recorded_base(manifest, base_stack)
+    if claimed is None and manifest is not None:
+        claimed = manifest["layers"]
+    if claimed is not None and len(claimed) != expanded_stack.depth:
+        raise OtdusError(
+            f"the layer map lists {len(claimed)} layers, the expanded checkpoint has {expanded_stack.depth}"
+        )
+    proof = prove(base_stack, expanded_stack, claimed)
+    proof.base_checks = checks
+    return proof
