@@ -304,10 +304,11 @@ def expand(
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
             )
     warnings = _transport_warnings(result.manifest.get("transport", {}))
-    for line in warnings:
+    for line in [*result.warnings, *warnings]:
         err_console.print(f"[yellow]warning:[/] {line}", highlight=False)
     summary = {
         "out": str(result.out),
+        "warnings": result.warnings,
         "transport_warnings": warnings,
         **_plan_json(result.plan),
         "bytes_written": result.bytes_written,

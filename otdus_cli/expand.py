@@ -186,6 +186,7 @@ class ExpandResult:
     bytes_written: int
     seconds: float
     stats: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # also in the manifest: what the user should know
 
 
 def resolve_device(name: str) -> torch.device:
@@ -296,7 +297,9 @@ def _copy_side_files(source_folder: Path, folder: Path) -> list[str]:
     return copied
 
 
-def build_manifest(plan: Plan, stats: dict[int, dict], side_files: list[str]) -> dict:
+def build_manifest(
+    plan: Plan, stats: dict[int, dict], side_files: list[str], config_check_skipped: str | None = None
+) -> dict:
     src = plan.source
     return {
         "otdus_version": __version__,
@@ -318,6 +321,8 @@ def build_manifest(plan: Plan, stats: dict[int, dict], side_files: list[str]) ->
         "new_parameters": plan.new_parameter_names,
         "transport": {str(k): v for k, v in sorted(stats.items())},
         "copied_files": side_files,
+        "config_checked_by_transformers": config_check_skipped is None,
+        "warnings": [config_check_skipped] if config_check_skipped else [],
     }
 
 
@@ -349,8 +354,9 @@ def expand(
             engine.writer.close()
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
         side_files = _copy_side_files(source.resolved.folder, tmp)
-        validate_with_transformers(tmp, len(plan.layer_map))
-        manifest = build_manifest(plan, engine.stats, side_files)
+        skipped = validate_with_transformers(tmp, len(plan.layer_map))
+        manifest = build_manifest(plan, engine.stats, side_files, skipped)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
-    return ExpandResult(out, plan, manifest, written, time.perf_counter() - start, engine.stats)
+    seconds = time.perf_counter() - start
+    return ExpandResult(out, plan, manifest, written, seconds, engine.stats, list(manifest["warnings"]))

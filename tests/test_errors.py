@@ -194,3 +194,15 @@ def test_a_multi_line_library_error_is_printed_as_one_literal_line(stories, tmp_
     monkeypatch.setattr(otdus_cli.expand, "expand", fail)
     result = run_cli("expand", stories, "--out", tmp_path / "out")
     assert_clean_failure(result, "cannot load X: (1) a [bold]thing[/bold], (2) [default: 3]", tmp_path)
+
+
+def test_config_transformers_rejects_leaves_nothing(stories, tmp_path):
+    # a known family whose config transformers refuses to load (an attention type it does not have)
+    cfg = json.loads((stories / "config.json").read_text())
+    cfg["layer_types"] = ["mystery_attention"] * cfg["num_hidden_layers"]
+    (stories / "config.json").write_text(json.dumps(cfg))
+    assert_clean_failure(
+        run_cli("expand", stories, "--out", tmp_path / "out", "--method", "copy"),
+        "transformers rejects the rewritten config",
+        tmp_path,
+    )
