@@ -152,14 +152,52 @@ def test_stories260k_every_method_and_position(stories, tmp_path, method, positi
 
 
 def test_new_parameters_and_layer_map_in_manifest(stories, tmp_path):
-    result = expand(str(stories), tmp_path / "out", ExpandOptions(method="copy", layers=2, zero_init=True))
+    import hashlib
+
+    from otdus_cli import __version__
+
+    # side files a release carries: a licence and a chat template travel; other files do not
+    (stories / "LICENSE").write_text("MIT License\n")
+    (stories / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (stories / "notes.txt").write_text("not part of the model")
+    options = ExpandOptions(method="copy", layers=2, zero_init=True)
+    result = expand(str(stories), tmp_path / "out", options)
     m = result.manifest
+    assert m == json.loads((tmp_path / "out" / "otdus.json").read_text())
     assert [lay["index"] for lay in m["layers"] if lay["new"]] == [3, 5]
-    assert all(n.startswith(("model.layers.3.", "model.layers.5.")) for n in m["new_parameters"])
+    new_layer = [s.removeprefix("model.layers.2.") for s in CheckpointReader(stories).names if ".2." in s]
+    assert m["new_parameters"] == [f"model.layers.{i}.{s}" for i in (3, 5) for s in sorted(new_layer)]
     assert len(m["new_parameters"]) == 2 * 9
-    assert m["source"]["config_sha256"] and m["options"]["method"] == "copy"
+    assert m["otdus_version"] == __version__
+    assert m["source"] == {
+        "id": str(stories),
+        "revision": None,
+        "path": str(stories.absolute()),
+        "model_type": "llama",
+        "family": "llama",
+        "num_hidden_layers": 5,
+        "config_sha256": hashlib.sha256((stories / "config.json").read_bytes()).hexdigest(),
+        "index_sha256": None,  # a single-file checkpoint has no index
+    }
+    assert m["method"] == "copy" and m["options"] == options.model_dump()
+    assert m["options"]["layers"] == 2 and m["options"]["zero_init"] is True
+    assert m["num_hidden_layers"] == 7 and m["function_preserving"] is True
+    assert m["config_checked_by_transformers"] is True and m["warnings"] == [] and m["transport"] == {}
+    side = ["LICENSE", "chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer.model"]
+    assert m["copied_files"] == sorted([*side, "tokenizer_config.json"])
+    for name in m["copied_files"]:
+        assert (tmp_path / "out" / name).read_bytes() == (stories / name).read_bytes(), name
+    assert not (tmp_path / "out" / "notes.txt").exists() and not (tmp_path / "out" / "README.md").exists()
     new = [lay for lay in m["layers"] if lay["new"]]
-    assert new[0]["parents"] == [2] and new[0]["zero_init"]
+    assert new[0] == dict(index=3, source=2, new=True, parents=[2], builder="copy", zero_init=True)
+
+
+def test_manifest_records_the_index_hash_of_a_sharded_source(sharded_llama, tmp_path):
+    import hashlib
+
+    result = expand(str(sharded_llama), tmp_path / "out", ExpandOptions(method="copy", layers=1))
+    index = sharded_llama / "model.safetensors.index.json"
+    assert result.manifest["source"]["index_sha256"] == hashlib.sha256(index.read_bytes()).hexdigest()
 
 
 def test_zero_init_targets_are_zero_and_others_copied(stories, tmp_path):
@@ -198,18 +236,51 @@ def test_multi_shard_round_trip(sharded_llama, tmp_path):
     assert torch.equal(logits(load_causal_lm(sharded_llama)), logits(load_causal_lm(out)))
 
 
+def assert_values_converted(src: Path, out: Path, manifest: dict, dtype: torch.dtype) -> None:
+    """Every output tensor is its source tensor rounded to `dtype` (for copy-type layers)."""
+    a, b = CheckpointReader(src), CheckpointReader(out)
+    layers = manifest["layers"]
+    sources = {f"model.layers.{lay['index']}.": f"model.layers.{lay['source']}." for lay in layers}
+    for name in b.names:
+        got = b.get(name)
+        assert got.dtype == dtype, name
+        layer = next((p for p in sources if name.startswith(p)), None)
+        src_name = sources[layer] + name[len(layer) :] if layer else name
+        assert torch.equal(got.view(torch.uint8), a.get(src_name).to(dtype).view(torch.uint8)), name
+
+
 def test_dtype_conversion_and_bf16_source(stories, tmp_path):
-    expand(str(stories), tmp_path / "bf16", ExpandOptions(method="copy", layers=1, dtype="bfloat16"))
+    result = expand(str(stories), tmp_path / "bf16", ExpandOptions(method="copy", layers=1, dtype="bfloat16"))
     r = CheckpointReader(tmp_path / "bf16")
     assert {r.meta(n).dtype for n in r.names} == {"BF16"}
+    assert_values_converted(stories, tmp_path / "bf16", result.manifest, torch.bfloat16)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
-    # a bf16 source keeps bf16 and its layers stay byte-identical
-    expand(str(tmp_path / "bf16"), tmp_path / "bf16b", ExpandOptions(method="average", layers=1))
+    # a bf16 source keeps bf16: its layers stay byte-identical, the new one is the bf16 of the mean
+    result = expand(str(tmp_path / "bf16"), tmp_path / "bf16b", ExpandOptions(method="average", layers=1))
     r2 = CheckpointReader(tmp_path / "bf16b")
     assert {r2.meta(n).dtype for n in r2.names} == {"BF16"}
-    assert torch.equal(
-        r2.get("model.layers.0.mlp.up_proj.weight"), r.get("model.layers.0.mlp.up_proj.weight")
-    )
+    assert_layers_match_sources(tmp_path / "bf16", tmp_path / "bf16b", result.manifest)
+    (new,) = [lay for lay in result.manifest["layers"] if lay["new"]]
+    assert new["parents"] == [4, 5]
+    for suffix in ("mlp.up_proj.weight", "input_layernorm.weight"):
+        a, b = (r.get(f"model.layers.{i}.{suffix}").float() for i in new["parents"])
+        got = r2.get(f"model.layers.{new['index']}.{suffix}")
+        assert torch.equal(got, ((a + b) * 0.5).to(torch.bfloat16)), suffix
+
+
+def test_dtype_float16_through_the_cli(stories, tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    out = tmp_path / "fp16"
+    args = ["expand", str(stories), "--out", str(out), "--method", "copy", "--layers", "1"]
+    result = CliRunner().invoke(app, [*args, "--dtype", "float16"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert manifest["options"]["dtype"] == "float16"
+    assert_values_converted(stories, out, manifest, torch.float16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
 
 
 def test_pickle_checkpoint_loads_weights_only(stories, tmp_path):
@@ -224,6 +295,37 @@ def test_pickle_checkpoint_loads_weights_only(stories, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert torch.equal(logits(load_causal_lm(stories)), logits(load_causal_lm(tmp_path / "out")))
+
+
+def test_pickle_checkpoint_that_runs_code_is_refused(stories, tmp_path):
+    """A pickle that calls a non-allowlisted global (here open(marker, "w"), which creates a file)
+    is refused by weights_only loading: one error line, no code run, no output, no advice to
+    turn weights_only off."""
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    src = tmp_path / "bin"
+    src.mkdir()
+    (src / "config.json").write_bytes((stories / "config.json").read_bytes())
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": Payload()}, src / "pytorch_model.bin")
+    for command in (["plan", str(src)], ["expand", str(src), "--out", str(tmp_path / "o")]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2, result.output
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: pytorch_model.bin: cannot load safely"), lines
+        assert "weights_only=False" not in result.output and "Traceback" not in result.output
+        assert not marker.exists()
+    assert not (tmp_path / "o").exists()
+    # the payload is real: an unsafe load runs it
+    torch.load(src / "pytorch_model.bin", weights_only=False)
+    assert marker.exists()
 
 
 def test_force_replaces_existing_output(stories, tmp_path):
