@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -77,6 +78,32 @@ def assert_layers_match_sources(src: Path, out: Path, manifest: dict) -> None:
             assert torch.equal(a.get(n).view(torch.uint8), b.get(n).view(torch.uint8)), n
 
 
+def assert_random_layers(out: Path, manifest: dict, config: dict) -> None:
+    """New random layers as the README says: matrices ~ N(0, initializer_range^2), norm scales at their
+    neutral value (1, or 0 for (1 + w) norms), biases zero; zero-init targets zero."""
+    from otdus_cli.arch.families import family_for
+
+    family = family_for(config)
+    std = config.get("initializer_range", 0.02)
+    r = CheckpointReader(out)
+    for lay in manifest["layers"]:
+        if not lay["new"]:
+            continue
+        prefix = f"model.layers.{lay['index']}."
+        for name in (n for n in r.names if n.startswith(prefix)):
+            t = r.get(name).float()
+            if lay["zero_init"] and family.is_zero_target(name[len(prefix) :]):
+                assert not t.any(), name
+            elif t.dim() >= 2:  # within 4 standard errors of a sample of t.numel() normal draws
+                n = t.numel()
+                assert abs(float(t.std()) / std - 1) < 4 / (2 * n) ** 0.5, name
+                assert abs(float(t.mean())) < 4 * std / n**0.5, name
+            elif "norm" in name:
+                assert torch.equal(t, torch.full_like(t, 1.0 - family.norm_offset)), name
+            else:
+                assert not t.any(), name
+
+
 _BASE_CACHE: dict[str, tuple[list | None, torch.Tensor]] = {}
 
 
@@ -107,6 +134,8 @@ def check_expansion(src: Path, out: Path, method: str, zero_init: bool | None = 
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert [lay["source"] for lay in manifest["layers"]] == expected_sources(method, depth)
     assert_layers_match_sources(src, out, manifest)
+    if method == "random":
+        assert_random_layers(out, manifest, base_cfg)
     preserving = bool(zero_init) or EXPECTED_PRESERVING.get(method, False)
     assert manifest["function_preserving"] == preserving
     assert torch.equal(base_logits, logits(model)) == preserving
@@ -233,6 +262,23 @@ def test_multi_shard_round_trip(sharded_llama, tmp_path):
             assert f.metadata() == {"format": "pt"}
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 assert index["weight_map"][name] == shard
+
+    def rank(name: str) -> int:  # embeddings, then layer 0, 1, ..., then the final norm and head
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return 1 + int(m.group(1)) if m else (0 if "embed" in name else 10**6)
+
+    in_file_order = []
+    for shard in shards:  # shards in turn, each shard's tensors by byte offset
+        raw = (out / shard).read_bytes()
+        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+        header.pop("__metadata__")
+        in_file_order += sorted(header, key=lambda n: header[n]["data_offsets"][0])
+    ranks = [rank(n) for n in in_file_order]
+    assert (
+        ranks == sorted(ranks)
+        and len(set(ranks)) == 2 + 6
+        and sorted(in_file_order) == sorted(index["weight_map"])
+    )
     assert torch.equal(logits(load_causal_lm(sharded_llama)), logits(load_causal_lm(out)))
 
 
@@ -452,3 +498,48 @@ def test_unknown_architecture_expands_by_copy_when_allowed(stories, tmp_path):
     assert written == {**cfg, "num_hidden_layers": 7}
     assert [lay["source"] for lay in manifest["layers"]] == expected_sources("copy", 5)
     assert_layers_match_sources(stories, out, manifest)
+
+
+def test_uniform_position_through_the_cli(tiny_models, tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    src = tiny_models["llama"]
+    for layers, sources in ((2, [0, 1, 1, 2, 3, 3]), (4, [0, 0, 1, 1, 2, 2, 3, 3])):
+        out = tmp_path / f"u{layers}"
+        args = ["expand", str(src), "--out", str(out), "--method", "copy", "--position", "uniform"]
+        result = CliRunner().invoke(app, [*args, "--layers", str(layers), "--zero-init", "--json"])
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((out / "otdus.json").read_text())
+        assert [lay["source"] for lay in manifest["layers"]] == sources and manifest["function_preserving"]
+        assert_layers_match_sources(src, out, manifest)
+        assert torch.equal(base_reference(src)[1], logits(load_causal_lm(out)))
+
+
+def test_random_init_statistics_and_seed(stories, tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    cfg = json.loads((stories / "config.json").read_text())
+    cfg["initializer_range"] = 0.05  # the scale is read from the config, not assumed
+    (stories / "config.json").write_text(json.dumps(cfg))
+
+    def run(name: str, seed: str) -> tuple[Path, dict]:
+        args = ["expand", str(stories), "--out", str(tmp_path / name), "--method", "random", "--layers", "2"]
+        result = CliRunner().invoke(app, [*args, "--seed", seed])
+        assert result.exit_code == 0, result.output
+        return tmp_path / name, json.loads((tmp_path / name / "otdus.json").read_text())
+
+    a, manifest = run("a", "7")
+    assert_random_layers(a, manifest, cfg)
+    assert_layers_match_sources(stories, a, manifest)
+    b, _ = run("b", "7")
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    c, _ = run("c", "8")
+    ra, rc = CheckpointReader(a), CheckpointReader(c)
+    new = [lay["index"] for lay in manifest["layers"] if lay["new"]]
+    name = "model.layers.{}.mlp.up_proj.weight"
+    assert not torch.equal(ra.get(name.format(new[0])), rc.get(name.format(new[0])))  # the seed matters
+    assert not torch.equal(ra.get(name.format(new[0])), ra.get(name.format(new[1])))  # each layer its own
