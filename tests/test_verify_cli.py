@@ -62,7 +62,7 @@ def test_corrupted_new_layer_exits_1_naming_it(tmp_path):
     assert plain.exit_code == 1 and "BROKEN" in plain.stdout
 
 
-def test_ppl_of_one_model_and_explicit_base(tmp_path):
+def test_ppl_of_one_model(tmp_path):
     result = runner.invoke(
         app,
         [
@@ -81,6 +81,65 @@ def test_ppl_of_one_model_and_explicit_base(tmp_path):
     assert abs(json.loads(result.stdout)["metrics"]["token_perplexity"] - 3.548) < 0.01
     bad = runner.invoke(app, ["verify", str(tmp_path / "missing")])
     assert bad.exit_code == 2 and bad.stderr.startswith("error:")
+
+
+# in-domain text in short windows: seconds, not the tokenisation of all of WikiText
+SMALL = ["--protocol", "token", "--token-mode", "documents", "--text", str(TINYSTORIES), "--seq-len", "64"]
+SMALL += ["--max-tokens", "128", "--device", "cpu"]
+
+
+def corrupt(folder: Path, name: str) -> None:
+    """Add 0.01 to one weight of `name` in a single-file checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors[name][0, 0] += 0.01
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_verify_with_explicit_base(stories, tmp_path):
+    """--base replaces the manifest's source: against the recorded base parity holds; against an
+    explicitly given, altered copy of it the first divergence is at that copy's changed layer."""
+    import shutil
+
+    out = tmp_path / "out"
+    expand(str(stories), out, ExpandOptions(method="llama-pro", layers=5))
+    other = Path(shutil.copytree(stories, tmp_path / "other"))
+    corrupt(other, "model.layers.3.mlp.up_proj.weight")
+    same = runner.invoke(app, ["verify", str(out), *SMALL, "--json"])
+    assert same.exit_code == 0 and json.loads(same.stdout)["base_model"] == str(stories)
+    result = runner.invoke(app, ["verify", str(out), "--base", str(other), *SMALL, "--json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["base_model"] == str(other) and not report["parity"]
+    first = report["first_divergence"]
+    assert first["base_layer"] == 3 and first["expanded_layer"] == 6  # base layer 3 is output layer 6
+
+
+def test_first_divergence_in_a_corrupted_copied_base_layer(stories, tmp_path):
+    out = tmp_path / "out"
+    result = expand(str(stories), out, ExpandOptions(method="llama-pro", layers=5))
+    (copy_of_2,) = [lay["index"] for lay in result.manifest["layers"] if lay["source"] == 2 and not lay["new"]]
+    corrupt(out, f"model.layers.{copy_of_2}.self_attn.v_proj.weight")
+    result = runner.invoke(app, ["verify", str(out), *SMALL, "--json"])
+    code, report = result.exit_code, json.loads(result.stdout)
+    assert code == 1 and not report["parity"] and report["verdict"].startswith("BROKEN")
+    first = report["first_divergence"]
+    assert first["expanded_layer"] == copy_of_2 and first["base_layer"] == 2
+    assert [c["equal"] for c in report["checks"]].index(False) == 1 + copy_of_2  # embeddings first
+    plain = runner.invoke(app, ["verify", str(out), *SMALL])
+    assert plain.exit_code == 1
+    lines = [line for line in plain.stdout.splitlines() if line.startswith("first divergence: ")]
+    assert len(lines) == 1 and first["name"] in lines[0], plain.stdout
+    assert "BROKEN" in plain.stdout and f"first divergence at {first['name']}" in report["verdict"]
+
+
+def test_verify_with_no_manifest_and_no_base_scores_the_one_model(stories):
+    result = runner.invoke(app, ["verify", str(stories), *SMALL, "--json"])
+    assert result.exit_code == 0, result.output
+    alone = json.loads(result.stdout)
+    ppl = runner.invoke(app, ["ppl", str(stories), *SMALL, "--json"])
+    assert alone == json.loads(ppl.stdout) and "base" not in alone and alone["metrics"]["n_tokens"] > 0
 
 
 def write_random_checkpoint(folder: Path, layers: int, hidden: int, inter: int) -> int:
@@ -134,16 +193,15 @@ def test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
         (tmp_path / "big" / f).write_bytes((stories / f).read_bytes())
     expand(str(tmp_path / "big"), tmp_path / "deeper", ExpandOptions(method="llama-pro", layers=2))
-    # the limit is real: loading the weights whole fails under it
+    # the limit is real, and what fails under it is memory: loading the weights whole cannot map
+    # them (ENOMEM), and the checkpoint's bytes alone do not fit
+    shard = str(tmp_path / "big" / "model.safetensors")
     whole = run_limited(
-        [
-            "-c",
-            "import sys; from safetensors.torch import load_file; load_file(sys.argv[1])",
-            str(tmp_path / "big" / "model.safetensors"),
-        ],
-        limit,
+        ["-c", "import sys; from safetensors.torch import load_file; load_file(sys.argv[1])", shard], limit
     )
-    assert whole.returncode != 0
+    assert whole.returncode != 0 and "Cannot allocate memory" in whole.stderr, whole.stderr[-1000:]
+    read = run_limited(["-c", "import sys; open(sys.argv[1], 'rb').read()", shard], limit)
+    assert read.returncode != 0 and "MemoryError" in read.stderr, read.stderr[-1000:]
     done = run_limited(
         [
             "-m",
