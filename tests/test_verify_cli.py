@@ -84,6 +84,22 @@ def test_ppl_of_one_model(tmp_path):
 
 
 # in-domain text in short windows: seconds, not the tokenisation of all of WikiText
+def test_wikitext_protocol_matches_lm_eval_reference():
+    """`otdus ppl` on the default protocol against lm-eval 0.4.13's own figures for the first WikiText-2
+    test article (scripts/check_lm_eval.py --limit 1 --variants no-bos; docs/perplexity.md)."""
+    result = runner.invoke(
+        app, ["ppl", "bundled:stories260k", "--max-docs", "1", "--batch-size", "8", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    m = json.loads(result.stdout)["metrics"]
+    assert (m["protocol"], m["context"], m["n_windows"], m["n_tokens"]) == ("wikitext", 512, 7, 3413)
+    assert (m["n_words"], m["n_bytes"]) == (1093, 5667)
+    lm_eval = {"word_perplexity": 1113537.6675886472, "byte_perplexity": 14.663379312589948}
+    lm_eval["bits_per_byte"] = 3.8741457192111173
+    for metric, reference in lm_eval.items():
+        assert abs(m[metric] / reference - 1) < 1e-6, (metric, m[metric], reference)
+
+
 SMALL = ["--protocol", "token", "--token-mode", "documents", "--text", str(TINYSTORIES), "--seq-len", "64"]
 SMALL += ["--max-tokens", "128", "--device", "cpu"]
 
@@ -119,7 +135,9 @@ def test_verify_with_explicit_base(stories, tmp_path):
 def test_first_divergence_in_a_corrupted_copied_base_layer(stories, tmp_path):
     out = tmp_path / "out"
     result = expand(str(stories), out, ExpandOptions(method="llama-pro", layers=5))
-    (copy_of_2,) = [lay["index"] for lay in result.manifest["layers"] if lay["source"] == 2 and not lay["new"]]
+    (copy_of_2,) = [
+        lay["index"] for lay in result.manifest["layers"] if lay["source"] == 2 and not lay["new"]
+    ]
     corrupt(out, f"model.layers.{copy_of_2}.self_attn.v_proj.weight")
     result = runner.invoke(app, ["verify", str(out), *SMALL, "--json"])
     code, report = result.exit_code, json.loads(result.stdout)
