@@ -310,11 +310,12 @@ def expand(
                 progress=advance,
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
             )
-    warnings = result.notes + _transport_warnings(result.manifest.get("transport", {}))
-    for line in warnings:
+    warnings = _transport_warnings(result.manifest.get("transport", {}))
+    for line in [*result.warnings, *warnings]:
         err_console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
     summary = {
         "out": str(result.out),
+        "warnings": result.warnings,
         "transport_warnings": warnings,
         **_plan_json(result.plan),
         "bytes_written": result.bytes_written,

@@ -135,7 +135,8 @@ class ExpandResult:
     bytes_written: int
     seconds: float
     stats: dict = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)  # stale temporary folders removed or found, ...
+    # what the user should know: the manifest's warnings, stale temporary folders removed or found
+    warnings: list[str] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -246,7 +247,9 @@ def _copy_side_files(source_folder: Path, folder: Path) -> list[str]:
     return copied
 
 
-def build_manifest(plan: Plan, stats: dict[int, dict], side_files: list[str]) -> dict:
+def build_manifest(
+    plan: Plan, stats: dict[int, dict], side_files: list[str], config_check_skipped: str | None = None
+) -> dict:
     src = plan.source
     return {
         "otdus_version": __version__,
@@ -261,6 +264,7 @@ def build_manifest(plan: Plan, stats: dict[int, dict], side_files: list[str]) ->
             "kind": src.resolved.kind,
             **src.reader.fingerprint(),
             "fingerprints": stack_fingerprints(src),
+            "config": src.config,
         },
         "method": plan.method.name,
         "options": plan.options.model_dump(),
@@ -270,6 +274,8 @@ def build_manifest(plan: Plan, stats: dict[int, dict], side_files: list[str]) ->
         "new_parameters": plan.new_parameter_names,
         "transport": {str(k): v for k, v in sorted(stats.items())},
         "copied_files": side_files,
+        "config_checked_by_transformers": config_check_skipped is None,
+        "warnings": [config_check_skipped] if config_check_skipped else [],
     }
 
 
@@ -300,9 +306,10 @@ def expand(
             finish_prefetch()
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
         side_files = _copy_side_files(source.resolved.folder, tmp)
-        validate_with_transformers(tmp, len(plan.layer_map))
-        manifest = build_manifest(plan, engine.stats, side_files)
+        skipped = validate_with_transformers(tmp, len(plan.layer_map))
+        manifest = build_manifest(plan, engine.stats, side_files, skipped)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
     seconds = time.perf_counter() - start
-    return ExpandResult(out, plan, manifest, written, seconds, engine.stats, report.notes)
+    notes = list(manifest["warnings"]) + report.notes
+    return ExpandResult(out, plan, manifest, written, seconds, engine.stats, notes)

@@ -39,3 +39,86 @@ def test_version_plain_and_json():
     assert plain.exit_code == 0 and plain.stdout.strip() == __version__
     data = json.loads(CliRunner().invoke(app, ["version", "--json"]).stdout)
     assert data["otdus"] == __version__ and data["libraries"]["torch"] and data["python"]
+
+
+def _params(command: str) -> dict:
+    import typer.main
+
+    return {p.name: p for p in typer.main.get_command(app).commands[command].params}
+
+
+def _shown(param) -> str:
+    """The default a hand-written help string shows, "[default: X]" (options whose real default is
+    None so that recipes can fill them)."""
+    match = re.search(r"\\\[default: ([^\]]+)\]", param.help or "")
+    assert match, (param.name, param.help)
+    return match.group(1)
+
+
+@pytest.mark.parametrize("command", ["expand", "plan"])
+def test_shown_expand_defaults_are_the_real_defaults(command):
+    from otdus_cli.methods.registry import METHODS
+    from otdus_cli.options import ExpandOptions, OTOptions
+
+    expand_defaults, ot_defaults = ExpandOptions(), OTOptions()
+    real = {
+        "method": expand_defaults.method,
+        "position": expand_defaults.position,
+        "ot_variant": ot_defaults.variant,
+        "solver": ot_defaults.solver,
+        "reg": ot_defaults.reg,
+        "tol": ot_defaults.tol,
+        "max_iter": ot_defaults.max_iter,
+        "device": expand_defaults.device,
+        "dtype": expand_defaults.dtype,
+        "max_shard_size": expand_defaults.max_shard_size,
+        "seed": expand_defaults.seed,
+    }
+    params = _params(command)
+    checked = 0
+    for name, value in real.items():
+        if name in params:
+            shown = _shown(params[name])
+            assert shown == str(value) or float(shown) == value, (name, shown, value)
+            checked += 1
+    assert checked == (11 if command == "expand" else 2)
+    zero_on = [m.name for m in METHODS.values() if m.zero_init_default]
+    assert _shown(params["zero_init"]) == f"on for {' and '.join(zero_on)}, off otherwise"
+    assert _shown(params["layers"]).startswith("half the base depth")
+
+
+# CLI defaults that differ from the library's on purpose
+INTENDED = {("verify", "device"), ("ppl", "device")}  # the CLI picks a GPU when there is one
+
+
+@pytest.mark.parametrize("command", ["verify", "ppl", "study", "diagnose"])
+def test_cli_defaults_are_the_library_defaults(command):
+    """Typer shows these defaults itself; they must be what the library does when called directly."""
+    import inspect
+
+    from otdus_cli.study.diagnose import diagnose
+    from otdus_cli.study.runner import study
+    from otdus_cli.verify.compare import make_plan, perplexity
+
+    functions = {"verify": [make_plan, perplexity], "ppl": [make_plan, perplexity]}
+    functions |= {"study": [study], "diagnose": [diagnose]}
+    library = {}
+    for fn in functions[command]:
+        for name, p in inspect.signature(fn).parameters.items():
+            if p.default is not inspect.Parameter.empty:
+                library.setdefault(name, p.default)
+    # CLI spellings of library parameters
+    library |= {
+        "methods": ",".join(library.get("methods", ())),
+        "seeds": ",".join(map(str, library.get("seeds", ()))),
+    }
+    if command == "study":
+        library["train_all"] = not library["train_new_only"]
+    compared = []
+    for name, param in _params(command).items():
+        if param.default is None or name == "json_out" or (command, name) in INTENDED or name not in library:
+            continue
+        assert param.default == library[name], (command, name, param.default, library[name])
+        compared.append(name)
+    expected = {"verify": 5, "ppl": 5, "study": 12, "diagnose": 5}[command]
+    assert len(compared) == expected, compared

@@ -4,6 +4,7 @@ neurons that really match (correlation ~1) while same-index pairs do not (~0).""
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -124,6 +125,8 @@ def test_correlation_matrix_matches_numpy():
     y = torch.cat([x[:, 1:2] * 2 + 1, -x[:, :1], torch.randn(50, 1, dtype=torch.float64)], dim=1)
     c = correlation_matrix(x, y)
     assert c[1, 0] == pytest.approx(1.0) and c[0, 1] == pytest.approx(-1.0)
+    reference = np.corrcoef(x.numpy().T, y.numpy().T)[:3, 3:]  # rows: x's columns, columns: y's
+    np.testing.assert_allclose(c.numpy(), reference, rtol=0, atol=1e-12)
 
 
 def test_bad_pair_refused():

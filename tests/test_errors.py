@@ -194,3 +194,58 @@ def test_a_multi_line_library_error_is_printed_as_one_literal_line(stories, tmp_
     monkeypatch.setattr(otdus_cli.expand, "expand", fail)
     result = run_cli("expand", stories, "--out", tmp_path / "out")
     assert_clean_failure(result, "cannot load X: (1) a [bold]thing[/bold], (2) [default: 3]", tmp_path)
+
+
+def test_config_transformers_rejects_leaves_nothing(stories, tmp_path):
+    # a known family whose config transformers refuses to load (an attention type it does not have)
+    cfg = json.loads((stories / "config.json").read_text())
+    cfg["layer_types"] = ["mystery_attention"] * cfg["num_hidden_layers"]
+    (stories / "config.json").write_text(json.dumps(cfg))
+    assert_clean_failure(
+        run_cli("expand", stories, "--out", tmp_path / "out", "--method", "copy"),
+        "transformers rejects the rewritten config",
+        tmp_path,
+    )
+
+
+@pytest.mark.parametrize("method", ["copy", "average"])  # bytes moved by the kernel / tensors written
+def test_full_disk_through_the_cli(stories, tmp_path, monkeypatch, method):
+    """A disk that fills after 100 kB, at the system calls the writer uses: one error line, exit 2,
+    nothing left behind."""
+    import errno
+
+    room = {"left": 100_000}
+    real_pwrite, real_copy = os.pwrite, os.copy_file_range
+
+    def take(n: int) -> None:
+        if n > room["left"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        room["left"] -= n
+
+    def pwrite(fd, data, offset):
+        take(len(data))
+        return real_pwrite(fd, data, offset)
+
+    def copy_file_range(src, dst, count, offset_src=None, offset_dst=None):
+        take(count)
+        return real_copy(src, dst, count, offset_src, offset_dst)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
+    result = run_cli("expand", stories, "--out", tmp_path / "out", "--method", method)
+    assert_clean_failure(result, "disk full while writing", tmp_path)
+    assert room["left"] < 100_000  # the writes did start
+
+
+def test_unexpected_error_is_exit_3_in_one_line(stories, tmp_path, monkeypatch):
+    import otdus_cli.expand
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("an internal bug")
+
+    monkeypatch.setattr(otdus_cli.expand, "expand", bug)
+    result = run_cli("expand", stories, "--out", tmp_path / "out")
+    assert_clean_failure(result, "unexpected RuntimeError: an internal bug (OTDUS_DEBUG=1", tmp_path, code=3)
+    monkeypatch.setenv("OTDUS_DEBUG", "1")
+    debug = run_cli("expand", stories, "--out", tmp_path / "out")
+    assert debug.exit_code == 1 and isinstance(debug.exception, RuntimeError)  # the traceback is kept

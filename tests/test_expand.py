@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 from conftest import DENSE_TYPES, MOE_TYPES, TINY_CONFIGS, load_causal_lm, logits
 
+from otdus_cli.bundled import STORIES260K
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.options import ExpandOptions
@@ -25,22 +28,81 @@ def method_options(method: str, depth: int, **extra) -> ExpandOptions:
     return ExpandOptions(method=method, layers=layers, **extra)
 
 
-def assert_base_layers_byte_identical(src: Path, out: Path, manifest: dict) -> None:
-    """Every non-new output layer holds exactly the bytes of its source layer."""
+def expected_sources(method: str, depth: int) -> list[int]:
+    """The source layer of every output layer, written out by hand from the README's method table
+    for the defaults method_options uses (not computed by the planner under test)."""
+    k = depth // 2
+    if method in ("copy", "interpose", "average", "random", "ot"):  # top: new after L-k-1 .. L-2
+        after = list(range(depth - k - 1, depth - 1))
+        return [j for i in range(depth) for j in [i] * (1 + after.count(i))]
+    if method == "llama-pro":  # after every L/k base layers, a copy of the group's last one
+        group = depth // (depth // 2 if depth % 2 == 0 else depth)
+        return [j for i in range(depth) for j in [i] * (2 if (i + 1) % group == 0 else 1)]
+    if method == "solar":  # m = 1: layers 0..L-2 then 1..L-1
+        return list(range(depth - 1)) + list(range(1, depth))
+    if method == "stack":
+        return list(range(depth)) * 2
+    raise AssertionError(method)
+
+
+# the manifest's flag is checked against this, not trusted: with zero-init every method preserves
+EXPECTED_PRESERVING = {"ot": True, "llama-pro": True}
+
+
+def assert_layers_match_sources(src: Path, out: Path, manifest: dict) -> None:
+    """Every tensor of every base and copy-built layer holds exactly its source layer's bytes, every
+    zero-init target of a new layer is all zeros, and the tensors outside the stack are the source's."""
+    from otdus_cli.arch.families import family_for
+
+    family = family_for(json.loads((src / "config.json").read_text()), allow_unknown=True)
     a, b = CheckpointReader(src), CheckpointReader(out)
     prefix = "model.layers.{i}."
+    expected_names = {n for n in a.names if not n.startswith("model.layers.")}
     for lay in manifest["layers"]:
-        if lay["new"]:
-            continue
-        src_prefix = prefix.format(i=lay["source"])
-        names = [n for n in a.names if n.startswith(src_prefix)]
-        assert names
-        for n in names:
-            m = prefix.format(i=lay["index"]) + n[len(src_prefix) :]
-            assert torch.equal(a.get(n).view(torch.uint8), b.get(m).view(torch.uint8)), m
+        src_prefix, out_prefix = prefix.format(i=lay["source"]), prefix.format(i=lay["index"])
+        suffixes = [n[len(src_prefix) :] for n in a.names if n.startswith(src_prefix)]
+        assert suffixes
+        zeroed = [s for s in suffixes if lay["zero_init"] and family.is_zero_target(s)]
+        assert not lay["zero_init"] or len(zeroed) >= 2, lay  # at least o_proj and a down projection
+        for suffix in suffixes:
+            name = out_prefix + suffix
+            expected_names.add(name)
+            got = b.get(name)
+            if suffix in zeroed:
+                assert not got.view(torch.uint8).any(), name
+            elif lay["builder"] in ("base", "copy"):
+                want = a.get(src_prefix + suffix)
+                assert torch.equal(want.view(torch.uint8), got.view(torch.uint8)), name
+    assert set(b.names) == expected_names
     for n in a.names:
         if not n.startswith("model.layers."):
-            assert torch.equal(a.get(n), b.get(n)), n
+            assert torch.equal(a.get(n).view(torch.uint8), b.get(n).view(torch.uint8)), n
+
+
+def assert_random_layers(out: Path, manifest: dict, config: dict) -> None:
+    """New random layers as the README says: matrices ~ N(0, initializer_range^2), norm scales at their
+    neutral value (1, or 0 for (1 + w) norms), biases zero; zero-init targets zero."""
+    from otdus_cli.arch.families import family_for
+
+    family = family_for(config)
+    std = config.get("initializer_range", 0.02)
+    r = CheckpointReader(out)
+    for lay in manifest["layers"]:
+        if not lay["new"]:
+            continue
+        prefix = f"model.layers.{lay['index']}."
+        for name in (n for n in r.names if n.startswith(prefix)):
+            t = r.get(name).float()
+            if lay["zero_init"] and family.is_zero_target(name[len(prefix) :]):
+                assert not t.any(), name
+            elif t.dim() >= 2:  # within 4 standard errors of a sample of t.numel() normal draws
+                n = t.numel()
+                assert abs(float(t.std()) / std - 1) < 4 / (2 * n) ** 0.5, name
+                assert abs(float(t.mean())) < 4 * std / n**0.5, name
+            elif "norm" in name:
+                assert torch.equal(t, torch.full_like(t, 1.0 - family.norm_offset)), name
+            else:
+                assert not t.any(), name
 
 
 _BASE_CACHE: dict[str, tuple[list | None, torch.Tensor]] = {}
@@ -71,9 +133,13 @@ def check_expansion(src: Path, out: Path, method: str, zero_init: bool | None = 
     if base_cfg.get("tie_word_embeddings", True):
         assert "lm_head.weight" not in CheckpointReader(out).names
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert_base_layers_byte_identical(src, out, manifest)
-    if manifest["function_preserving"]:
-        assert torch.equal(base_logits, logits(model))
+    assert [lay["source"] for lay in manifest["layers"]] == expected_sources(method, depth)
+    assert_layers_match_sources(src, out, manifest)
+    if method == "random":
+        assert_random_layers(out, manifest, base_cfg)
+    preserving = bool(zero_init) or EXPECTED_PRESERVING.get(method, False)
+    assert manifest["function_preserving"] == preserving
+    assert torch.equal(base_logits, logits(model)) == preserving
     return manifest
 
 
@@ -107,22 +173,87 @@ def test_stories260k_every_method_and_position(stories, tmp_path, method, positi
     result = expand(str(stories), out, method_options(method, 5, position=position))
     model = load_causal_lm(out)
     assert model.config.num_hidden_layers == len(result.plan.layer_map)
-    assert_base_layers_byte_identical(stories, out, result.manifest)
-    if result.plan.function_preserving:
-        assert torch.equal(logits(load_causal_lm(stories)), logits(model))
+    assert_layers_match_sources(stories, out, result.manifest)
+    preserving = EXPECTED_PRESERVING.get(method, False)
+    assert result.plan.function_preserving == preserving
+    assert torch.equal(base_reference(STORIES260K)[1], logits(model)) == preserving
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok("Once upon a time").input_ids[0] == 1
 
 
+def _expected_fingerprints(folder: Path) -> dict:
+    """io/fingerprint.py's scheme recomputed from the safetensors file (every stories260K tensor is
+    under 1 MiB, so each is hashed whole: dtype, shape, bytes)."""
+    from safetensors import safe_open
+
+    def fp(name: str, f) -> str:
+        t = f.get_tensor(name)
+        code = {torch.float32: "F32"}[t.dtype]
+        data = t.contiguous().view(torch.uint8).numpy().tobytes()
+        return hashlib.sha256(f"{code}{list(t.shape)}".encode() + data).hexdigest()[:32]
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        layers = []
+        for i in range(5):
+            prefix = f"model.layers.{i}."
+            parts = sorted(n[len(prefix) :] for n in names if n.startswith(prefix))
+            joined = "".join(f"{p}={fp(prefix + p, f)};" for p in parts)
+            layers.append(hashlib.sha256(joined.encode()).hexdigest()[:32])
+        other = {n: fp(n, f) for n in sorted(names) if not n.startswith("model.layers.")}
+    return {"scheme": "sampled-sha256-v1", "layers": layers, "other": other}
+
+
 def test_new_parameters_and_layer_map_in_manifest(stories, tmp_path):
-    result = expand(str(stories), tmp_path / "out", ExpandOptions(method="copy", layers=2, zero_init=True))
+    import hashlib
+
+    from otdus_cli import __version__
+
+    # side files a release carries: a licence and a chat template travel; other files do not
+    (stories / "LICENSE").write_text("MIT License\n")
+    (stories / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (stories / "notes.txt").write_text("not part of the model")
+    options = ExpandOptions(method="copy", layers=2, zero_init=True)
+    result = expand(str(stories), tmp_path / "out", options)
     m = result.manifest
+    assert m == json.loads((tmp_path / "out" / "otdus.json").read_text())
     assert [lay["index"] for lay in m["layers"] if lay["new"]] == [3, 5]
-    assert all(n.startswith(("model.layers.3.", "model.layers.5.")) for n in m["new_parameters"])
+    new_layer = [s.removeprefix("model.layers.2.") for s in CheckpointReader(stories).names if ".2." in s]
+    assert m["new_parameters"] == [f"model.layers.{i}.{s}" for i in (3, 5) for s in sorted(new_layer)]
     assert len(m["new_parameters"]) == 2 * 9
-    assert m["source"]["config_sha256"] and m["options"]["method"] == "copy"
+    assert m["otdus_version"] == __version__
+    assert m["source"] == {
+        "id": str(stories),
+        "revision": None,
+        "path": str(stories.absolute()),
+        "model_type": "llama",
+        "family": "llama",
+        "num_hidden_layers": 5,
+        "kind": "local",
+        "config_sha256": hashlib.sha256((stories / "config.json").read_bytes()).hexdigest(),
+        "index_sha256": None,  # a single-file checkpoint has no index
+        "fingerprints": _expected_fingerprints(stories),
+        "config": json.loads((stories / "config.json").read_text()),
+    }
+    assert m["method"] == "copy" and m["options"] == options.model_dump()
+    assert m["options"]["layers"] == 2 and m["options"]["zero_init"] is True
+    assert m["num_hidden_layers"] == 7 and m["function_preserving"] is True
+    assert m["config_checked_by_transformers"] is True and m["warnings"] == [] and m["transport"] == {}
+    side = ["LICENSE", "chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer.model"]
+    assert m["copied_files"] == sorted([*side, "tokenizer_config.json"])
+    for name in m["copied_files"]:
+        assert (tmp_path / "out" / name).read_bytes() == (stories / name).read_bytes(), name
+    assert not (tmp_path / "out" / "notes.txt").exists() and not (tmp_path / "out" / "README.md").exists()
     new = [lay for lay in m["layers"] if lay["new"]]
-    assert new[0]["parents"] == [2] and new[0]["zero_init"]
+    assert new[0] == dict(index=3, source=2, new=True, parents=[2], builder="copy", zero_init=True)
+
+
+def test_manifest_records_the_index_hash_of_a_sharded_source(sharded_llama, tmp_path):
+    import hashlib
+
+    result = expand(str(sharded_llama), tmp_path / "out", ExpandOptions(method="copy", layers=1))
+    index = sharded_llama / "model.safetensors.index.json"
+    assert result.manifest["source"]["index_sha256"] == hashlib.sha256(index.read_bytes()).hexdigest()
 
 
 def test_zero_init_targets_are_zero_and_others_copied(stories, tmp_path):
@@ -158,21 +289,71 @@ def test_multi_shard_round_trip(sharded_llama, tmp_path):
             assert f.metadata() == {"format": "pt"}
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 assert index["weight_map"][name] == shard
+
+    def rank(name: str) -> int:  # embeddings, then layer 0, 1, ..., then the final norm and head
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return 1 + int(m.group(1)) if m else (0 if "embed" in name else 10**6)
+
+    in_file_order = []
+    for shard in shards:  # shards in turn, each shard's tensors by byte offset
+        raw = (out / shard).read_bytes()
+        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+        header.pop("__metadata__")
+        in_file_order += sorted(header, key=lambda n: header[n]["data_offsets"][0])
+    ranks = [rank(n) for n in in_file_order]
+    assert (
+        ranks == sorted(ranks)
+        and len(set(ranks)) == 2 + 6
+        and sorted(in_file_order) == sorted(index["weight_map"])
+    )
     assert torch.equal(logits(load_causal_lm(sharded_llama)), logits(load_causal_lm(out)))
 
 
+def assert_values_converted(src: Path, out: Path, manifest: dict, dtype: torch.dtype) -> None:
+    """Every output tensor is its source tensor rounded to `dtype` (for copy-type layers)."""
+    a, b = CheckpointReader(src), CheckpointReader(out)
+    layers = manifest["layers"]
+    sources = {f"model.layers.{lay['index']}.": f"model.layers.{lay['source']}." for lay in layers}
+    for name in b.names:
+        got = b.get(name)
+        assert got.dtype == dtype, name
+        layer = next((p for p in sources if name.startswith(p)), None)
+        src_name = sources[layer] + name[len(layer) :] if layer else name
+        assert torch.equal(got.view(torch.uint8), a.get(src_name).to(dtype).view(torch.uint8)), name
+
+
 def test_dtype_conversion_and_bf16_source(stories, tmp_path):
-    expand(str(stories), tmp_path / "bf16", ExpandOptions(method="copy", layers=1, dtype="bfloat16"))
+    result = expand(str(stories), tmp_path / "bf16", ExpandOptions(method="copy", layers=1, dtype="bfloat16"))
     r = CheckpointReader(tmp_path / "bf16")
     assert {r.meta(n).dtype for n in r.names} == {"BF16"}
+    assert_values_converted(stories, tmp_path / "bf16", result.manifest, torch.bfloat16)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
-    # a bf16 source keeps bf16 and its layers stay byte-identical
-    expand(str(tmp_path / "bf16"), tmp_path / "bf16b", ExpandOptions(method="average", layers=1))
+    # a bf16 source keeps bf16: its layers stay byte-identical, the new one is the bf16 of the mean
+    result = expand(str(tmp_path / "bf16"), tmp_path / "bf16b", ExpandOptions(method="average", layers=1))
     r2 = CheckpointReader(tmp_path / "bf16b")
     assert {r2.meta(n).dtype for n in r2.names} == {"BF16"}
-    assert torch.equal(
-        r2.get("model.layers.0.mlp.up_proj.weight"), r.get("model.layers.0.mlp.up_proj.weight")
-    )
+    assert_layers_match_sources(tmp_path / "bf16", tmp_path / "bf16b", result.manifest)
+    (new,) = [lay for lay in result.manifest["layers"] if lay["new"]]
+    assert new["parents"] == [4, 5]
+    for suffix in ("mlp.up_proj.weight", "input_layernorm.weight"):
+        a, b = (r.get(f"model.layers.{i}.{suffix}").float() for i in new["parents"])
+        got = r2.get(f"model.layers.{new['index']}.{suffix}")
+        assert torch.equal(got, ((a + b) * 0.5).to(torch.bfloat16)), suffix
+
+
+def test_dtype_float16_through_the_cli(stories, tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    out = tmp_path / "fp16"
+    args = ["expand", str(stories), "--out", str(out), "--method", "copy", "--layers", "1"]
+    result = CliRunner().invoke(app, [*args, "--dtype", "float16"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert manifest["options"]["dtype"] == "float16"
+    assert_values_converted(stories, out, manifest, torch.float16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
 
 
 def test_pickle_checkpoint_loads_weights_only(stories, tmp_path):
@@ -187,6 +368,37 @@ def test_pickle_checkpoint_loads_weights_only(stories, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert torch.equal(logits(load_causal_lm(stories)), logits(load_causal_lm(tmp_path / "out")))
+
+
+def test_pickle_checkpoint_that_runs_code_is_refused(stories, tmp_path):
+    """A pickle that calls a non-allowlisted global (here open(marker, "w"), which creates a file)
+    is refused by weights_only loading: one error line, no code run, no output, no advice to
+    turn weights_only off."""
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    src = tmp_path / "bin"
+    src.mkdir()
+    (src / "config.json").write_bytes((stories / "config.json").read_bytes())
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": Payload()}, src / "pytorch_model.bin")
+    for command in (["plan", str(src)], ["expand", str(src), "--out", str(tmp_path / "o")]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2, result.output
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: pytorch_model.bin: cannot load safely"), lines
+        assert "weights_only=False" not in result.output and "Traceback" not in result.output
+        assert not marker.exists()
+    assert not (tmp_path / "o").exists()
+    # the payload is real: an unsafe load runs it
+    torch.load(src / "pytorch_model.bin", weights_only=False)
+    assert marker.exists()
 
 
 def test_input_is_never_modified(stories, tmp_path):
@@ -210,7 +422,7 @@ def test_ot_every_dense_family_is_an_exact_identity(tiny_models, tmp_path, model
     result = expand(str(tiny_models[model_type]), tmp_path / "out", opts)
     assert result.plan.function_preserving
     assert torch.equal(base_reference(tiny_models[model_type])[1], logits(load_causal_lm(tmp_path / "out")))
-    assert_base_layers_byte_identical(tiny_models[model_type], tmp_path / "out", result.manifest)
+    assert_layers_match_sources(tiny_models[model_type], tmp_path / "out", result.manifest)
     stats = result.manifest["transport"]
     assert stats and all(v["variant"] == variant for v in stats.values())
 
@@ -280,3 +492,72 @@ def test_planning_does_not_import_torch(stories):
         "assert 'torch' not in sys.modules, 'planning imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_unknown_architecture_expands_by_copy_when_allowed(stories, tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    cfg = json.loads((stories / "config.json").read_text())
+    cfg["model_type"] = "mystery"  # transformers cannot load this config: the check is skipped, and said so
+    (stories / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    args = ["expand", str(stories), "--out", str(out), "--method", "copy", "--allow-unknown-arch", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["family"] == "generic" and summary["num_hidden_layers"] == 7
+    assert len(summary["warnings"]) == 1 and "mystery" in summary["warnings"][0]
+    assert "not load-checked" in summary["warnings"][0] and "warning:" in result.stderr
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert manifest["config_checked_by_transformers"] is False and manifest["warnings"] == summary["warnings"]
+    written = json.loads((out / "config.json").read_text())
+    assert written == {**cfg, "num_hidden_layers": 7}
+    assert [lay["source"] for lay in manifest["layers"]] == expected_sources("copy", 5)
+    assert_layers_match_sources(stories, out, manifest)
+
+
+def test_uniform_position_through_the_cli(tiny_models, tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    src = tiny_models["llama"]
+    for layers, sources in ((2, [0, 1, 1, 2, 3, 3]), (4, [0, 0, 1, 1, 2, 2, 3, 3])):
+        out = tmp_path / f"u{layers}"
+        args = ["expand", str(src), "--out", str(out), "--method", "copy", "--position", "uniform"]
+        result = CliRunner().invoke(app, [*args, "--layers", str(layers), "--zero-init", "--json"])
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((out / "otdus.json").read_text())
+        assert [lay["source"] for lay in manifest["layers"]] == sources and manifest["function_preserving"]
+        assert_layers_match_sources(src, out, manifest)
+        assert torch.equal(base_reference(src)[1], logits(load_causal_lm(out)))
+
+
+def test_random_init_statistics_and_seed(stories, tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    cfg = json.loads((stories / "config.json").read_text())
+    cfg["initializer_range"] = 0.05  # the scale is read from the config, not assumed
+    (stories / "config.json").write_text(json.dumps(cfg))
+
+    def run(name: str, seed: str) -> tuple[Path, dict]:
+        args = ["expand", str(stories), "--out", str(tmp_path / name), "--method", "random", "--layers", "2"]
+        result = CliRunner().invoke(app, [*args, "--seed", seed])
+        assert result.exit_code == 0, result.output
+        return tmp_path / name, json.loads((tmp_path / name / "otdus.json").read_text())
+
+    a, manifest = run("a", "7")
+    assert_random_layers(a, manifest, cfg)
+    assert_layers_match_sources(stories, a, manifest)
+    b, _ = run("b", "7")
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    c, _ = run("c", "8")
+    ra, rc = CheckpointReader(a), CheckpointReader(c)
+    new = [lay["index"] for lay in manifest["layers"] if lay["new"]]
+    name = "model.layers.{}.mlp.up_proj.weight"
+    assert not torch.equal(ra.get(name.format(new[0])), rc.get(name.format(new[0])))  # the seed matters
+    assert not torch.equal(ra.get(name.format(new[0])), ra.get(name.format(new[1])))  # each layer its own

@@ -432,13 +432,23 @@ def test_gemma_offset_is_aligned_on_the_scale_1_plus_w():
 
 
 def test_every_dense_family_template_has_the_roles_ot_needs():
-    from otdus_cli.methods.ot import _Layout
+    from otdus_cli.methods.ot import _REQUIRED, _Layout
 
-    for fam in FAMILIES:
-        if fam.moe:
-            continue
+    dense = [fam for fam in FAMILIES if not fam.moe]
+    assert len(dense) == 7
+    config = {"num_attention_heads": 4, "hidden_size": 16}
+    for fam in dense:
         suffixes = [f"{path}.weight" for path in fam.roles.values()]
-        _Layout(fam, {"num_attention_heads": 4, "hidden_size": 16}, suffixes)  # raises if lacking
+        layout = _Layout(fam, config, suffixes)
+        assert set(_REQUIRED) <= layout.roles, fam.name
+        # each role is stored in a tensor of the layer, itself or inside a fused one (Phi-3)
+        for role in _REQUIRED:
+            stored = layout.fused_in.get(role, role)
+            assert layout.where[stored]["weight"] in suffixes, (fam.name, role)
+        # and a layer lacking one of them is refused, naming it
+        lacking = [s for s in suffixes if s != layout.where[layout.fused_in.get("down", "down")]["weight"]]
+        with pytest.raises(OtdusError, match="down"):
+            _Layout(fam, config, lacking)
 
 
 # ------------------------------------------------------------------ streaming

@@ -27,15 +27,31 @@ SMALL = dict(
 )
 
 
+# (parameters before, parameters after, curve) of each training run of the `first` study, in order
+OBSERVED: list[tuple] = []
+
+
 @pytest.fixture(scope="module")
 def first():
-    return study(
-        "bundled:stories260k",
-        "bundled:tinystories-sample",
-        methods=["average+zero", "average", "random"],
-        reference="average+zero",
-        **SMALL,
-    )
+    import otdus_cli.study.runner as runner
+
+    real_train = runner.train
+
+    def observed(model, *args, **kwargs):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        curve = real_train(model, *args, **kwargs)
+        OBSERVED.append((before, {n: p.detach().clone() for n, p in model.named_parameters()}, curve))
+        return curve
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "train", observed)
+        return study(
+            "bundled:stories260k",
+            "bundled:tinystories-sample",
+            methods=["average+zero", "average", "random"],
+            reference="average+zero",
+            **SMALL,
+        )
 
 
 def test_zero_init_starts_exactly_at_base_loss(first):
@@ -77,6 +93,19 @@ def test_only_new_layers_trained_and_report(first, tmp_path):
     written = first.save(tmp_path / "out", plot=False)
     assert written[0].name == "study.json"
     assert StudyResult.load(tmp_path / "out").to_dict() == first.to_dict()
+
+
+def test_only_new_layer_tensors_change_in_training(first):
+    """Training the new layers only: every base tensor stays bitwise what it was, every tensor of the
+    new layer moves (the real training loop, observed around the average+zero run)."""
+    import torch
+
+    before, after, curve = OBSERVED[0]
+    new = {n for n in before if n.startswith("model.layers.4.")}  # 5 layers, one new at the top: index 4
+    assert len(new) == 9 and len(before) == 6 * 9 + 2  # + embeddings (tied head) and the final norm
+    for name in before:
+        assert torch.equal(before[name], after[name]) == (name not in new), name
+    assert curve.trainable_parameters == sum(before[n].numel() for n in new)
 
 
 def test_parse_method_specs():

@@ -62,7 +62,7 @@ def test_corrupted_new_layer_exits_1_naming_it(tmp_path):
     assert plain.exit_code == 1 and "BROKEN" in plain.stdout
 
 
-def test_ppl_of_one_model_and_explicit_base(tmp_path):
+def test_ppl_of_one_model(tmp_path):
     result = runner.invoke(
         app,
         [
@@ -81,6 +81,80 @@ def test_ppl_of_one_model_and_explicit_base(tmp_path):
     assert abs(json.loads(result.stdout)["metrics"]["token_perplexity"] - 3.548) < 0.01
     bad = runner.invoke(app, ["verify", str(tmp_path / "missing")])
     assert bad.exit_code == 2 and bad.stderr.startswith("error:")
+
+
+# in-domain text in short windows: seconds, not the tokenisation of all of WikiText
+def test_wikitext_protocol_matches_lm_eval_reference():
+    """`otdus ppl` on the default protocol against lm-eval 0.4.13's own figures for the first WikiText-2
+    test article (scripts/check_lm_eval.py --limit 1 --variants no-bos; docs/perplexity.md)."""
+    result = runner.invoke(
+        app, ["ppl", "bundled:stories260k", "--max-docs", "1", "--batch-size", "8", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    m = json.loads(result.stdout)["metrics"]
+    assert (m["protocol"], m["context"], m["n_windows"], m["n_tokens"]) == ("wikitext", 512, 7, 3413)
+    assert (m["n_words"], m["n_bytes"]) == (1093, 5667)
+    lm_eval = {"word_perplexity": 1113537.6675886472, "byte_perplexity": 14.663379312589948}
+    lm_eval["bits_per_byte"] = 3.8741457192111173
+    for metric, reference in lm_eval.items():
+        assert abs(m[metric] / reference - 1) < 1e-6, (metric, m[metric], reference)
+
+
+SMALL = ["--protocol", "token", "--token-mode", "documents", "--text", str(TINYSTORIES), "--seq-len", "64"]
+SMALL += ["--max-tokens", "128", "--device", "cpu"]
+
+
+def corrupt(folder: Path, name: str) -> None:
+    """Add 0.01 to one weight of `name` in a single-file checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors[name][0, 0] += 0.01
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_verify_with_explicit_base(stories, tmp_path):
+    """--base replaces the manifest's source: against a copy of the recorded base parity holds; an
+    altered copy is not the model the expansion was made from (exit 2, naming the changed layer)."""
+    import shutil
+
+    out = tmp_path / "out"
+    expand(str(stories), out, ExpandOptions(method="llama-pro", layers=5))
+    same_model = Path(shutil.copytree(stories, tmp_path / "same"))
+    same = runner.invoke(app, ["verify", str(out), "--base", str(same_model), *SMALL, "--json"])
+    assert same.exit_code == 0, same.output
+    assert json.loads(same.stdout)["base_model"] == str(same_model)
+    other = Path(shutil.copytree(stories, tmp_path / "other"))
+    corrupt(other, "model.layers.3.mlp.up_proj.weight")
+    result = runner.invoke(app, ["verify", str(out), "--base", str(other), *SMALL, "--json"])
+    assert result.exit_code == 2, result.output
+    assert "layer 3 differs from the recorded fingerprint" in result.stderr and not result.stdout
+
+
+def test_first_divergence_in_a_corrupted_copied_base_layer(stories, tmp_path):
+    out = tmp_path / "out"
+    result = expand(str(stories), out, ExpandOptions(method="llama-pro", layers=5))
+    (copy_of_2,) = [
+        lay["index"] for lay in result.manifest["layers"] if lay["source"] == 2 and not lay["new"]
+    ]
+    corrupt(out, f"model.layers.{copy_of_2}.self_attn.v_proj.weight")
+    plain = runner.invoke(app, ["verify", str(out), *SMALL], env={"COLUMNS": "200"})
+    assert plain.exit_code == 1, plain.output
+    lines = [line for line in plain.stdout.splitlines() if line.startswith("first divergence: ")]
+    name = f"layer {copy_of_2} (copy of base layer 2)"
+    assert len(lines) == 1 and lines[0].startswith(f"first divergence: {name} (max |diff| "), plain.stdout
+    assert (
+        "BROKEN: expected function preservation" in plain.stdout
+        and f"first divergence at {name}" in plain.stdout
+    )
+
+
+def test_verify_with_no_manifest_and_no_base_scores_the_one_model(stories):
+    result = runner.invoke(app, ["verify", str(stories), *SMALL, "--json"])
+    assert result.exit_code == 0, result.output
+    alone = json.loads(result.stdout)
+    ppl = runner.invoke(app, ["ppl", str(stories), *SMALL, "--json"])
+    assert alone == json.loads(ppl.stdout) and "base" not in alone and alone["metrics"]["n_tokens"] > 0
 
 
 def write_random_checkpoint(folder: Path, layers: int, hidden: int, inter: int) -> int:
@@ -134,16 +208,15 @@ def test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
         (tmp_path / "big" / f).write_bytes((stories / f).read_bytes())
     expand(str(tmp_path / "big"), tmp_path / "deeper", ExpandOptions(method="llama-pro", layers=2))
-    # the limit is real: loading the weights whole fails under it
+    # the limit is real, and what fails under it is memory: loading the weights whole cannot map
+    # them (ENOMEM), and the checkpoint's bytes alone do not fit
+    shard = str(tmp_path / "big" / "model.safetensors")
     whole = run_limited(
-        [
-            "-c",
-            "import sys; from safetensors.torch import load_file; load_file(sys.argv[1])",
-            str(tmp_path / "big" / "model.safetensors"),
-        ],
-        limit,
+        ["-c", "import sys; from safetensors.torch import load_file; load_file(sys.argv[1])", shard], limit
     )
-    assert whole.returncode != 0
+    assert whole.returncode != 0 and "Cannot allocate memory" in whole.stderr, whole.stderr[-1000:]
+    read = run_limited(["-c", "import sys; open(sys.argv[1], 'rb').read()", shard], limit)
+    assert read.returncode != 0 and "MemoryError" in read.stderr, read.stderr[-1000:]
     done = run_limited(
         [
             "-m",

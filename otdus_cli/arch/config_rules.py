@@ -11,6 +11,7 @@ from pathlib import Path
 
 from otdus_cli.arch.families import DEPTH_FIELDS
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.reader import read_json_object
 from otdus_cli.plan.layer_map import OutputLayer
 
 
@@ -138,21 +139,43 @@ def finish_prefetch() -> None:
         _prefetch.join()
 
 
-def validate_with_transformers(folder: Path, expected_layers: int) -> None:
-    """Load the written config the way users will, so a bad config fails here and not in their job."""
-    finish_prefetch()
-    from transformers import AutoConfig
+def validate_with_transformers(folder: Path, expected_layers: int) -> str | None:
+    """Load the written config the way users will, so a bad config fails here and not in their job.
 
+    Returns None when transformers loaded it, else why the load check was skipped: a model_type
+    transformers does not know (--allow-unknown-arch) cannot be loaded by it, so only the depth
+    fields are checked in the JSON itself.
+    """
+    finish_prefetch()
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    written = read_json_object(folder / "config.json")
+    model_type = written.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        _check_depth(written, expected_layers)
+        return (
+            f"transformers {transformers.__version__} does not know model_type={model_type!r}: "
+            "the rewritten config.json was not load-checked"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loaded = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as exc:
         raise OtdusError(f"transformers rejects the rewritten config: {exc}") from None
-    if loaded.num_hidden_layers != expected_layers:
-        raise OtdusError(
-            f"rewritten config loads with {loaded.num_hidden_layers} layers, expected {expected_layers}"
-        )
-    types = getattr(loaded, "layer_types", None)
+    _check_depth(
+        {"num_hidden_layers": loaded.num_hidden_layers, "layer_types": getattr(loaded, "layer_types", None)},
+        expected_layers,
+    )
+    return None
+
+
+def _check_depth(config: dict, expected_layers: int) -> None:
+    depth = config.get("num_hidden_layers")
+    if depth != expected_layers:
+        raise OtdusError(f"rewritten config loads with {depth} layers, expected {expected_layers}")
+    types = config.get("layer_types")
     if isinstance(types, list) and len(types) != expected_layers:
         raise OtdusError(f"rewritten config has {len(types)} layer_types for {expected_layers} layers")

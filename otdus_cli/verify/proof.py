@@ -22,6 +22,7 @@ how checkpoints made by other tools (mergekit, hand edits) are verified.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -46,49 +47,79 @@ def open_stack(folder: str | os.PathLike[str] | CheckpointReader) -> LayerStack:
 
 
 # -- base identity ------------------------------------------------------------------------------------
+# Fields of config.json that say how a file was written, not what the model computes.
+_COSMETIC_CONFIG_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures"}
+
+
+def _semantic_config(config: dict) -> dict:
+    """The config as transformers reads it (a re-save may rename fields, e.g. rope_theta into
+    rope_parameters), without the fields that only say how it was written."""
+    import warnings  # noqa: PLC0415
+
+    try:
+        from transformers import AutoConfig  # noqa: PLC0415
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = AutoConfig.for_model(**config).to_dict()
+    except Exception:  # a model_type transformers does not know: compare the fields as written
+        pass
+    return {k: v for k, v in config.items() if k not in _COSMETIC_CONFIG_KEYS}
+
+
 def check_recorded_base(manifest: dict | None, base: LayerStack) -> list[str]:
     """Compare ``base`` with what the manifest recorded of the source; raise WrongBase naming the first
-    check that fails. Returns the checks made (for the report)."""
+    check that fails. Returns the checks made (for the report).
+
+    With fingerprints recorded, the tensors decide, and config.json is compared field by field
+    (without the fields a re-save changes), so a base re-saved or re-sharded still counts as the
+    same model. Manifests of earlier versions recorded only file hashes: then those are compared.
+    """
     if not manifest:
         return []
     source = manifest["source"]
-    made: list[str] = []
     where = f"the base {base.reader.folder}"
-    recorded_config = source.get("config_sha256")
-    if recorded_config:
-        made.append("config.json hash")
-        if file_sha256(base.reader.folder / "config.json") != recorded_config:
+    not_it = f"{where} is not the model this expansion was made from"
+    prints = source.get("fingerprints")
+    if not (isinstance(prints, dict) and prints.get("scheme") == SCHEME):
+        return _check_file_hashes(source, base, not_it)
+    made = ["tensor fingerprints"]
+    recorded_config = source.get("config")
+    if isinstance(recorded_config, dict):
+        made.insert(0, "config.json fields")
+        mine, theirs = _semantic_config(base.config), _semantic_config(recorded_config)
+        if mine != theirs:
+            key = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))[0]
             raise WrongBase(
-                f"{where} is not the model this expansion was made from: its config.json differs from the "
-                f"one recorded in {MANIFEST} (source {source['id']})"
+                f"{not_it}: config.json field {key} is {json.dumps(mine.get(key))}, the source had "
+                f"{json.dumps(theirs.get(key))}"
             )
-    recorded_index = source.get("index_sha256")
-    if recorded_index:
+    layers = prints.get("layers") or []
+    if len(layers) != base.depth:
+        raise WrongBase(f"{where} has {base.depth} layers; the expansion was made from {len(layers)}")
+    for layer, recorded in zip(base.layers, layers, strict=True):
+        if group_fingerprint(base.reader, layer.prefix, layer.suffixes()) != recorded:
+            raise WrongBase(
+                f"{not_it}: its layer {layer.index} differs from the recorded fingerprint "
+                "(modified or retrained since?)"
+            )
+    for name, recorded in (prints.get("other") or {}).items():
+        if name not in base.reader or tensor_fingerprint(base.reader, name) != recorded:
+            raise WrongBase(f"{not_it}: its {name} differs from the recorded fingerprint")
+    return made
+
+
+def _check_file_hashes(source: dict, base: LayerStack, not_it: str) -> list[str]:
+    made = []
+    if source.get("config_sha256"):
+        made.append("config.json hash")
+        if file_sha256(base.reader.folder / "config.json") != source["config_sha256"]:
+            raise WrongBase(f"{not_it}: its config.json differs from the one recorded in {MANIFEST}")
+    if source.get("index_sha256"):
         made.append("index hash")
         index = base.reader.folder / base.reader.index_file if base.reader.index_file else None
-        if index is None or file_sha256(index) != recorded_index:
-            raise WrongBase(
-                f"{where} is not the model this expansion was made from: its weight index differs from the "
-                f"one recorded in {MANIFEST}"
-            )
-    prints = source.get("fingerprints")
-    if isinstance(prints, dict) and prints.get("scheme") == SCHEME:
-        made.append("tensor fingerprints")
-        layers = prints.get("layers") or []
-        if len(layers) != base.depth:
-            raise WrongBase(f"{where} has {base.depth} layers; the expansion was made from {len(layers)}")
-        for layer, recorded in zip(base.layers, layers, strict=True):
-            if group_fingerprint(base.reader, layer.prefix, layer.suffixes()) != recorded:
-                raise WrongBase(
-                    f"{where} is not the model this expansion was made from: its layer {layer.index} "
-                    "differs from the recorded fingerprint (modified or retrained since?)"
-                )
-        for name, recorded in (prints.get("other") or {}).items():
-            if name not in base.reader or tensor_fingerprint(base.reader, name) != recorded:
-                raise WrongBase(
-                    f"{where} is not the model this expansion was made from: its {name} differs from the "
-                    "recorded fingerprint"
-                )
+        if index is None or file_sha256(index) != source["index_sha256"]:
+            raise WrongBase(f"{not_it}: its weight index differs from the one recorded in {MANIFEST}")
     return made
 
 

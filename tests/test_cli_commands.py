@@ -1,0 +1,117 @@
+"""`inspect`, `demo`, `study` and `diagnose` as users run them (small settings: seconds each)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from otdus_cli import __version__
+from otdus_cli.cli import app
+from otdus_cli.expand import expand
+from otdus_cli.options import ExpandOptions
+
+runner = CliRunner()
+
+
+def invoke(*args) -> object:
+    result = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_inspect_table_and_json(stories, tmp_path):
+    from safetensors import safe_open
+
+    out = tmp_path / "out"
+    expand(str(stories), out, ExpandOptions(method="llama-pro", layers=5))
+    info = json.loads(invoke("inspect", out, "--json").stdout)
+    numels, nbytes = [], 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            t = f.get_tensor(name)
+            numels.append(t.numel())
+            nbytes += t.numel() * t.element_size()
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert info == {
+        "path": str(out),
+        "model_type": "llama",
+        "num_hidden_layers": 10,
+        "parameters": sum(numels),
+        "tensors": len(numels),
+        "dtypes": {"F32": len(numels)},
+        "bytes": nbytes,
+        "tie_word_embeddings": True,
+        "manifest": manifest,
+    }
+    # the manifest alone, by its path
+    assert json.loads(invoke("inspect", out / "otdus.json", "--json").stdout)["manifest"] == manifest
+    table = invoke("inspect", out).stdout
+    new = ", ".join(str(lay["index"]) for lay in manifest["layers"] if lay["new"])
+    for row in (
+        ("num_hidden_layers", "10"),
+        ("parameters", f"{sum(numels):,}"),
+        ("made by", f"otdus {__version__} llama-pro from {stories}"),
+        ("function-preserving", "True"),
+        ("new layers", new),
+        ("new parameters", f"{len(manifest['new_parameters'])} tensors"),
+    ):
+        assert any(row[0] in line and row[1] in line for line in table.splitlines()), row
+    # a plain base model: no manifest rows
+    assert "made by" not in invoke("inspect", stories).stdout
+    bad = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert bad.exit_code == 2 and "neither a checkpoint folder nor an otdus manifest" in bad.stderr
+
+
+def test_demo(tmp_path):
+    out = tmp_path / "demo"
+    invoke("expand", "bundled:stories260k", "--out", out, "--method", "copy", "--layers", "1")
+    assert json.loads((out / "otdus.json").read_text())["num_hidden_layers"] == 6
+    text = invoke("demo", "--out", out, "--max-tokens", "256").stdout  # an earlier output is replaced
+    steps = [
+        "1. otdus expand",
+        "2. otdus inspect",
+        "3. otdus verify (WikiText-2",
+        "4. otdus verify (TinyStories",
+    ]
+    positions = [text.index(s) for s in steps]
+    assert positions == sorted(positions)
+    assert text.count("PARITY: function preserved") == 2 and "BROKEN" not in text
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert (
+        manifest["method"] == "ot" and manifest["function_preserving"] and manifest["num_hidden_layers"] == 7
+    )
+
+
+def test_study_through_the_cli(tmp_path):
+    out = tmp_path / "study"
+    args = ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample"]
+    args += ["--methods", "average+zero,copy", "--reference", "average+zero", "--seeds", "0", "--steps", "2"]
+    args += ["--batch", "2", "--seq-len", "64", "--eval-every", "1", "--eval-windows", "2", "--layers", "1"]
+    data = json.loads(invoke(*args, "--out", out, "--json").stdout)["study"]
+    assert [m["label"] for m in data["methods"]] == ["average+zero", "copy"]
+    assert data["config"]["steps"] == 2 and data["config"]["seeds"] == [0]
+    zero = data["methods"][0]
+    assert zero["function_preserving"] and zero["initial_equals_base"]
+    runs = data["runs"]
+    assert [r["eval_steps"] for r in runs] == [[0, 1, 2]] * 2 and all(
+        r["num_hidden_layers"] == 6 for r in runs
+    )
+    assert runs[0]["eval_loss"][0] == data["base_loss"]  # zero-init starts exactly at the base's loss
+    assert json.loads((out / "study.json").read_text()) == data
+
+
+def test_diagnose_through_the_cli(tmp_path):
+    common = ["diagnose", "bundled:stories260k", "--max-tokens", "256", "--seq-len", "64"]
+    data = json.loads(invoke(*common, "--pair", "3,4", "--json").stdout)
+    (pair,) = data["pairs"]
+    assert [pair["a"], pair["b"]] == [3, 4] and data["tokens"] == 256
+    assert len(data["weight_norms"]) == 5
+    for value in pair["mlp"].values():
+        assert -1.0 <= value <= 1.0
+    text = invoke(*common).stdout  # every adjacent pair, as tables
+    for title in ("MLP neuron correlation", "attention heads", "transport plan entropy", "weight norm"):
+        assert title in text, title
+    assert all(f"{i}-{i + 1}" in text for i in range(4))
+    bad = runner.invoke(app, [*common, "--pair", "1,3"])
+    assert bad.exit_code == 2 and "two adjacent layer indices" in bad.stderr
