@@ -10,8 +10,9 @@ import typer
 
 from otdus_cli import __version__
 from otdus_cli.cli.checkpoint import expand, inspect
-from otdus_cli.cli.console import JsonFlag, emit_json, out_console
+from otdus_cli.cli.console import JsonFlag, emit_json, heading, out_console
 from otdus_cli.cli.evaluation import verify
+from otdus_cli.cli.values import MethodName
 
 
 def demo(
@@ -23,20 +24,26 @@ def demo(
             help="Where the expanded demo model goes (an earlier demo output there is replaced).",
         ),
     ] = Path("demo-out"),
-    method: Annotated[str, typer.Option(help="Expansion method.")] = "ot",
-    max_tokens: Annotated[int, typer.Option(help="WikiText tokens to verify on.")] = 16384,
+    method: Annotated[MethodName, typer.Option(help="Expansion method.")] = "ot",
+    max_tokens: Annotated[
+        int, typer.Option(help="WikiText tokens to verify on (at least: whole articles).", min=1)
+    ] = 16384,
 ) -> None:
     """Expand the bundled real stories260K model (5 -> 7 layers) and verify parity on bundled WikiText."""
-    from otdus_cli.bundled import TINYSTORIES_SAMPLE
-
-    out_console.rule("1. otdus expand bundled:stories260k")
+    heading("1. otdus expand bundled:stories260k")
     expand(model="bundled:stories260k", out=out, method=method, force=True)
-    out_console.rule("2. otdus inspect")
-    inspect(path=out)
-    out_console.rule("3. otdus verify (WikiText-2 test, lm-eval protocol)")
+    heading("2. otdus inspect")
+    inspect(path=str(out))
+    heading("3. otdus verify (WikiText-2 test, lm-eval protocol)")
     verify(expanded=str(out), max_tokens=max_tokens, device="cpu")
-    out_console.rule("4. otdus verify (TinyStories, token perplexity, in domain)")
-    verify(expanded=str(out), protocol="token", token_mode="documents", text=TINYSTORIES_SAMPLE, device="cpu")
+    heading("4. otdus verify (TinyStories, token perplexity, in domain)")
+    verify(
+        expanded=str(out),
+        protocol="token",
+        token_mode="documents",
+        text="bundled:tinystories-sample",
+        device="cpu",
+    )
 
 
 def version(json_out: JsonFlag = False) -> None:

@@ -15,29 +15,32 @@ from otdus_cli.cli.console import (
     byte_progress,
     emit_json,
     err_console,
+    human_bytes,
     out_console,
     show_progress,
     user_errors,
 )
 from otdus_cli.cli.flags import with_flags
+from otdus_cli.cli.values import MethodName, device_parser, model_name
 from otdus_cli.errors import OtdusError
+from otdus_cli.options import OTSolver, OTVariant, OutputDtype
+from otdus_cli.options import Position as PositionName
 
-Model = Annotated[str | None, typer.Argument(help="Source model: a local folder or a Hugging Face hub id.")]
+Model = Annotated[
+    str | None,
+    typer.Argument(
+        help="Source model: a local folder, a Hugging Face hub id or bundled:stories260k.", parser=model_name
+    ),
+]
 Recipe = Annotated[
     Path | None,
     typer.Option("--recipe", help="YAML recipe with the model and expand options (flags override it)."),
 ]
 Method = Annotated[
-    str | None,
-    typer.Option(
-        help="How new layers are made: ot, average, copy, interpose, random, llama-pro, solar, stack. "
-        "\\[default: ot]"
-    ),
+    MethodName | None,
+    typer.Option(help="How new layers are made (README: Methods). \\[default: ot]"),
 ]
-Position = Annotated[
-    str | None,
-    typer.Option(help="Where new layers go: top, bottom, mid, top-bottom, uniform. \\[default: top]"),
-]
+Position = Annotated[PositionName | None, typer.Option(help="Where new layers go. \\[default: top]")]
 Layers = Annotated[
     int | None, typer.Option(help="Number of new layers. \\[default: half the base depth; stack: L]")
 ]
@@ -58,11 +61,11 @@ ZeroInit = Annotated[
     ),
 ]
 OtVariant = Annotated[
-    str | None,
-    typer.Option(help="OT-DUS variant: paper, official (the released code), structured. \\[default: paper]"),
+    OTVariant | None,
+    typer.Option(help="OT-DUS variant; official: the released code's computation. \\[default: paper]"),
 ]
 Solver = Annotated[
-    str | None, typer.Option(help="Transport solver: sinkhorn or emd (exact). \\[default: sinkhorn]")
+    OTSolver | None, typer.Option(help="Transport solver; emd: exact assignment. \\[default: sinkhorn]")
 ]
 Reg = Annotated[float | None, typer.Option(help="Sinkhorn entropic regularisation. \\[default: 0.06]")]
 Tol = Annotated[
@@ -76,13 +79,13 @@ MaxIter = Annotated[
     int | None, typer.Option(help="Sinkhorn iteration cap (official pins 10000). \\[default: 2000]")
 ]
 Device = Annotated[
-    str | None, typer.Option(help="Device for transport: auto, cpu, cuda, cuda:N. \\[default: auto]")
-]
-Dtype = Annotated[
     str | None,
     typer.Option(
-        help="Output dtype: auto (keep the source's), float32, bfloat16, float16. \\[default: auto]"
+        help="Device for transport: auto, cpu, cuda, cuda:N. \\[default: auto]", parser=device_parser(True)
     ),
+]
+Dtype = Annotated[
+    OutputDtype | None, typer.Option(help="Output dtype; auto keeps the source's. \\[default: auto]")
 ]
 ShardSize = Annotated[
     str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. \\[default: 5GB]")
@@ -139,10 +142,17 @@ def _options(model: str | None, layout: LayoutFlags, **flags: Any):
         merged = ExpandOptions.model_validate({**options.model_dump(), **updates, "ot": ot.model_dump()})
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise OtdusError(
-            f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}"
-        ) from None
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a rule across options names its flags itself
+            raise OtdusError(message) from None
+        raise OtdusError(f"{_flag(err['loc'])} {err['input']!r}: {message}") from None
     return model, merged, base
+
+
+def _flag(loc: tuple) -> str:
+    """The command-line flag of an ExpandOptions field: ('ot', 'variant') -> --ot-variant."""
+    name = "ot_variant" if tuple(loc) == ("ot", "variant") else str(loc[-1])
+    return "--" + name.replace("_", "-")
 
 
 def _layer_table(plan) -> Table:
@@ -228,6 +238,16 @@ def expand(
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
             )
     warnings = result.notes + _transport_warnings(result.manifest.get("transport", {}))
+    given = {
+        "ot.variant": ot_variant,
+        "ot.solver": solver,
+        "ot.reg": reg,
+        "ot.tol": tol,
+        "ot.max_iter": max_iter,
+    }
+    for option, why in result.manifest.get("ignored_options", {}).items():
+        if given.get(option) is not None:
+            warnings.append(f"{_flag(option.split('.'))} was ignored: {why}")
     for line in warnings:
         err_console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
     summary = {
@@ -244,22 +264,43 @@ def expand(
     preserved = "function-preserving" if result.plan.function_preserving else "not function-preserving"
     out_console.print(
         f"[bold green]wrote[/] {result.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} "
-        f"layers with {summary['method']} ({preserved}), {result.bytes_written / 1e9:.2f} GB "
+        f"layers with {summary['method']} ({preserved}), {human_bytes(result.bytes_written)} "
         f"in {result.seconds:.1f} s"
     )
 
 
 def _transport_warnings(transport: dict) -> list[str]:
-    """Transport solves that stopped at the iteration cap or hit numerical trouble, one line each."""
+    """Transport solves that stopped at the iteration cap or hit numerical trouble, each with the
+    options that would change it (the official variant pins its iterations: only --reg applies)."""
     lines = []
+    official_capped: list[tuple[float, int]] = []
+    solves = 0
     for layer, stats in transport.items():
+        official = stats.get("variant") == "official"
         for module, info in (stats.get("modules") or {}).items():
-            if isinstance(info, dict) and info.get("status", "ok") != "ok":
-                error = info.get("marginal_error", float("nan"))
-                lines.append(
-                    f"layer {layer} {module}: Sinkhorn {info['status']} after {info.get('iterations')} "
-                    f"iterations (marginal error {error:.2g}); raise --max-iter or --reg"
-                )
+            if not isinstance(info, dict):
+                continue
+            solves += 1
+            status = info.get("status", "ok")
+            error = info.get("marginal_error", float("nan"))
+            if status == "ok":
+                continue
+            if official and status == "max_iter":
+                official_capped.append((error, info.get("iterations")))
+                continue
+            remedy = "raise --reg" if official or status == "numerical_error" else "raise --max-iter or --reg"
+            lines.append(
+                f"layer {layer} {module}: Sinkhorn {status} after {info.get('iterations')} "
+                f"iterations (marginal error {error:.2g}); {remedy}"
+            )
+    if official_capped:
+        lines.insert(
+            0,
+            f"--ot-variant official: {len(official_capped)} of {solves} Sinkhorn solves ran the released "
+            f"code's fixed {max(i for _, i in official_capped)} iterations without reaching its stopThr "
+            f"1e-9 (largest marginal error {max(e for e, _ in official_capped):.2g}), as the released code "
+            "does; --max-iter and --tol do not apply to it, --reg does",
+        )
     return lines
 
 
@@ -284,16 +325,22 @@ def plan(model: Model = None, flags: LayoutFlags = None, json_out: JsonFlag = Fa
 
 def inspect(
     path: Annotated[
-        Path, typer.Argument(help="A checkpoint folder (expanded or not) or an otdus.json manifest.")
+        str,
+        typer.Argument(
+            help="A checkpoint folder (expanded or not), an otdus.json manifest or bundled:stories260k.",
+            parser=model_name,
+        ),
     ],
     json_out: JsonFlag = False,
 ) -> None:
     """Describe a checkpoint or manifest: layers, parameters, dtypes, size, and how it was made."""
+    from otdus_cli.bundled import BUNDLED_MODELS
     from otdus_cli.io.reader import CheckpointReader
     from otdus_cli.manifest import MANIFEST, read_manifest
 
     with user_errors():
-        folder = path.parent if path.name == MANIFEST else path
+        given = BUNDLED_MODELS.get(path, Path(path))
+        folder = given.parent if given.name == MANIFEST else given
         manifest = read_manifest(folder)
         info: dict[str, Any] = {"path": str(folder)}
         if (folder / "config.json").is_file():
@@ -328,9 +375,8 @@ def inspect(
     ):
         if key in info:
             value = info[key]
-            table.add_row(
-                key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
-            )
+            text = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+            table.add_row(key, f"{text} ({human_bytes(value)})" if key == "bytes" else text)
     if manifest:
         table.add_row(
             "made by",

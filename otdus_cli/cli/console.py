@@ -28,6 +28,38 @@ from otdus_cli.errors import Interrupted, OtdusError
 
 out_console = Console()
 err_console = Console(stderr=True)
+# Width of a console that is not a terminal: lines go out whole, so a path or a figure is never
+# broken across lines for grep, a log or the next command in a pipe.
+UNWRAPPED_WIDTH = 100_000
+
+
+def fit_consoles_to_streams() -> None:
+    """Wrap at the terminal's width on a terminal, never when writing to a pipe or a file."""
+    for console in (out_console, err_console):
+        piped = not console.is_terminal
+        console.soft_wrap = piped
+        console.width = UNWRAPPED_WIDTH if piped else None  # None: the terminal's own width
+
+
+def heading(title: str) -> None:
+    """A section heading: a rule across a terminal, a plain line elsewhere."""
+    if out_console.is_terminal:
+        out_console.rule(title)
+    else:
+        out_console.print(f"== {title} ==", highlight=False)
+
+
+def human_bytes(n: int) -> str:
+    """A size in decimal units, as the shard sizes are given: 950 B, 1.4 MB, 16 GB."""
+    if n < 1000:
+        return f"{n} B"
+    size = n / 1000
+    for unit in ("kB", "MB", "GB", "TB"):
+        if float(f"{size:.3g}") < 1000:
+            return f"{size:.3g} {unit}"
+        size /= 1000
+    return f"{size:.3g} PB"
+
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
 
