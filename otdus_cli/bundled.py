@@ -10,5 +10,7 @@ STORIES260K = DATA / "stories260k"
 # Five TinyStories stories, in-domain text for stories260K (see TINYSTORIES_NOTICE.md).
 TINYSTORIES_SAMPLE = DATA / "tinystories_sample_cs336.txt"
 
-# Names accepted wherever a model is expected.
+# Names accepted wherever a model is expected (expand, plan, inspect, verify, ppl, study, diagnose).
 BUNDLED_MODELS = {"bundled:stories260k": STORIES260K}
+# Names accepted wherever a text is expected (verify/ppl --text, study --train/--eval, diagnose --text).
+BUNDLED_TEXTS = ("bundled:tinystories-sample", "bundled:wikitext-test")

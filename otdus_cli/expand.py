@@ -33,7 +33,7 @@ from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
 from otdus_cli.manifest import MANIFEST
 from otdus_cli.methods.base import BuildContext
 from otdus_cli.methods.registry import Method, get_method, make_builder, plan_layers
-from otdus_cli.options import ExpandOptions
+from otdus_cli.options import ExpandOptions, ignored_options
 from otdus_cli.plan.layer_map import OutputLayer, is_function_preserving
 from otdus_cli.source import SIDE_FILE_PATTERNS, ResolvedSource, resolve_source
 
@@ -268,6 +268,7 @@ def build_manifest(
         },
         "method": plan.method.name,
         "options": plan.options.model_dump(),
+        "ignored_options": ignored_options(plan.options),  # option -> why it had no effect
         "num_hidden_layers": len(plan.layer_map),
         "function_preserving": plan.function_preserving,
         "layers": [lay.to_json() for lay in plan.layer_map],

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from otdus_cli.errors import OtdusError
+
+# The closed sets of values, shared with the CLI (which offers them as choices and completions).
+OTVariant = Literal["paper", "official", "structured"]
+OTSolver = Literal["sinkhorn", "emd"]
+Position = Literal["top", "bottom", "mid", "top-bottom", "uniform"]
+OutputDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class OTOptions(BaseModel):
@@ -16,11 +23,20 @@ class OTOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    variant: Literal["paper", "official", "structured"] = "paper"
-    solver: Literal["sinkhorn", "emd"] = "sinkhorn"
+    variant: OTVariant = "paper"
+    solver: OTSolver = "sinkhorn"
     reg: float = Field(0.06, gt=0)
     tol: float = Field(1e-6, gt=0)
     max_iter: int = Field(2000, gt=0)
+
+    @model_validator(mode="after")
+    def _official_has_one_solver(self) -> OTOptions:
+        if self.variant == "official" and self.solver != "sinkhorn":
+            raise ValueError(
+                "--ot-variant official reproduces the released code's POT Sinkhorn and has no emd solver "
+                "(use --ot-variant paper or structured with --solver emd)"
+            )
+        return self
 
 
 class ExpandOptions(BaseModel):
@@ -29,12 +45,12 @@ class ExpandOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     method: str = "ot"
-    position: Literal["top", "bottom", "mid", "top-bottom", "uniform"] = "top"
+    position: Position = "top"
     layers: int | None = Field(None, ge=1, description="number of new layers (default: half the base depth)")
     ratio: float | None = Field(None, gt=0, description="new layers as a fraction of the base depth")
     after: list[int] | None = None
     zero_init: bool | None = None  # None: the method's default
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: OutputDtype = "auto"
     max_shard_size: str = "5GB"
     device: str = "auto"
     seed: int = 0
@@ -49,6 +65,52 @@ class ExpandOptions(BaseModel):
 
         get_method(value)
         return value
+
+
+def ignored_options(options: ExpandOptions) -> dict[str, str]:
+    """Options that have no effect on this expansion, each with the reason (recorded in the manifest)."""
+    ot_fields = [f"ot.{name}" for name in OTOptions.model_fields]
+    if options.method != "ot":
+        return dict.fromkeys(ot_fields, f"only --method ot uses OT options, not {options.method}")
+    if options.ot.variant == "official":
+        return {
+            "ot.tol": "the official variant pins the released code's stopThr 1e-9",
+            "ot.max_iter": "the official variant pins the released code's 10000 iterations",
+        }
+    if options.ot.solver == "emd":
+        return dict.fromkeys(("ot.reg", "ot.tol", "ot.max_iter"), "--solver emd is exact (no Sinkhorn)")
+    return {}
+
+
+def method_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> ExpandOptions:
+    """The expand options of a method spec ``method[:variant][+zero|+nozero]`` (study's arms).
+
+    ``overrides`` are ExpandOptions fields applied first (e.g. ``{"layers": 2, "position": "top"}``;
+    an ``ot`` mapping sets OT options); the spec's own variant and zero-init flags win over them.
+    """
+    text = spec.strip()
+    zero: bool | None = None
+    base, _, flag = text.partition("+")
+    if flag:
+        if flag not in ("zero", "nozero"):
+            raise OtdusError(f"method spec {spec!r}: '+{flag}' is not '+zero' or '+nozero'")
+        zero = flag == "zero"
+    method, _, variant = base.partition(":")
+    data: dict[str, Any] = json.loads(json.dumps(overrides or {}))
+    data["method"] = method
+    if zero is not None:
+        data["zero_init"] = zero
+    if variant:
+        if method != "ot":
+            raise OtdusError(
+                f"method spec {spec!r}: only ot has variants (ot:paper, ot:structured, ot:official)"
+            )
+        data.setdefault("ot", {})["variant"] = variant
+    try:
+        return ExpandOptions.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise OtdusError(f"method spec {spec!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
 class Recipe(BaseModel):

@@ -77,16 +77,46 @@ def _download(repo_id: str, revision: str | None) -> ResolvedSource:
         if shards == ["model.safetensors"] and not (folder / "model.safetensors").is_file():
             # an old repo with only a pickle checkpoint (read later with weights_only=True)
             folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=["pytorch_model.bin"]))
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as exc:
+        refused = _access_refused(repo_id, exc.__cause__)
+        if refused:
+            raise OtdusError(refused) from None
         raise OtdusError(
             f"{repo_id} is not in the local Hugging Face cache and the hub cannot be reached "
             "(offline?); download it once with network access, or give a local folder"
         ) from None
     except HfHubHTTPError as exc:
+        refused = _access_refused(repo_id, exc)
+        if refused:
+            raise OtdusError(refused) from None
         raise OtdusError(f"cannot fetch {repo_id} from the hub: {str(exc).splitlines()[0]}") from None
     except OSError as exc:
         raise OtdusError(f"cannot fetch {repo_id}: {exc}") from None
     return ResolvedSource(folder, repo_id, folder.name, "hub")
+
+
+def _access_refused(repo_id: str, exc: BaseException | None) -> str | None:
+    """What to do when the hub refuses access (HTTP 401/403): gated, private or not logged in."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    if not isinstance(exc, HfHubHTTPError):
+        return None
+    status = getattr(exc.response, "status_code", None)
+    login = "log in with `hf auth login` or set HF_TOKEN (a token with read access)"
+    local = "or give a local folder holding the model"
+    if isinstance(exc, GatedRepoError):
+        return (
+            f"{repo_id} is a gated repository and the hub refused access (HTTP {status}): accept its "
+            f"licence on https://huggingface.co/{repo_id} with your account, {login} for that account, "
+            f"{local}"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return (
+            f"{repo_id} was not found on the hub (HTTP {status}); if it is private or gated, {login}, {local}"
+        )
+    if status in (401, 403):
+        return f"the hub refused access to {repo_id} (HTTP {status}); {login}, {local}"
+    return None
 
 
 def _weight_files(folder: Path) -> list[str]:

@@ -100,7 +100,7 @@ def test_quantized_checkpoint(stories, tmp_path):
         (["--layers", "9"], "at most 4 pairs"),
         (["--method", "average", "--after", "4"], "after the last layer"),
         (["--method", "solar"], "parity"),
-        (["--method", "nope"], "unknown method"),
+        (["--method", "nope"], "'nope' is not one of 'ot'"),
         (["--position", "sideways"], "position"),
         (["--after", "1,x"], "comma-separated"),
         (["--max-shard-size", "lots"], "cannot read size"),

@@ -91,8 +91,8 @@ class OTSettings:
             raise OtdusError(f"unknown OT solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         if variant == "official" and solver != "sinkhorn":
             raise OtdusError(
-                "--variant official reproduces the released code's POT Sinkhorn; it has no emd solver "
-                "(use --variant paper or structured with --solver emd)"
+                "--ot-variant official reproduces the released code's POT Sinkhorn; it has no emd solver "
+                "(use --ot-variant paper or structured with --solver emd)"
             )
         reg, tol, max_iter = (
             float(opts.get("reg", DEFAULT_REG)),

@@ -14,6 +14,7 @@ from otdus_cli.plan.layer_map import (
     insertion_points,
     interleave,
     validate_after,
+    would_work,
 )
 
 
@@ -98,9 +99,10 @@ def plan_layers(
     count = _count(base_layers, layers, ratio)
     if method.layout == "solar":
         if count > base_layers or (base_layers - count) % 2:
+            same_parity = list(range(base_layers % 2 or 2, base_layers + 1, 2))
             raise OtdusError(
                 f"SOLAR adds L - 2m layers: with L={base_layers}, --layers must be at most {base_layers} "
-                f"and have the same parity as {base_layers} (got {count})"
+                f"and have the same parity as {base_layers} (got {count}); {would_work(same_parity, count)}"
             )
         m = (base_layers - count) // 2
         return from_sources(list(range(base_layers - m)) + list(range(m, base_layers)), zero)

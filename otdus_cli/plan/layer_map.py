@@ -57,6 +57,12 @@ def _count(base_layers: int, layers: int | None, ratio: float | None) -> int:
     return count
 
 
+def would_work(valid: list[int], requested: int) -> str:
+    """A hint naming the valid --layers values nearest to the one requested."""
+    nearest = sorted(sorted(valid, key=lambda v: (abs(v - requested), v))[:2])
+    return " or ".join(f"--layers {v}" for v in nearest) + " would work"
+
+
 def insertion_points(base_layers: int, count: int, position: str, pair: bool) -> list[int]:
     """Base indices i after which a new layer goes (built from f_i, and f_{i+1} for pair methods)."""
     L = base_layers
@@ -86,8 +92,10 @@ def insertion_points(base_layers: int, count: int, position: str, pair: bool) ->
         return points
     if position == "uniform":
         if L % count:
+            divisors = [d for d in range(1, L + 1) if L % d == 0]
             raise OtdusError(
-                f"uniform placement needs the base depth {L} to be a multiple of the new layers {count}"
+                f"uniform placement needs the base depth {L} to be a multiple of the new layers {count}; "
+                + would_work(divisors, count)
             )
         group = L // count
         points = [group * (j + 1) - 1 for j in range(count)]

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
+from otdus_cli.bundled import BUNDLED_TEXTS
 from otdus_cli.errors import OtdusError
 
 SEPARATOR = "<|endoftext|>"
-BUNDLED_TEXTS = ("bundled:tinystories-sample", "bundled:wikitext-test")
 
 
 @dataclass(frozen=True)

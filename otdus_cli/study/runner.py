@@ -32,7 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.options import ExpandOptions
+from otdus_cli.options import ExpandOptions, method_spec_options
 from otdus_cli.study.data import Documents, load_documents, split_documents, tokenize_windows
 from otdus_cli.study.stats import mean_std, paired_ci
 from otdus_cli.study.train import TrainConfig, evaluate, load_model, train
@@ -75,34 +75,9 @@ class RunSpec:
 
 
 def parse_method(spec: str, overrides: dict[str, Any] | None = None) -> RunSpec:
-    """``method[:variant][+zero|+nozero]`` (see the module docstring) as a :class:`RunSpec`.
-
-    ``overrides`` are ExpandOptions fields applied first (e.g. ``{"layers": 2, "position": "top"}``;
-    an ``ot`` mapping sets OT options); the spec's own variant and zero-init flags win over them.
-    """
-    text = spec.strip()
-    zero: bool | None = None
-    base, _, flag = text.partition("+")
-    if flag:
-        if flag not in ("zero", "nozero"):
-            raise OtdusError(f"method spec {spec!r}: '+{flag}' is not '+zero' or '+nozero'")
-        zero = flag == "zero"
-    method, _, variant = base.partition(":")
-    data: dict[str, Any] = json.loads(json.dumps(overrides or {}))
-    data["method"] = method
-    if zero is not None:
-        data["zero_init"] = zero
-    if variant:
-        if method != "ot":
-            raise OtdusError(
-                f"method spec {spec!r}: only ot has variants (ot:paper, ot:structured, ot:official)"
-            )
-        data.setdefault("ot", {})["variant"] = variant
-    try:
-        return RunSpec(text, ExpandOptions.model_validate(data))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise OtdusError(f"method spec {spec!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    """``method[:variant][+zero|+nozero]`` (see the module docstring) as a :class:`RunSpec`;
+    ``overrides`` as in :func:`otdus_cli.options.method_spec_options`."""
+    return RunSpec(spec.strip(), method_spec_options(spec, overrides))
 
 
 @dataclass

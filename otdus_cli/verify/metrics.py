@@ -181,7 +181,8 @@ def plan_rolling(
     """lm-eval ``wikitext``-style plan over whole documents.
 
     ``detokenize`` defaults to True for WikiText. ``max_tokens`` keeps whole documents until at least
-    that many tokens are scored (word/byte counts stay exact).
+    that many tokens are scored (word/byte counts stay exact), so the plan's ``n_tokens`` can exceed
+    it; the request is kept in ``settings["max_tokens"]`` beside the count.
     """
     if detokenize is None:
         detokenize = corpus.kind == "wikitext"
@@ -206,6 +207,7 @@ def plan_rolling(
         "prefix_token_id": prefix,
         "add_special_tokens": add_special_tokens,
         "detokenize": detokenize,
+        "max_tokens": max_tokens,
     }
     return EvalPlan("wikitext", corpus.name, windows, words, nbytes, max_length, settings)
 
@@ -220,7 +222,12 @@ def plan_token(
     max_docs: int | None = None,
     max_tokens: int | None = None,
 ) -> EvalPlan:
-    """GPTQ-style plan (``mode="joined"``) or one BOS per document (``mode="documents"``)."""
+    """GPTQ-style plan (``mode="joined"``) or one BOS per document (``mode="documents"``).
+
+    ``max_tokens`` caps the tokens scored: "documents" scores exactly that many (or all there are);
+    "joined" keeps that many tokens of the text and scores the whole ``seq_len`` windows among them
+    (each window's first token is context only), so a little fewer.
+    """
     if seq_len < 2:
         raise OtdusError(f"sequence length must be at least 2, got {seq_len}")
     docs = corpus.documents if max_docs is None else corpus.documents[: max(0, max_docs)]
@@ -260,7 +267,7 @@ def plan_token(
         raise OtdusError(f"unknown token perplexity mode {mode!r} (joined, documents)")
     if not windows:
         raise OtdusError("nothing to score")
-    settings = {"seq_len": seq_len, "mode": mode}
+    settings = {"seq_len": seq_len, "mode": mode, "max_tokens": max_tokens}
     return EvalPlan("token", corpus.name, windows, [0] * n_docs, [0] * n_docs, seq_len, settings)
 
 

@@ -1,0 +1,75 @@
+"""The `otdus` command line: a thin Typer + rich layer over the library.
+
+One module per group of commands (checkpoint: expand, plan, inspect; evaluation: verify, ppl;
+research: study, diagnose; about: demo, version); console.py holds what they share. Errors in the
+user's input, the parser's included, are one line on stderr and exit code 2; broken parity in
+`verify` is exit code 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+
+from otdus_cli.cli.about import demo, version
+from otdus_cli.cli.checkpoint import expand, inspect, plan
+from otdus_cli.cli.console import fail, fit_consoles_to_streams
+from otdus_cli.cli.evaluation import ppl, verify
+from otdus_cli.cli.research import diagnose, study
+from otdus_cli.errors import exit_on_signals
+
+# The parser's error class, found from the one Typer exports (Typer >= 0.20 vendors its own click).
+UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def _usage_error(exc: Exception) -> None:
+    """A parser error (unknown option, bad value, missing argument) as one `error:` line, exit 2."""
+    ctx = getattr(exc, "ctx", None)
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    message = exc.format_message().replace("Value error, ", "").rstrip(".")
+    fail(f"{message}; see `{' '.join(['otdus', *names, '--help'])}`", 2)
+
+
+class _OtdusGroup(TyperGroup):
+    """Typer's group with otdus's output conventions: unwrapped lines off a terminal, and parser errors
+    as one line like every other error (Typer draws a box)."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        fit_consoles_to_streams()
+        return super().main(*args, **kwargs)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `otdus` alone prints the help
+                raise
+            _usage_error(exc)
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            _usage_error(exc)
+
+
+app = typer.Typer(
+    cls=_OtdusGroup,
+    help="Depth up-scaling checkpoint surgery for Hugging Face LLMs: OT-DUS and its baselines, streamed.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version):
+    app.command()(command)
+
+
+def main(argv: list[str] | None = None) -> Callable | None:
+    exit_on_signals()  # SIGTERM/SIGHUP (timeout, Slurm) clean up like Ctrl-C
+    app(args=argv, prog_name="otdus")
+    return None

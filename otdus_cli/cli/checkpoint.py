@@ -1,0 +1,398 @@
+"""Commands that make or describe a checkpoint: `expand`, `plan` and `inspect`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from otdus_cli.cli.console import (
+    JsonFlag,
+    byte_progress,
+    emit_json,
+    err_console,
+    human_bytes,
+    out_console,
+    show_progress,
+    user_errors,
+)
+from otdus_cli.cli.flags import with_flags
+from otdus_cli.cli.values import MethodName, device_parser, model_name
+from otdus_cli.errors import OtdusError
+from otdus_cli.options import OTSolver, OTVariant, OutputDtype
+from otdus_cli.options import Position as PositionName
+
+Model = Annotated[
+    str | None,
+    typer.Argument(
+        help="Source model: a local folder, a Hugging Face hub id or bundled:stories260k.", parser=model_name
+    ),
+]
+Recipe = Annotated[
+    Path | None,
+    typer.Option("--recipe", help="YAML recipe with the model and expand options (flags override it)."),
+]
+Method = Annotated[
+    MethodName | None,
+    typer.Option(help="How new layers are made (README: Methods). \\[default: ot]"),
+]
+Position = Annotated[PositionName | None, typer.Option(help="Where new layers go. \\[default: top]")]
+Layers = Annotated[
+    int | None, typer.Option(help="Number of new layers. \\[default: half the base depth; stack: L]")
+]
+Ratio = Annotated[
+    float | None, typer.Option(help="New layers as a fraction of the base depth (instead of --layers).")
+]
+After = Annotated[
+    str | None,
+    typer.Option(help="Explicit base indices to insert after, e.g. '3,7,11' (overrides --position)."),
+]
+ZeroInit = Annotated[
+    bool | None,
+    typer.Option(
+        "--zero-init/--no-zero-init",
+        help="Zero o_proj and down_proj (and MoE expert downs) of new layers, making them exact identities. "
+        "\\[default: on for ot and llama-pro, off otherwise]",
+        show_default=False,
+    ),
+]
+OtVariant = Annotated[
+    OTVariant | None,
+    typer.Option(help="OT-DUS variant; official: the released code's computation. \\[default: paper]"),
+]
+Solver = Annotated[
+    OTSolver | None, typer.Option(help="Transport solver; emd: exact assignment. \\[default: sinkhorn]")
+]
+Reg = Annotated[float | None, typer.Option(help="Sinkhorn entropic regularisation. \\[default: 0.06]")]
+Tol = Annotated[
+    float | None,
+    typer.Option(
+        help="Sinkhorn stopping tolerance: largest relative row/column mass error "
+        "(the official variant pins the released code's 1e-9). \\[default: 1e-6]"
+    ),
+]
+MaxIter = Annotated[
+    int | None, typer.Option(help="Sinkhorn iteration cap (official pins 10000). \\[default: 2000]")
+]
+Device = Annotated[
+    str | None,
+    typer.Option(
+        help="Device for transport: auto, cpu, cuda, cuda:N. \\[default: auto]", parser=device_parser(True)
+    ),
+]
+Dtype = Annotated[
+    OutputDtype | None, typer.Option(help="Output dtype; auto keeps the source's. \\[default: auto]")
+]
+ShardSize = Annotated[
+    str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. \\[default: 5GB]")
+]
+Seed = Annotated[int | None, typer.Option(help="Seed for random initialisation. \\[default: 0]")]
+Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
+AllowUnknown = Annotated[
+    bool,
+    typer.Option(help="Copy layers generically for an unknown architecture (copy-type methods only)."),
+]
+
+
+@dataclass
+class LayoutFlags:
+    """What decides the layer map: shared by `expand` and `plan`."""
+
+    recipe: Recipe = None
+    method: Method = None
+    position: Position = None
+    layers: Layers = None
+    ratio: Ratio = None
+    after: After = None
+    zero_init: ZeroInit = None
+    revision: Revision = None
+    allow_unknown_arch: AllowUnknown = False
+
+
+def _options(model: str | None, layout: LayoutFlags, **flags: Any):
+    """Merge recipe and flags (flags win) into validated ExpandOptions."""
+    from pydantic import ValidationError
+
+    from otdus_cli.options import ExpandOptions, OTOptions, load_recipe
+
+    base = load_recipe(layout.recipe) if layout.recipe else None
+    model = model or (base.model if base else None)
+    if not model:
+        raise OtdusError("give a model (folder or hub id) or --recipe")
+    options = base.expand if base else ExpandOptions()
+    flags.update(asdict(layout))
+    del flags["recipe"]
+    flags["allow_unknown_arch"] = flags["allow_unknown_arch"] or None
+    after = flags.pop("after")
+    ot_flags = {k: flags.pop(k, None) for k in ("variant", "solver", "reg", "tol", "max_iter")}
+    updates = {k: v for k, v in flags.items() if v is not None}
+    if after is not None:
+        try:
+            updates["after"] = [int(x) for x in after.split(",") if x.strip()]
+        except ValueError:
+            raise OtdusError(f"--after takes comma-separated layer indices, got {after!r}") from None
+    try:
+        ot = OTOptions.model_validate(
+            {**options.ot.model_dump(), **{k: v for k, v in ot_flags.items() if v is not None}}
+        )
+        merged = ExpandOptions.model_validate({**options.model_dump(), **updates, "ot": ot.model_dump()})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a rule across options names its flags itself
+            raise OtdusError(message) from None
+        raise OtdusError(f"{_flag(err['loc'])} {err['input']!r}: {message}") from None
+    return model, merged, base
+
+
+def _flag(loc: tuple) -> str:
+    """The command-line flag of an ExpandOptions field: ('ot', 'variant') -> --ot-variant."""
+    name = "ot_variant" if tuple(loc) == ("ot", "variant") else str(loc[-1])
+    return "--" + name.replace("_", "-")
+
+
+def _layer_table(plan) -> Table:
+    table = Table(title=f"{plan.method.name}: {plan.source.depth} -> {len(plan.layer_map)} layers")
+    for col in ("out", "kind", "source", "parents", "builder", "zero-init"):
+        table.add_column(col)
+    for lay in plan.layer_map:
+        table.add_row(
+            str(lay.index),
+            "[green]new[/]" if lay.new else "base",
+            str(lay.source),
+            ",".join(map(str, lay.parents)) if lay.new else "",
+            lay.builder if lay.new else "copy",
+            "yes" if lay.zero_init else "",
+        )
+    return table
+
+
+def _plan_json(plan) -> dict:
+    return {
+        "source": plan.source.resolved.id,
+        "family": plan.source.family.name,
+        "method": plan.method.name,
+        "base_layers": plan.source.depth,
+        "num_hidden_layers": len(plan.layer_map),
+        "function_preserving": plan.function_preserving,
+        "layers": [lay.to_json() for lay in plan.layer_map],
+        "options": plan.options.model_dump(),
+        "output_bytes": sum(t.nbytes for t in plan.tensors),
+    }
+
+
+@with_flags(LayoutFlags)
+def expand(
+    model: Model = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")] = None,
+    flags: LayoutFlags = None,
+    ot_variant: OtVariant = None,
+    solver: Solver = None,
+    reg: Reg = None,
+    tol: Tol = None,
+    max_iter: MaxIter = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    max_shard_size: ShardSize = None,
+    seed: Seed = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            help="Replace an existing --out, only if it is an earlier otdus output (every file listed by "
+            "its otdus.json) or an empty folder, and only once the new output is complete."
+        ),
+    ] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Insert new decoder layers and write the deeper checkpoint (streamed, atomic)."""
+    from otdus_cli.expand import expand as run_expand
+
+    with user_errors():
+        model, options, recipe_obj = _options(
+            model,
+            flags,
+            variant=ot_variant,
+            solver=solver,
+            reg=reg,
+            tol=tol,
+            max_iter=max_iter,
+            device=device,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            seed=seed,
+        )
+        out = out or (Path(recipe_obj.out) if recipe_obj and recipe_obj.out else None)
+        if out is None:
+            raise OtdusError("give --out (the output folder)")
+        with byte_progress(show_progress(json_out), "expanding") as (set_total, advance):
+            result = run_expand(
+                model,
+                out,
+                options,
+                force=force,
+                progress=advance,
+                on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
+            )
+    transport = _transport_warnings(result.manifest.get("transport", {}))
+    warnings = list(result.warnings)  # the manifest's, and stale temporary folders removed or found
+    given = {
+        "ot.variant": ot_variant,
+        "ot.solver": solver,
+        "ot.reg": reg,
+        "ot.tol": tol,
+        "ot.max_iter": max_iter,
+    }
+    for option, why in result.manifest.get("ignored_options", {}).items():
+        if given.get(option) is not None:
+            warnings.append(f"{_flag(option.split('.'))} was ignored: {why}")
+    for line in [*warnings, *transport]:
+        err_console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
+    summary = {
+        "out": str(result.out),
+        "warnings": warnings,
+        "transport_warnings": transport,
+        **_plan_json(result.plan),
+        "bytes_written": result.bytes_written,
+        "seconds": round(result.seconds, 3),
+        "new_parameters": len(result.manifest["new_parameters"]),
+    }
+    if json_out:
+        emit_json(summary)
+        return
+    preserved = "function-preserving" if result.plan.function_preserving else "not function-preserving"
+    out_console.print(
+        f"[bold green]wrote[/] {result.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} "
+        f"layers with {summary['method']} ({preserved}), {human_bytes(result.bytes_written)} "
+        f"in {result.seconds:.1f} s"
+    )
+
+
+def _transport_warnings(transport: dict) -> list[str]:
+    """Transport solves that stopped at the iteration cap or hit numerical trouble, each with the
+    options that would change it (the official variant pins its iterations: only --reg applies)."""
+    lines = []
+    official_capped: list[tuple[float, int]] = []
+    solves = 0
+    for layer, stats in transport.items():
+        official = stats.get("variant") == "official"
+        for module, info in (stats.get("modules") or {}).items():
+            if not isinstance(info, dict):
+                continue
+            solves += 1
+            status = info.get("status", "ok")
+            error = info.get("marginal_error", float("nan"))
+            if status == "ok":
+                continue
+            if official and status == "max_iter":
+                official_capped.append((error, info.get("iterations")))
+                continue
+            remedy = "raise --reg" if official or status == "numerical_error" else "raise --max-iter or --reg"
+            lines.append(
+                f"layer {layer} {module}: Sinkhorn {status} after {info.get('iterations')} "
+                f"iterations (marginal error {error:.2g}); {remedy}"
+            )
+    if official_capped:
+        lines.insert(
+            0,
+            f"--ot-variant official: {len(official_capped)} of {solves} Sinkhorn solves ran the released "
+            f"code's fixed {max(i for _, i in official_capped)} iterations without reaching its stopThr "
+            f"1e-9 (largest marginal error {max(e for e, _ in official_capped):.2g}), as the released code "
+            "does; --max-iter and --tol do not apply to it, --reg does",
+        )
+    return lines
+
+
+@with_flags(LayoutFlags)
+def plan(model: Model = None, flags: LayoutFlags = None, json_out: JsonFlag = False) -> None:
+    """Show the layer map an expansion would produce; nothing is written."""
+    from otdus_cli.expand import make_plan, open_source
+
+    with user_errors():
+        model, options, _ = _options(model, flags)
+        the_plan = make_plan(open_source(model, options.revision, options.allow_unknown_arch), options)
+    if json_out:
+        emit_json(_plan_json(the_plan))
+        return
+    out_console.print(_layer_table(the_plan))
+    out_console.print(
+        "function-preserving"
+        if the_plan.function_preserving
+        else "not function-preserving (perplexity will move)"
+    )
+
+
+def inspect(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="A checkpoint folder (expanded or not), an otdus.json manifest or bundled:stories260k.",
+            parser=model_name,
+        ),
+    ],
+    json_out: JsonFlag = False,
+) -> None:
+    """Describe a checkpoint or manifest: layers, parameters, dtypes, size, and how it was made."""
+    from otdus_cli.bundled import BUNDLED_MODELS
+    from otdus_cli.io.reader import CheckpointReader
+    from otdus_cli.manifest import MANIFEST, read_manifest
+
+    with user_errors():
+        given = BUNDLED_MODELS.get(path, Path(path))
+        folder = given.parent if given.name == MANIFEST else given
+        manifest = read_manifest(folder)
+        info: dict[str, Any] = {"path": str(folder)}
+        if (folder / "config.json").is_file():
+            reader = CheckpointReader(folder)
+            dtypes = Counter(reader.meta(n).dtype for n in reader.names)
+            params = sum(_numel(reader.meta(n).shape) for n in reader.names)
+            info.update(
+                model_type=reader.config.get("model_type"),
+                num_hidden_layers=reader.config.get("num_hidden_layers"),
+                parameters=params,
+                tensors=len(reader.names),
+                dtypes=dict(dtypes),
+                bytes=reader.total_bytes(),
+                tie_word_embeddings=reader.config.get("tie_word_embeddings"),
+            )
+        elif manifest is None:
+            raise OtdusError(f"{path} is neither a checkpoint folder nor an otdus manifest")
+        if manifest:
+            info["manifest"] = manifest
+    if json_out:
+        emit_json(info)
+        return
+    table = Table(title=str(folder), show_header=False)
+    for key in (
+        "model_type",
+        "num_hidden_layers",
+        "parameters",
+        "tensors",
+        "dtypes",
+        "bytes",
+        "tie_word_embeddings",
+    ):
+        if key in info:
+            value = info[key]
+            text = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+            table.add_row(key, f"{text} ({human_bytes(value)})" if key == "bytes" else text)
+    if manifest:
+        table.add_row(
+            "made by",
+            f"otdus {manifest['otdus_version']} {manifest['method']} from {manifest['source']['id']}",
+        )
+        table.add_row("function-preserving", str(manifest["function_preserving"]))
+        new = [str(lay["index"]) for lay in manifest["layers"] if lay["new"]]
+        table.add_row("new layers", ", ".join(new))
+        table.add_row("new parameters", f"{len(manifest['new_parameters'])} tensors")
+    out_console.print(table)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

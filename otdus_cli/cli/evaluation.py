@@ -1,0 +1,232 @@
+"""Commands that score models: `verify` (an expansion against its base) and `ppl` (one model)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from otdus_cli.cli.console import (
+    JsonFlag,
+    emit_json,
+    out_console,
+    quiet_transformers,
+    show_progress,
+    task_progress,
+    user_errors,
+)
+from otdus_cli.cli.flags import with_flags
+from otdus_cli.cli.values import EvalDtype, TokenMode, device_parser, model_name, text_spec
+from otdus_cli.cli.values import Protocol as ProtocolName
+from otdus_cli.errors import OtdusError
+
+Protocol = Annotated[
+    ProtocolName,
+    typer.Option(
+        help="wikitext: lm-eval's protocol (documents, detokeniser, rolling windows, word/byte perplexity); "
+        "token: GPTQ-style disjoint --seq-len windows over the joined text."
+    ),
+]
+TextFile = Annotated[
+    str | None,
+    typer.Option(
+        "--text",
+        help="Any text file (documents split at <|endoftext|> lines), or bundled:tinystories-sample "
+        "or bundled:wikitext-test.",
+        parser=text_spec,
+    ),
+]
+Dataset = Annotated[
+    str | None,
+    typer.Option(help="A Hugging Face dataset NAME[:CONFIG] (needs `datasets` and network or cache)."),
+]
+SeqLen = Annotated[
+    int, typer.Option(help="Token-protocol window length, capped by the model's max positions.", min=2)
+]
+MaxTokens = Annotated[
+    int | None,
+    typer.Option(
+        help="Token budget for quick checks. wikitext protocol: whole documents until at least this many "
+        "tokens are scored (word and byte counts stay exact); token protocol: at most this many. "
+        "The count scored is reported.",
+        min=1,
+    ),
+]
+MaxDocs = Annotated[int | None, typer.Option(help="Use at most this many documents.", min=1)]
+EvalDevice = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", parser=device_parser(True))]
+Dtype = Annotated[
+    EvalDtype,
+    typer.Option(
+        help="Compute dtype: float32 (bitwise parity) or bfloat16/float16 (parity within 1e-3).",
+        case_sensitive=False,
+    ),
+]
+BatchSize = Annotated[int, typer.Option(help="Windows per forward pass.", min=1)]
+TokenModeOption = Annotated[
+    TokenMode,
+    typer.Option(
+        help="Token protocol: joined (documents joined with blank lines, GPTQ style) or documents "
+        "(one BOS per document, windows inside documents, as TinyStories models are scored)."
+    ),
+]
+
+
+@dataclass
+class EvalFlags:
+    """The corpus, protocol and compute settings: shared by `verify` and `ppl`."""
+
+    protocol: Protocol = "wikitext"
+    text: TextFile = None
+    dataset: Dataset = None
+    seq_len: SeqLen = 2048
+    token_mode: TokenModeOption = "joined"
+    max_tokens: MaxTokens = None
+    max_docs: MaxDocs = None
+    device: EvalDevice = "auto"
+    dtype: Dtype = "float32"
+    batch_size: BatchSize = 1
+
+
+def _corpus(text: str | None, dataset: str | None, max_docs: int | None):
+    from otdus_cli.bundled import TINYSTORIES_SAMPLE
+    from otdus_cli.verify.text import dataset_corpus, text_corpus, wikitext_corpus
+
+    if text is not None and dataset is not None:
+        raise OtdusError("give --text or --dataset, not both")
+    if text == "bundled:tinystories-sample":
+        return text_corpus(TINYSTORIES_SAMPLE, max_docs=max_docs)
+    if text is not None and text != "bundled:wikitext-test":
+        return text_corpus(Path(text), max_docs=max_docs)
+    if dataset is not None:
+        return dataset_corpus(dataset, max_docs=max_docs)
+    return wikitext_corpus(max_docs=max_docs)
+
+
+def _metrics_rows(table: Table, metrics, other=None) -> None:
+    for key, value in metrics.values().items():
+        if key == "loglikelihood":
+            continue
+        row = [key + (" *" if key == metrics.headline()[0] else ""), f"{value:.6g}"]
+        if other is not None:
+            theirs = other.values()[key]
+            row += [f"{theirs:.6g}", f"{theirs - value:+.3g}"]
+        table.add_row(*row)
+
+
+def _local_model(model: str) -> str:
+    """A folder for a model argument (hub ids are resolved through the local cache)."""
+    from otdus_cli.source import resolve_source
+
+    return str(resolve_source(model).folder)
+
+
+def _evaluate(model: str, base: str | None, find_base: bool, flags: EvalFlags, json_out: bool) -> None:
+    """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
+    from otdus_cli.manifest import manifest_source
+    from otdus_cli.source import resolve_source
+
+    eval_options = asdict(flags)
+    run = {k: eval_options.pop(k) for k in ("device", "dtype", "batch_size")}
+    label = "verifying" if find_base or base else "scoring"
+    with user_errors(), task_progress(show_progress(json_out), label) as update:
+        # everything the user can get wrong is checked before torch and transformers are imported
+        model_dir = _local_model(model)
+        if base is None and find_base:
+            recorded = manifest_source(model_dir)
+            base = str(resolve_source(*recorded).folder) if recorded else None
+        base_dir = _local_model(base) if base else None
+        corpus = _corpus(eval_options.pop("text"), eval_options.pop("dataset"), eval_options["max_docs"])
+        from otdus_cli.verify.compare import make_plan, perplexity, verify_expansion
+
+        quiet_transformers()
+        plan = make_plan(base_dir or model_dir, corpus=corpus, **eval_options)
+        run["progress"] = lambda kind, done, total: update(done, total, kind)
+        if base_dir is None:
+            report = perplexity(model_dir, plan, **run)
+        else:
+            report = verify_expansion(base_dir, model_dir, plan, **run)
+    if base_dir is None:
+        _print_ppl(report, json_out)
+        _note_token_count(report.metrics, flags, json_out)
+        return
+    if json_out:
+        emit_json(report.to_dict())
+    else:
+        table = Table(
+            title=f"{report.base.corpus}: {report.base.protocol} protocol, {report.base.n_tokens:,} tokens, "
+            f"{report.device} {report.dtype}"
+        )
+        for col in ("metric (* headline)", "base", "expanded", "delta"):
+            table.add_column(col)
+        _metrics_rows(table, report.base, report.expanded)
+        out_console.print(table)
+        if report.first_divergence is not None:
+            d = report.first_divergence
+            out_console.print(f"first divergence: {d.name} (max |diff| {d.max_abs_diff:.3g})")
+        colour = "green" if report.exit_code == 0 else "red"
+        out_console.print(f"[bold {colour}]{report.verdict}[/]")
+        _note_token_count(report.base, flags, json_out)
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+def _note_token_count(metrics, flags: EvalFlags, json_out: bool) -> None:
+    """Say how many tokens were scored when --max-tokens asked for another count (JSON has both)."""
+    asked = flags.max_tokens
+    if json_out or asked is None or metrics.n_tokens == asked:
+        return
+    if metrics.protocol == "wikitext":
+        why = "the wikitext protocol scores whole documents, so word and byte counts stay exact"
+    elif flags.token_mode == "joined":
+        why = "the token protocol scores whole --seq-len windows of the first --max-tokens tokens"
+    else:
+        why = "that is all the text holds"
+    out_console.print(f"--max-tokens {asked:,}: scored {metrics.n_tokens:,} tokens ({why})", highlight=False)
+
+
+def _print_ppl(report, json_out: bool) -> None:
+    if json_out:
+        emit_json(report.to_dict())
+        return
+    m = report.metrics
+    table = Table(title=f"{report.model}: {m.corpus}, {m.protocol} protocol, {m.n_tokens:,} tokens")
+    for col in ("metric (* headline)", "value"):
+        table.add_column(col)
+    _metrics_rows(table, m)
+    out_console.print(table)
+
+
+@with_flags(EvalFlags)
+def verify(
+    expanded: Annotated[
+        str, typer.Argument(help="The expanded checkpoint (or any model to compare).", parser=model_name)
+    ],
+    base: Annotated[
+        str | None,
+        typer.Option(
+            help="The base model. \\[default: the source recorded in the manifest]", parser=model_name
+        ),
+    ] = None,
+    flags: EvalFlags = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Perplexity parity of an expansion with its base, layer by layer in lockstep (exit 1 if broken).
+
+    With no --base and no manifest, reports the one model's perplexity.
+    """
+    _evaluate(expanded, base, True, flags, json_out)
+
+
+@with_flags(EvalFlags)
+def ppl(
+    model: Annotated[
+        str, typer.Argument(help="A model folder, hub id or bundled:stories260k.", parser=model_name)
+    ],
+    flags: EvalFlags = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Perplexity of one model, streamed layer by layer (same protocols as verify)."""
+    _evaluate(model, None, False, flags, json_out)

@@ -1,0 +1,193 @@
+"""Commands that weigh the evidence for an initialisation: `study` and `diagnose`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from otdus_cli.cli.checkpoint import Layers, Position
+from otdus_cli.cli.console import (
+    JsonFlag,
+    emit_json,
+    out_console,
+    quiet_transformers,
+    show_progress,
+    task_progress,
+    user_errors,
+)
+from otdus_cli.cli.values import device_parser, int_list, ints, method_specs, model_name, text_spec
+from otdus_cli.errors import OtdusError
+
+Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.", parser=device_parser(False))]
+SeqLen = Annotated[int, typer.Option(help="Tokens per window.", min=2)]
+
+
+def study(
+    base: Annotated[
+        str | None,
+        typer.Argument(help="Base model: folder, hub id or bundled:stories260k.", parser=model_name),
+    ] = None,
+    train: Annotated[
+        str | None,
+        typer.Option(
+            help="Training text: a file, bundled:tinystories-sample or bundled:wikitext-test.",
+            parser=text_spec,
+        ),
+    ] = None,
+    eval_text: Annotated[
+        str | None,
+        typer.Option(
+            "--eval",
+            help="Held-out text. \\[default: the last --eval-fraction of the training documents]",
+            parser=text_spec,
+        ),
+    ] = None,
+    recipe: Annotated[
+        Path | None,
+        typer.Option(
+            "--recipe",
+            help="A study recipe (recipes/study-*.yaml); flags override it.",
+            exists=True,
+            dir_okay=False,
+        ),
+    ] = None,
+    methods: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated method specs method[:variant][+zero|+nozero], "
+            "e.g. ot,ot:structured,average+zero.",
+            parser=method_specs,
+        ),
+    ] = "ot,average,average+zero,copy,random",
+    seeds: Annotated[str, typer.Option(help="Comma-separated seeds.", parser=int_list)] = "0,1,2",
+    steps: Annotated[int, typer.Option(help="Training steps per run.", min=1)] = 150,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.", min=0)] = 2e-3,
+    batch: Annotated[int, typer.Option(help="Windows per step.", min=1)] = 8,
+    seq_len: SeqLen = 128,
+    eval_every: Annotated[int, typer.Option(help="Evaluate held-out loss every N steps.", min=1)] = 25,
+    eval_windows: Annotated[int, typer.Option(help="Held-out windows per evaluation.", min=1)] = 32,
+    eval_fraction: Annotated[
+        float, typer.Option(help="Held-out share of documents when --eval is not given.", min=0, max=1)
+    ] = 0.05,
+    reference: Annotated[
+        str, typer.Option(help="Method the others are compared with (paired by seed).")
+    ] = "ot",
+    train_all: Annotated[bool, typer.Option(help="Train every parameter, not only the new layers.")] = False,
+    layers: Layers = None,
+    position: Position = None,
+    device: Device = "cpu",
+    threads: Annotated[
+        int | None, typer.Option(help="torch CPU threads. \\[default: torch's choice]", min=1)
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Folder for study.json and loss_curves.png.")
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Compare initialisations: expand with each method, train the new layers, held-out loss over seeds."""
+    if recipe is None and (not base or not train):
+        with user_errors():
+            raise OtdusError("give BASE and --train (or --recipe)")
+    from otdus_cli.study import run_recipe, study_table
+    from otdus_cli.study import study as run_study
+
+    quiet_transformers()
+    with user_errors(), task_progress(show_progress(json_out), "study") as update:
+
+        def on_event(event) -> None:
+            if event.runs:
+                update(event.run, event.runs, f"{event.label} seed {event.seed}")
+
+        if recipe is not None:
+            results = run_recipe(recipe, out_dir=out, progress=on_event)
+        else:
+            expand_options = {
+                k: v for k, v in {"layers": layers, "position": position}.items() if v is not None
+            }
+            results = {
+                "study": run_study(
+                    base,
+                    train,
+                    eval_text,
+                    methods=[m.strip() for m in methods.split(",") if m.strip()],
+                    seeds=ints(seeds) or [0],
+                    steps=steps,
+                    lr=lr,
+                    batch=batch,
+                    seq_len=seq_len,
+                    eval_every=eval_every,
+                    eval_windows=eval_windows,
+                    eval_fraction=eval_fraction,
+                    reference=reference,
+                    train_new_only=not train_all,
+                    device=device,
+                    threads=threads,
+                    expand_options=expand_options or None,
+                    out_dir=out,
+                    progress=on_event,
+                )
+            }
+    if json_out:
+        emit_json({name: r.to_dict() for name, r in results.items()})
+        return
+    for r in results.values():
+        out_console.print(study_table(r))
+
+
+def _adjacent_pair(value: str) -> str:
+    ij = ints(int_list(value))
+    if len(ij) != 2 or ij[1] != ij[0] + 1:
+        raise typer.BadParameter(f"takes two adjacent layer indices like 3,4, got {value!r}")
+    return value
+
+
+def diagnose(
+    checkpoint: Annotated[
+        str, typer.Argument(help="Checkpoint folder, hub id or bundled:stories260k.", parser=model_name)
+    ],
+    text: Annotated[
+        str,
+        typer.Option(
+            help="Text: a file, bundled:tinystories-sample or bundled:wikitext-test.", parser=text_spec
+        ),
+    ] = "bundled:tinystories-sample",
+    pair: Annotated[
+        str | None,
+        typer.Option(
+            help="One adjacent pair 'i,i+1'. \\[default: every adjacent pair]", parser=_adjacent_pair
+        ),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens of text run through the model.", min=1)] = 4096,
+    seq_len: SeqLen = 256,
+    reg: Annotated[
+        float, typer.Option(help="Sinkhorn regularisation of the plans (as OT-DUS).", min=0)
+    ] = 0.06,
+    device: Device = "cpu",
+    png: Annotated[
+        Path | None, typer.Option(help="Also write the weight-norm profile as a PNG (matplotlib).")
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Does OT pair neurons that really co-activate? Correlations, plan entropy, weight-norm profile."""
+    from otdus_cli.study import diagnose as run_diagnose
+    from otdus_cli.study import diagnose_tables
+
+    quiet_transformers()
+    with user_errors():
+        pairs = [tuple(ints(pair))] if pair is not None else None
+        result = run_diagnose(
+            checkpoint,
+            text,
+            pairs=pairs,
+            max_tokens=max_tokens,
+            seq_len=seq_len,
+            reg=reg,
+            device=device,
+            png=png,
+        )
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    out_console.print(diagnose_tables(result))

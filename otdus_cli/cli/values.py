@@ -1,0 +1,89 @@
+"""Option values checked while the command line is parsed, before torch or transformers is imported.
+
+A bad value ends as a usage error naming the flag (one `error:` line, exit 2) within the parse, not
+seconds later. Closed sets are `Literal` types (Typer shows them in --help and completes them);
+the parsers here check open-ended values (devices, text specs, index lists).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import typer
+
+from otdus_cli.bundled import BUNDLED_MODELS, BUNDLED_TEXTS
+from otdus_cli.errors import OtdusError
+from otdus_cli.methods.registry import METHODS
+
+MethodName = Literal[tuple(METHODS)]  # type: ignore[valid-type]
+Protocol = Literal["wikitext", "token"]
+TokenMode = Literal["joined", "documents"]
+# compute dtypes of verify/ppl (the names verify.streaming.DTYPES maps to torch dtypes)
+EvalDtype = Literal["float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16"]
+
+_DEVICE = re.compile(r"cpu|mps|cuda(:\d+)?")
+
+
+def device_parser(allow_auto: bool) -> Callable[[str], str]:
+    """A parser for a torch device name: cpu, cuda, cuda:N, mps (and auto where the command has it)."""
+    names = "auto, cpu, cuda or cuda:N" if allow_auto else "cpu, cuda or cuda:N"
+
+    def parse(value: str) -> str:
+        if (allow_auto and value == "auto") or _DEVICE.fullmatch(value):
+            return value
+        raise typer.BadParameter(f"unknown device {value!r}; give {names}")
+
+    return parse
+
+
+def text_spec(value: str) -> str:
+    """A text file that exists, or a bundled text name."""
+    if value.startswith("bundled:"):
+        if value not in BUNDLED_TEXTS:
+            raise typer.BadParameter(
+                f"unknown bundled text {value!r}; choose one of {', '.join(BUNDLED_TEXTS)}"
+            )
+        return value
+    if not Path(value).is_file():
+        raise typer.BadParameter(f"text file not found: {value}")
+    return value
+
+
+def int_list(value: str) -> str:
+    """Comma-separated integers (kept as text; the command splits them)."""
+    try:
+        [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"takes comma-separated integers, got {value!r}") from None
+    return value
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def method_specs(value: str) -> str:
+    """Comma-separated study method specs, each checked as the study will read it."""
+    from otdus_cli.options import method_spec_options
+
+    specs = [m.strip() for m in value.split(",") if m.strip()]
+    if not specs:
+        raise typer.BadParameter("give at least one method spec")
+    for spec in specs:
+        try:
+            method_spec_options(spec)
+        except OtdusError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def model_name(value: str) -> str:
+    """A bundled model name is checked here; folders and hub ids are resolved by the command."""
+    if value.startswith("bundled:") and value not in BUNDLED_MODELS:
+        raise typer.BadParameter(
+            f"unknown bundled model {value!r}; choose one of {', '.join(BUNDLED_MODELS)}"
+        )
+    return value
