@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench faults clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ lint: setup
 
 bench: setup
 	$(PY) scripts/bench.py
+
+# kill expansions at random moments (SIGINT, SIGTERM, SIGKILL) on a ~1 GB checkpoint: no data lost
+faults: setup
+	$(PY) scripts/fault_inject.py --runs 50
 
 clean:
 	rm -rf $(VENV) demo-out
