@@ -287,6 +287,7 @@ def expand(
     force: bool = False,
     progress: ProgressFn | None = None,
     on_plan: Callable[[Plan], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> ExpandResult:
     """Expand `model` (folder or hub id) into `out` atomically; returns what was written."""
     options = options or ExpandOptions()
@@ -296,7 +297,7 @@ def expand(
     if on_plan:
         on_plan(plan)
     out = Path(out)
-    report = OutputReport()
+    report = OutputReport(notify=on_note)
     with staged_output(out, protected=[source.resolved.folder], force=force, report=report) as tmp:
         engine = _Engine(plan, tmp, progress)
         try:

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 problems.append(f"output in place but verify fails: {what[:200]}")
         elif code in (128 + signal.SIGINT, 128 + signal.SIGTERM) and before is None and out.exists():
             problems.append("interrupted run left an output")
-        status = "ok" if not problems else "FAIL: " + "; ".join(problems)
+        status = "ok" if not problems else "FAIL: " + "; ".join(problems) + f"\n    stderr: {stderr.strip()}"
         print(f"run {run + 1:3d}: {' '.join(method[:2])}{' --force' if force else ''} {sig_name} after "
               f"{delay:5.2f} s -> exit {code} ({outcome}) {status}", flush=True)  # fmt: skip
         failures += [f"run {run + 1}: {p}" for p in problems]
@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f"final run: exit {final.returncode}: {final.stderr.strip()[-200:]}")
     rest = {p.name for p in out_parent.iterdir() if p.name.startswith(f".{out.name}.otdus-")}
     if rest or stale:
-        failures.append(f"unreported leftovers: {sorted(rest | stale)}")
+        failures.append(
+            f"unreported leftovers: {sorted(rest | stale)}; final run said: {final.stderr.strip()}"
+        )
     lost = 0 if tree_digest(source) == source_digest else size
     print()
     print(f"runs: {args.runs} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})")

@@ -344,3 +344,24 @@ def test_lock_is_released_and_reacquirable(tmp_path):
     second.acquire()
     second.release()
     assert leftovers(tmp_path) == []
+
+
+def test_a_sweep_is_said_even_when_the_run_is_interrupted_later(stories, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that is surely gone
+    stale = tmp_path / f".out.{TMP_TAG}{dead.pid}@{socket.gethostname()}.zzzz"
+    stale.mkdir()
+    proc = subprocess.Popen(
+        [OTDUS, "expand", str(stories), "--out", str(tmp_path / "out"), "--method", "average"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while stale.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    stderr = proc.stderr.read()
+    assert f"removed {stale}, left by an otdus run that died (pid {dead.pid})" in stderr, stderr
+    assert leftovers(tmp_path) == []
