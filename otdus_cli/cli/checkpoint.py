@@ -63,16 +63,26 @@ ZeroInit = Annotated[
 ]
 OtVariant = Annotated[
     OTVariant | None,
-    typer.Option(help="OT-DUS variant; official: the released code's computation. \\[default: paper]"),
+    typer.Option(
+        help="OT-DUS variant. paper: the paper's layer flow with Imfeld et al.'s conventions (plans "
+        "scaled by n, max-normalised cost); official: the released script's computation (unscaled "
+        "plans, raw cost, POT); structured: ours. Sources: docs/ot.md. \\[default: paper]"
+    ),
 ]
 Solver = Annotated[
     OTSolver | None, typer.Option(help="Transport solver; emd: exact assignment. \\[default: sinkhorn]")
 ]
-Reg = Annotated[float | None, typer.Option(help="Sinkhorn entropic regularisation. \\[default: 0.06]")]
+Reg = Annotated[
+    float | None,
+    typer.Option(
+        help="Sinkhorn entropic regularisation, relative to the largest cost (absolute on "
+        "official's raw cost). \\[default: 0.06]"
+    ),
+]
 Tol = Annotated[
     float | None,
     typer.Option(
-        help="Sinkhorn stopping tolerance: largest relative row/column mass error "
+        help="Sinkhorn stopping tolerance (otdus's rule): largest relative row/column mass error "
         "(the official variant pins the released code's 1e-9). \\[default: 1e-6]"
     ),
 ]
