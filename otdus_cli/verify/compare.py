@@ -121,7 +121,12 @@ def perplexity(
 ) -> PerplexityReport:
     """Single-model perplexity (``otdus ppl``), streamed layer by layer."""
     model = StreamedModel(
-        model_dir, device=device, dtype=dtype, attn_implementation=attn_implementation, batch_size=batch_size
+        model_dir,
+        device=device,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        batch_size=batch_size,
+        self_check="on",
     )
     metrics = metrics_from_logprobs(plan, score_plan(model, plan, progress))
     return PerplexityReport(str(model_dir), str(model.device), _dtype_name(model.dtype), metrics)
@@ -310,6 +315,7 @@ def verify_expansion(
         dtype=torch_dtype,
         attn_implementation=attn_implementation,
         batch_size=batch_size,
+        self_check="whole-model",
     )
     expd = StreamedModel(
         expanded_dir,
@@ -317,6 +323,7 @@ def verify_expansion(
         dtype=torch_dtype,
         attn_implementation=attn_implementation,
         batch_size=batch_size,
+        self_check="on",
     )
     manifest = read_manifest(expanded_dir)
     if layer_map is None:
