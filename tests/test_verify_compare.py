@@ -23,6 +23,8 @@ from otdus_cli.verify.compare import (
 )
 from otdus_cli.verify.text import Corpus, text_corpus, wikitext_corpus
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 # The real model and its in-domain text are shipped inside the package (see otdus_cli/bundled.py).
 STORIES = Path(STORIES260K)
 SAMPLE = Path(TINYSTORIES_SAMPLE)
