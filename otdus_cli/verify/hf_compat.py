@@ -6,9 +6,9 @@ says what it uses and how the versions differ:
 * Buffers (rotary ``inv_freq`` with any rope scaling, Gemma's ``embed_scale``): every family computes
   them in its modules' constructors, in both versions. 4.57's own loader keeps those values (it builds
   models with parameters on the meta device and real buffers); 5.x's builds on meta and recomputes them
-  on the CPU with ``_init_weights``, which 4.57's ``_init_weights`` does not do (it leaves ``inv_freq``
-  uninitialised). So the skeleton is built with real buffers and meta parameters, and the evaluator
-  copies those values: no private initialiser is called at all.
+  on the CPU with ``_init_weights``, which 4.57's ``_init_weights`` does not do (after ``to_empty``,
+  ``inv_freq`` stays uninitialised memory there). So the skeleton is built with real buffers and meta
+  parameters, and the evaluator copies those values: no private initialiser is called at all.
 * Tied weights: both versions tie at construction (``post_init`` -> ``tie_weights``), so tied
   parameters are one ``Parameter`` object; they are read from identity, not from 5.x's
   ``all_tied_weights_keys`` (absent in 4.57) or 4.57's ``_tied_weights_keys`` (a different format).
@@ -37,7 +37,9 @@ BufferValues = dict[nn.Module, dict[str, torch.Tensor]]
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """Every parameter registered inside the block goes to the meta device; buffers and all other
-    tensors are computed for real on the CPU, so constructors fill the buffers as they always do."""
+    tensors are computed for real on the CPU, so constructors fill the buffers as they always do.
+    (A parameter's own ``torch.empty`` still happens on the CPU first: address space, never touched,
+    given back at once.)"""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
