@@ -202,7 +202,7 @@ class OTBuilder:
 class _Layout:
     """Where each role's weight/bias lives in a layer, and how fused tensors split."""
 
-    def __init__(self, family, config: dict, suffixes: list[str]):
+    def __init__(self, family, config: dict, suffixes: list[str], method: str = "ot"):
         self.family = family
         self.config = config
         present = set(suffixes)
@@ -219,8 +219,8 @@ class _Layout:
         lacking = [r for r in _REQUIRED if r not in self.roles]
         if lacking:
             raise OtdusError(
-                f"--method ot needs the {'/'.join(lacking)} tensors, which this {family.name} layer lacks "
-                "(is the family template right?)"
+                f"--method {method} needs the {'/'.join(lacking)} tensors, which this {family.name} layer "
+                "lacks (is the family template right?)"
             )
 
     def sizes(self, fused: str, rows: int) -> list[int]:
