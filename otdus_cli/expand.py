@@ -93,7 +93,7 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
         options.layers,
         options.ratio,
         options.after,
-        options.zero_init,
+        method.zero_init_for(options.method_variant()) if options.zero_init is None else options.zero_init,
     )
     if source.family.name == "generic" and any(lay.zero_init for lay in layer_map):
         raise OtdusError("zero-init needs a known architecture (which tensors to zero); add --no-zero-init")
