@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         expected = {0, 128 + SIGNALS[sig_name], -SIGNALS[sig_name]}
         if code not in expected:
             problems.append(f"exit {code}: {stderr.strip()[-200:]}")
-        if "Traceback" in stderr:
+        # a signal in Python's own start-up (before any otdus code: importing `site`) is the
+        # interpreter's to report; nothing was written yet
+        if "Traceback" in stderr and "init_import_site" not in stderr:
             problems.append("traceback on stderr")
         for name in re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", stderr):
             if name not in stale:
