@@ -281,3 +281,89 @@ def test_method_spec_and_zero_init_defaults():
         plan = make_plan(source, options)
         assert [lay.zero_init for lay in plan.layer_map if lay.new] == [zero, zero]
         assert plan.function_preserving == zero
+
+
+# -- a planted stack: the predictor must recover known layers --------------------------------------
+
+
+def _rotation(width: int, gen: torch.Generator) -> torch.Tensor:
+    """Block-diagonal 2x2 rotations by angles in [0.6, 1.2) rad."""
+    q = torch.zeros(width, width, dtype=torch.float64)
+    for k, angle in enumerate(
+        (torch.rand(width // 2, generator=gen, dtype=torch.float64) * 0.6 + 0.6).tolist()
+    ):
+        c, s = math.cos(angle), math.sin(angle)
+        q[2 * k : 2 * k + 2, 2 * k : 2 * k + 2] = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
+    return q
+
+
+def planted_llama(folder: Path, depth: int = 8) -> dict[str, list[torch.Tensor]]:
+    """A llama whose projections follow known rules across layers (returned, float64, per role):
+
+    * q, k, v, o rotate: W_l = W_0 Q^l (Q block rotations), so W_l = W_{l-1} Q while the plain
+      neighbour average 1/2 (W_{l-1} + W_{l+1}) = W_{l-1} (I + Q^2)/2 is cos(angle) times it: only a
+      predictor that learned the rule recovers a held-out layer;
+    * gate, up, down are affine in depth: W_l = A + l B, so the layer half-way between l and l+1 is
+      known, A + (l + 1/2) B.
+    hidden = intermediate = 32, so every stacked matrix [W_0 ... W_{L-1}] has full row rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=depth, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(11)
+    planted: dict[str, list[torch.Tensor]] = {}
+    for role, path in ROLES.items():
+        out, width = model.model.layers[0].get_submodule(path).weight.shape
+        if role in ("q", "k", "v", "o"):
+            q, w = _rotation(width, gen), torch.randn(out, width, generator=gen, dtype=torch.float64) * 0.1
+            planted[role] = [w @ torch.linalg.matrix_power(q, layer) for layer in range(depth)]
+        else:
+            a, b = (torch.randn(out, width, generator=gen, dtype=torch.float64) * 0.1 for _ in range(2))
+            planted[role] = [a + layer * 0.5 * b for layer in range(depth)]
+            planted[role + ".step"] = [a, 0.5 * b]
+        with torch.no_grad():
+            for layer, w in enumerate(planted[role]):
+                model.model.layers[layer].get_submodule(path).weight.copy_(w)
+    model.save_pretrained(folder)
+    return planted
+
+
+def test_planted_stack_the_predictor_recovers_known_layers(tmp_path):
+    planted = planted_llama(tmp_path / "src")
+    # enough training for 6 x 32 rows (the published 10 epochs of 3 batches would not fit them)
+    lesa = LesaOptions(variant="published", epochs=150, hidden=128)
+    result = expand(
+        str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="lesa", after=[2], lesa=lesa)
+    )
+    report = result.manifest["lesa"]
+    (lay,) = new_layers(result.manifest)
+    assert lay["parents"] == [2, 3] and lay["index"] == 3
+    a, r = CheckpointReader(tmp_path / "src"), CheckpointReader(tmp_path / "out")
+
+    def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got.double() - want).norm() / want.norm())
+
+    for role in ("q", "k", "v", "o"):
+        loo, w = report["projections"][role]["loo"], planted[role]
+        assert loo["held_out"] == [3]
+        average = relative((w[2] + w[4]) * 0.5, w[3])
+        assert loo["average_error"] == pytest.approx(average, rel=1e-4) and average > 0.3, role
+        # the held-out layer, predicted by a predictor that never saw it, from its neighbours
+        assert loo["error"] < 0.15, (role, loo)
+    for role in ("gate", "up", "down"):
+        a0, step = planted[role + ".step"]
+        want = a0 + 2.5 * step  # half-way between base layers 2 and 3
+        got = r.get(f"model.layers.3.{ROLES[role]}.weight")
+        copy_error = relative(planted[role][2].float(), want)
+        # trained on neighbours two apart, applied to adjacent ones (as published): at least twice as
+        # close as either neighbour (a wrong pair, block or basis lands at the neighbours' distance or
+        # beyond)
+        assert copy_error > 0.1 and relative(got, want) < 0.5 * copy_error, (role, relative(got, want))
+    # names, shapes and dtypes of the new layer are the source layer's
+    prefix = "model.layers.2."
+    for name in (n for n in a.names if n.startswith(prefix)):
+        got = r.get("model.layers.3." + name.removeprefix(prefix))
+        assert got.shape == a.get(name).shape and got.dtype == a.get(name).dtype, name
