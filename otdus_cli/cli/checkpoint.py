@@ -104,9 +104,11 @@ MaxIter = Annotated[
 LesaVariantFlag = Annotated[
     LesaVariant | None,
     typer.Option(
-        help="LESA variant. pair: zero-init on by default (function-preserving), tensors LESA does not "
-        "predict (norms, biases) from the pair; published: the LESA notebook's output (those tensors "
-        "from base layer 0, nothing zeroed). README: LESA. \\[default: pair]"
+        help="LESA variant. pair (ours): the tensors LESA does not predict (norms, biases) from the pair; "
+        "with zero-init, its default, the output is function-preserving. published: the LESA notebook's "
+        "output: those tensors are base layer 0's and nothing is zeroed, so the new layers change the "
+        "model's function (verify reports the change instead of expecting parity; add --zero-init to "
+        "preserve it). README: LESA. \\[default: pair]"
     ),
 ]
 LesaEpochs = Annotated[int | None, typer.Option(help="LESA predictor training epochs. \\[default: 10]")]
@@ -137,7 +139,10 @@ Dtype = Annotated[
 ShardSize = Annotated[
     str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. \\[default: 5GB]")
 ]
-Seed = Annotated[int | None, typer.Option(help="Seed for random initialisation. \\[default: 0]")]
+Seed = Annotated[
+    int | None,
+    typer.Option(help="Seed for random initialisation and for LESA's predictor training. \\[default: 0]"),
+]
 Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
 AllowUnknown = Annotated[
     bool,
@@ -493,7 +498,20 @@ def inspect(
         new = [str(lay["index"]) for lay in manifest["layers"] if lay["new"]]
         table.add_row("new layers", ", ".join(new))
         table.add_row("new parameters", f"{len(manifest['new_parameters'])} tensors")
+        if "lesa" in manifest:
+            table.add_row("LESA", lesa_summary(manifest["lesa"]))
     out_console.print(table)
+
+
+def lesa_summary(report: dict) -> str:
+    """One line: the variant and, per projection type, held-out error (plain average's)."""
+    errors = [
+        f"{role} {info['loo']['error']:.3f} ({info['loo']['average_error']:.3f})"
+        for role, info in report["projections"].items()
+        if "loo" in info
+    ]
+    check = "held-out error (plain average's): " + ", ".join(errors) if errors else "no leave-one-out check"
+    return f"variant {report['variant']}; {check}"
 
 
 def _numel(shape: tuple[int, ...]) -> int:

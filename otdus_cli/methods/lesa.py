@@ -46,10 +46,15 @@ Choices of ours, where the notebook has none or cannot be followed as written:
   Held-out layers are spread evenly over the interior layers the insertion pairs span. The SVD
   basis is the one of all layers (re-decomposing per held-out layer would cost an SVD each).
 
-Memory: one projection type at a time. Peak = the Gram matrix (out^2 float64) and its
-eigendecomposition, then U (out x r float32) plus the V blocks (L x r x in float32, the size of all
-L layers' matrices of that type in float32) plus the MLP. Predicted weights are written to a scratch
-folder beside the output (in the output dtype) and read back when their layer is written.
+Function preservation: the notebook (and the paper) zero nothing, so ``published`` output is not
+function-preserving unless ``--zero-init`` is asked for; ``pair`` with its default zero-init is.
+
+Memory: one projection type at a time, so unlike the other methods the peak grows with depth.
+Peak = the Gram matrix (out^2 float64) and its eigendecomposition (eigenvectors and LAPACK's
+workspace, a few more out^2 float64), then U (out x r float32) plus the V blocks (L x r x in
+float32, the size of all L layers' matrices of that type in float32) plus the MLP and its AdamW
+state. Predicted weights are written to a scratch folder inside the staging folder (in the output
+dtype) and read back when their layer is written.
 """
 
 from __future__ import annotations
