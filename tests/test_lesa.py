@@ -289,8 +289,16 @@ def test_rank_option_gives_low_rank_new_weights(tiny_models, tmp_path):
     assert int(torch.linalg.matrix_rank(new_q)) == 3
 
 
-def test_bad_lesa_requests_are_one_error_line(tiny_models, tmp_path):
+def test_bad_lesa_requests_are_one_error_line(tiny_models, stories, tmp_path):
     from conftest import no_output_left, one_error_line
+
+    config = json.loads((stories / "config.json").read_text())
+    (stories / "config.json").write_text(json.dumps({**config, "model_type": "mystery"}))
+    for zero in ("--zero-init", "--no-zero-init"):  # LESA needs the family's roles
+        unknown = run(
+            "expand", stories, "--method", "lesa", "--allow-unknown-arch", zero, "--out", tmp_path / "out"
+        )
+        one_error_line(unknown, message="supports only copy-type methods, not lesa")
 
     out = tmp_path / "out"
     one_error_line(
