@@ -117,6 +117,7 @@ def test_verify_expects_parity_only_without_noise(tiny_models, tmp_path):
     noisy = verify_expansion(src, tmp_path / "w1", plan)
     assert not noisy.expect_parity and noisy.exit_code == 0
     assert noisy.verdict.startswith("no parity expected") and not noisy.proof.preserving
+    assert "unchanged" not in noisy.verdict and " -> " in noisy.verdict  # the change, however small
     assert "differ" in noisy.proof.layers[0].note
     assert static_check(src, tmp_path / "w0").claims_preserving is True
     assert static_check(src, tmp_path / "w1").claims_preserving is False
