@@ -326,7 +326,7 @@ class LesaBuilder:
         if family.moe:
             raise OtdusError(
                 f"--method lesa does not support MoE models ({family.name}: expert matrices have no single "
-                "per-layer projection to decompose); use --method copy, interpose or average"
+                "per-layer projection to decompose); use --method ot, average or a copy-type method"
             )
         s = LesaSettings.from_context(ctx)
         if len(layers) < 3:
