@@ -249,6 +249,8 @@ def test_seeded_and_reproducible_with_the_check_in_the_json_summary(tiny_models,
     for role in ("q", "k", "v", "gate", "up"):
         loo = summary["lesa"]["projections"][role]["loo"]
         assert loo["held_out"] == [2] and set(loo["layers"]) == {"2"}
+        seconds = summary["lesa"]["projections"][role]["seconds"]
+        assert list(seconds) == ["svd", "train", "predict", "loo"] and min(seconds.values()) >= 0
         assert all(0 < loo[k] < 10 for k in ("error", "average_error", "fit_error")), loo
     # without --json the check is said in words, one line per predicted projection
     text = run(

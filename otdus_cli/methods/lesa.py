@@ -63,6 +63,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -346,17 +347,18 @@ class LesaBuilder:
             if s.zero_init and family.is_zero_target(self._weight_suffix(role)):
                 skipped[role] = "zero-initialised (not predicted)"
                 continue
-            start = time.perf_counter()
+            clock = [time.perf_counter()]  # phase boundaries: svd, train, predict, loo
             basis = decompose(layers, layout, role, s)
-            svd_s = time.perf_counter() - start
+            clock.append(time.perf_counter())
             params, loss = train_predictor(basis.v, interior, s, generator_seed(s.seed, role))
-            train_s = time.perf_counter() - start - svd_s
-            for pair in pairs:
+            clock.append(time.perf_counter())
+            for pair in pairs:  # U S C, out x r x in flops per new layer
                 weight = basis.rebuild(predict(params, basis.v, *pair))
                 path = scratch / f"{pair[0]}-{pair[1]}-{role}.pt"
                 torch.save(weight.to("cpu", self._spill_dtype(basis.stored_dtype)), path)
                 self._predicted.setdefault(pair, {})[role] = path
                 del weight
+            clock.append(time.perf_counter())
             info: dict[str, Any] = {
                 "shape": [int(basis.us.shape[0]), int(basis.v.shape[2])],
                 "rank": int(basis.s.numel()),
@@ -365,11 +367,9 @@ class LesaBuilder:
             }
             if held:
                 info["loo"] = leave_one_out(basis, params, role, held, s)
-            info["seconds"] = {
-                "svd": round(svd_s, 3),
-                "train": round(train_s, 3),
-                "loo": round(time.perf_counter() - start - svd_s - train_s, 3),
-            }
+            clock.append(time.perf_counter())
+            phases = ("svd", "train", "predict", "loo")
+            info["seconds"] = {k: round(b - a, 3) for k, (a, b) in zip(phases, pairwise(clock), strict=True)}
             projections[role] = info
             del basis, params
         report = {
