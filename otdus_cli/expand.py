@@ -85,6 +85,12 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
     method = get_method(options.method)
     if source.family.name == "generic" and method.builder != "copy":
         raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+    refusal = source.family.refuses.get(method.builder)
+    if refusal:
+        raise OtdusError(
+            f"--method {method.name} cannot build {source.family.name} layers ({refusal}); "
+            "use copy, interpose, average or random"
+        )
     layer_map = plan_layers(
         source.depth,
         method,
@@ -124,6 +130,7 @@ def _planned_tensors(source: SourceModel, layer_map: list[OutputLayer], dtype: s
         src = source.layers[lay.source]
         prefix = source.family.layer_prefix.format(i=lay.index)
         out += [planned(src.name(s), prefix + s) for s in src.suffixes()]
+    out += [planned(n, source.after_stack_name(n, len(layer_map))) for n in source.after_stack]
     out += [planned(n, n) for n in source.tail]
     return out
 
@@ -191,6 +198,8 @@ class _Engine:
                 self._copy_layer(lay)
             else:
                 self._build_layer(lay, builders[lay.builder], device)
+        for name in self.src.after_stack:
+            self._copy(name, self.src.after_stack_name(name, len(self.plan.layer_map)))
         for name in self.src.tail:
             self._copy(name, name)
 

@@ -73,6 +73,8 @@ class Family:
     derives_layer_types: bool = False
     # which layers must hold identical tensors (names, dtypes, shapes): those of the same kind
     layer_kind: Callable[[dict, int], str] = uniform_layers
+    # builder name -> why this family's layers cannot be built that way (refused at plan time)
+    refuses: dict[str, str] = field(default_factory=dict)
 
     def is_zero_target(self, suffix: str) -> bool:
         return any(re.fullmatch(p, suffix) for p in self.zero_init)
@@ -80,6 +82,88 @@ class Family:
     def layer_regex(self) -> re.Pattern[str]:
         return re.compile(re.escape(self.layer_prefix).replace(r"\{i\}", r"(\d+)") + r"(.+)")
 
+
+# --- Families added for architecture breadth (issue 17). Each was checked on a tiny model built by
+# transformers itself (tests/test_arch_breadth.py): copies, zero-init identity, config rules, loading.
+
+# Post-norm blocks (OLMo 2/3, EXAONE 4): no norm before attention or the MLP; each sublayer's output is
+# normed before the residual add, and a norm of zeros is zero, so zeroed o/down still add nothing.
+POST_NORM_ROLES = {
+    **{role: path for role, path in LLAMA_ROLES.items() if role not in ("attn_norm", "mlp_norm")},
+    "attn_out_norm": "post_attention_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+}
+_OT_POST_NORM = (
+    "post-norm layers (no norm before attention or the MLP): the OT-DUS flow is defined for pre-norm ones"
+)
+_OT_PARALLEL = (
+    "attention and MLP run in parallel from one norm: the OT-DUS flow is defined for sequential blocks"
+)
+
+
+def first_k_dense_layers(config: dict, index: int) -> str:
+    """DeepSeek-V3: the first first_k_dense_replace layers hold a dense MLP, the others experts."""
+    return "dense" if index < int(config.get("first_k_dense_replace") or 0) else "sparse"
+
+
+BREADTH_FAMILIES: tuple[Family, ...] = (
+    Family(
+        "olmo2", ("olmo2", "olmo3"), POST_NORM_ROLES, derives_layer_types=True, refuses={"ot": _OT_POST_NORM}
+    ),
+    Family("exaone4", ("exaone4",), POST_NORM_ROLES, derives_layer_types=True, refuses={"ot": _OT_POST_NORM}),
+    # Granite's multipliers (embedding, residual, attention, logits) scale whole sublayer outputs
+    Family("granite", ("granite",), LLAMA_ROLES),
+    Family("smollm3", ("smollm3",), LLAMA_ROLES, derives_layer_types=True),
+    Family("ministral", ("ministral",), LLAMA_ROLES, derives_layer_types=True),
+    Family(
+        "cohere",
+        ("cohere", "cohere2"),
+        {
+            "attn_norm": "input_layernorm",
+            **{r: LLAMA_ROLES[r] for r in ("q", "k", "v", "o", "gate", "up", "down")},
+        },
+        derives_layer_types=True,
+        refuses={"ot": _OT_PARALLEL},
+    ),
+    Family(
+        "glm4",
+        ("glm4",),
+        {
+            **{role: path for role, path in LLAMA_ROLES.items() if role not in ("gate", "up")},
+            "attn_out_norm": "post_self_attn_layernorm",
+            "mlp_out_norm": "post_mlp_layernorm",
+            "gate_up": "mlp.gate_up_proj",
+        },
+        fused={"gate_up": ("gate", "up")},
+    ),
+    Family(
+        "starcoder2",
+        ("starcoder2",),
+        {
+            **{r: LLAMA_ROLES[r] for r in ("attn_norm", "q", "k", "v", "o", "mlp_norm")},
+            "up": "mlp.c_fc",
+            "down": "mlp.c_proj",
+        },
+        zero_init=(r"self_attn\.o_proj\.(weight|bias)", r"mlp\.c_proj\.(weight|bias)"),
+        refuses={
+            "ot": "non-gated MLP (c_fc, c_proj): the OT-DUS flow aligns a gated MLP's gate and up together"
+        },
+    ),
+    # attention sinks (self_attn.sinks) only reweight the softmax, whose output o_proj zeroes
+    Family(
+        "gpt_oss",
+        ("gpt_oss",),
+        {},
+        zero_init=(r"self_attn\.o_proj\.(weight|bias)", r"mlp\.experts\.down_proj(_bias)?"),
+        moe=True,
+        derives_layer_types=True,
+    ),
+    Family(
+        "deepseek_v3", ("deepseek_v3",), {}, zero_init=MOE_ZERO, moe=True, layer_kind=first_k_dense_layers
+    ),
+)
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), LLAMA_ROLES),
@@ -142,6 +226,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("qwen3_moe", ("qwen3_moe",), {}, zero_init=MOE_ZERO, moe=True, layer_kind=qwen_moe_layers),
     Family("olmoe", ("olmoe",), {}, zero_init=MOE_ZERO, moe=True),
+    *BREADTH_FAMILIES,
 )
 
 # Used only with --allow-unknown-arch, for methods that copy layers whole.
@@ -180,6 +265,8 @@ def family_for(config: dict, allow_unknown: bool = False) -> Family:
 #   index_list: a list of layer indices; an output layer is listed if its source layer was.
 #   threshold: "the first t layers"; becomes the number of output layers whose source is below t.
 #   refuse: a field we cannot rewrite faithfully; refuse the expansion if present and non-trivial.
+#   trailing: the number of layers stored after the stack (DeepSeek-V3's multi-token prediction
+#     module, model.layers.{L}...): unchanged; io/stack.py keeps them after the new last layer.
 DEPTH_FIELDS: dict[str, str] = {
     "layer_types": "per_layer",
     "no_rope_layers": "per_layer",
@@ -187,5 +274,5 @@ DEPTH_FIELDS: dict[str, str] = {
     "moe_layers": "index_list",
     "max_window_layers": "threshold",
     "first_k_dense_replace": "threshold",
-    "num_nextn_predict_layers": "refuse",
+    "num_nextn_predict_layers": "trailing",
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from otdus_cli.arch.families import Family
+from otdus_cli.arch.families import DEPTH_FIELDS, Family
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 
@@ -60,10 +60,19 @@ class LayerStack:
     layers: list[SourceLayer]
     head: list[str]  # embeddings and anything else outside the stack, written first
     tail: list[str]  # final norm, lm_head ...
+    # layers stored after the decoder stack (DeepSeek-V3's multi-token prediction module): not decoder
+    # layers; written after the new last layer, renumbered (after_stack_name)
+    after_stack: list[str]
 
     @property
     def config(self) -> dict:
         return self.reader.config
+
+    def after_stack_name(self, name: str, new_depth: int) -> str:
+        """``name`` of a layer stored after the stack, renumbered to follow a stack of ``new_depth``."""
+        m = self.family.layer_regex().fullmatch(name)
+        assert m is not None and int(m.group(1)) >= self.depth, name
+        return self.family.layer_prefix.format(i=int(m.group(1)) - self.depth + new_depth) + m.group(2)
 
     @property
     def depth(self) -> int:
@@ -89,9 +98,21 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
             f"config.json says {depth} layers but the checkpoint holds tensors for {len(by_layer)} "
             f"(none for layer {first_missing})"
         )
-    extra = sorted(i for i in by_layer if i >= depth)
+    trailing = sum(
+        int(reader.config.get(name) or 0) for name, kind in DEPTH_FIELDS.items() if kind == "trailing"
+    )
+    after_stack = sorted(
+        family.layer_prefix.format(i=i) + s
+        for i in by_layer
+        if depth <= i < depth + trailing
+        for s in by_layer[i]
+    )
+    extra = sorted(i for i in by_layer if i >= depth + trailing)
     if extra:
-        raise OtdusError(f"checkpoint has tensors for layer {extra[0]} but config says {depth} layers")
+        raise OtdusError(
+            f"checkpoint has tensors for layer {extra[0]} but config says {depth} layers"
+            + (f" (and {trailing} stored after them)" if trailing else "")
+        )
     layers = [
         SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i])) for i in range(depth)
     ]
@@ -99,7 +120,7 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
     others.sort()
     head = [n for n in others if "embed" in n]
     tail = [n for n in others if "embed" not in n]
-    return LayerStack(reader, family, layers, head, tail)
+    return LayerStack(reader, family, layers, head, tail, after_stack)
 
 
 def check_layers_alike(layers: list[SourceLayer], family: Family, config: dict) -> None:
