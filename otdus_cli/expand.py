@@ -221,7 +221,7 @@ class _Engine:
             raise OtdusError(f"layer {lay.index}: {lay.builder} needs {builder.parents_needed} parent layers")
         ctx = BuildContext(
             family=self.src.family,
-            config=self.src.config,
+            config=self.src.text_config,
             device=device,
             options={**self.plan.options.ot.model_dump(), "zero_init": lay.zero_init}
             if lay.builder == "ot"

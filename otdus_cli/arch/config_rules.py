@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 from otdus_cli.arch.families import DEPTH_FIELDS
+from otdus_cli.arch.wrappers import depth_parts, text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import read_json_object
 from otdus_cli.plan.layer_map import OutputLayer
@@ -37,11 +38,22 @@ def derived_layer_types(config: dict) -> list[str] | None:
 
 
 def rewrite_config(config: dict, layer_map: list[OutputLayer], derives_layer_types: bool = True) -> dict:
-    """A copy of `config` describing the expanded stack.
+    """A copy of `config` describing the expanded stack: where it states the depth (a multimodal
+    wrapper's text_config, the top level, or both), the depth fields are rewritten.
 
     ``derives_layer_types``: whether transformers may derive layer_types for this family (see
     Family.derives_layer_types); if not, only an explicit layer_types list is carried over.
     """
+    out = copy.deepcopy(config)
+    for key in depth_parts(config):
+        if key is None:
+            out = {**out, **_rewrite_stack_config(config, layer_map, derives_layer_types)}
+        else:
+            out[key] = _rewrite_stack_config(config[key], layer_map, derives_layer_types)
+    return out
+
+
+def _rewrite_stack_config(config: dict, layer_map: list[OutputLayer], derives_layer_types: bool) -> dict:
     base_layers = int(config["num_hidden_layers"])
     sources = [lay.source for lay in layer_map]
     out = copy.deepcopy(config)
@@ -154,7 +166,7 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> str | None
     written = read_json_object(folder / "config.json")
     model_type = written.get("model_type")
     if model_type not in CONFIG_MAPPING:
-        _check_depth(written, expected_layers)
+        _check_depth(text_config(written), expected_layers)
         return (
             f"transformers {transformers.__version__} does not know model_type={model_type!r}: "
             "the rewritten config.json was not load-checked"
@@ -165,8 +177,9 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> str | None
             loaded = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as exc:
         raise OtdusError(f"transformers rejects the rewritten config: {exc}") from None
+    text = loaded.get_text_config()  # a multimodal wrapper's text config; the config itself otherwise
     _check_depth(
-        {"num_hidden_layers": loaded.num_hidden_layers, "layer_types": getattr(loaded, "layer_types", None)},
+        {"num_hidden_layers": text.num_hidden_layers, "layer_types": getattr(text, "layer_types", None)},
         expected_layers,
     )
     return None

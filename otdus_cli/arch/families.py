@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from otdus_cli.arch.wrappers import TEXT_FAMILY_ALIASES, text_config
 from otdus_cli.errors import OtdusError
 
 # Role names shared by every family. Values in a template are the tensor path inside a layer,
@@ -240,16 +241,18 @@ def supported_model_types() -> list[str]:
 
 
 def family_for(config: dict, allow_unknown: bool = False) -> Family:
-    """Pick the template for a config, refusing quantized or unknown checkpoints."""
+    """Pick the template for a config's decoder stack (a wrapper's: its text config's), refusing
+    quantized or unknown checkpoints."""
     quantization = config.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         raise OtdusError(
             f"quantized checkpoints are not supported (quant_method={method}); use the unquantized model"
         )
-    model_type = config.get("model_type")
+    model_type = text_config(config).get("model_type", config.get("model_type"))
     if not isinstance(model_type, str):
         raise OtdusError(f"config.json: model_type must be a string, got {json.dumps(model_type)[:60]}")
+    model_type = TEXT_FAMILY_ALIASES.get(model_type, model_type)
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]
     if allow_unknown:

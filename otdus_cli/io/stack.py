@@ -8,10 +8,11 @@ same tensors with the same dtypes and shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from otdus_cli.arch.families import DEPTH_FIELDS, Family
+from otdus_cli.arch.wrappers import text_config, text_model_prefix
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 
@@ -68,6 +69,11 @@ class LayerStack:
     def config(self) -> dict:
         return self.reader.config
 
+    @property
+    def text_config(self) -> dict:
+        """The decoder stack's settings (a multimodal wrapper's text config)."""
+        return text_config(self.reader.config)
+
     def after_stack_name(self, name: str, new_depth: int) -> str:
         """``name`` of a layer stored after the stack, renumbered to follow a stack of ``new_depth``."""
         m = self.family.layer_regex().fullmatch(name)
@@ -80,9 +86,14 @@ class LayerStack:
 
 
 def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
-    depth = reader.config.get("num_hidden_layers")
+    config = text_config(reader.config)
+    depth = config.get("num_hidden_layers")
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-        raise OtdusError("config.json has no valid num_hidden_layers (multimodal wrappers are not supported)")
+        raise OtdusError("config.json has no valid num_hidden_layers (nor a text_config that has one)")
+    # a multimodal wrapper keeps its text model under another prefix; the rest is copied as is
+    prefix = text_model_prefix(reader.names) + "layers.{i}."
+    if prefix != family.layer_prefix:
+        family = replace(family, layer_prefix=prefix)
     pattern = family.layer_regex()
     by_layer: dict[int, list[str]] = {}
     others: list[str] = []
@@ -98,9 +109,7 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
             f"config.json says {depth} layers but the checkpoint holds tensors for {len(by_layer)} "
             f"(none for layer {first_missing})"
         )
-    trailing = sum(
-        int(reader.config.get(name) or 0) for name, kind in DEPTH_FIELDS.items() if kind == "trailing"
-    )
+    trailing = sum(int(config.get(name) or 0) for name, kind in DEPTH_FIELDS.items() if kind == "trailing")
     after_stack = sorted(
         family.layer_prefix.format(i=i) + s
         for i in by_layer
@@ -116,7 +125,7 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
     layers = [
         SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i])) for i in range(depth)
     ]
-    check_layers_alike(layers, family, reader.config)
+    check_layers_alike(layers, family, config)
     others.sort()
     head = [n for n in others if "embed" in n]
     tail = [n for n in others if "embed" not in n]
