@@ -83,8 +83,13 @@ class Plan:
 
 def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
     method = get_method(options.method)
-    if source.family.name == "generic" and method.builder != "copy":
-        raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+    if source.family.copy_only and method.builder != "copy":
+        if source.family.name == "generic":
+            raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+        raise OtdusError(
+            f"{source.family.name} has no exact template (its layers were read off transformers' class): "
+            f"copy-type methods only, not {method.name}"
+        )
     refusal = source.family.refuses.get(method.builder)
     if refusal:
         raise OtdusError(
@@ -100,9 +105,14 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
         options.after,
         options.zero_init,
     )
-    if source.family.name == "generic" and any(lay.zero_init for lay in layer_map):
-        raise OtdusError("zero-init needs a known architecture (which tensors to zero); add --no-zero-init")
-    config = rewrite_config(source.config, layer_map, source.family.derives_layer_types)
+    if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
+        raise OtdusError(
+            f"zero-init needs an exact template (which tensors to zero), which {source.family.name} is not; "
+            "add --no-zero-init"
+        )
+    config = rewrite_config(
+        source.config, layer_map, source.family.derives_layer_types, source.family.per_layer_fields
+    )
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
     return Plan(

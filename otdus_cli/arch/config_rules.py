@@ -37,23 +37,31 @@ def derived_layer_types(config: dict) -> list[str] | None:
     return list(types) if isinstance(types, list) else None
 
 
-def rewrite_config(config: dict, layer_map: list[OutputLayer], derives_layer_types: bool = True) -> dict:
+def rewrite_config(
+    config: dict,
+    layer_map: list[OutputLayer],
+    derives_layer_types: bool = True,
+    per_layer_fields: tuple[str, ...] = (),
+) -> dict:
     """A copy of `config` describing the expanded stack: where it states the depth (a multimodal
     wrapper's text_config, the top level, or both), the depth fields are rewritten.
 
     ``derives_layer_types``: whether transformers may derive layer_types for this family (see
     Family.derives_layer_types); if not, only an explicit layer_types list is carried over.
+    ``per_layer_fields``: more fields with one entry per layer (Family.per_layer_fields).
     """
     out = copy.deepcopy(config)
     for key in depth_parts(config):
         if key is None:
-            out = {**out, **_rewrite_stack_config(config, layer_map, derives_layer_types)}
+            out = {**out, **_rewrite_stack_config(config, layer_map, derives_layer_types, per_layer_fields)}
         else:
-            out[key] = _rewrite_stack_config(config[key], layer_map, derives_layer_types)
+            out[key] = _rewrite_stack_config(config[key], layer_map, derives_layer_types, per_layer_fields)
     return out
 
 
-def _rewrite_stack_config(config: dict, layer_map: list[OutputLayer], derives_layer_types: bool) -> dict:
+def _rewrite_stack_config(
+    config: dict, layer_map: list[OutputLayer], derives_layer_types: bool, per_layer_fields: tuple[str, ...]
+) -> dict:
     base_layers = int(config["num_hidden_layers"])
     sources = [lay.source for lay in layer_map]
     out = copy.deepcopy(config)
@@ -66,7 +74,7 @@ def _rewrite_stack_config(config: dict, layer_map: list[OutputLayer], derives_la
         if len(types) != base_layers:
             raise OtdusError(f"config layer_types has {len(types)} entries for {base_layers} layers")
         out["layer_types"] = [types[i] for i in sources]
-    for name, kind in DEPTH_FIELDS.items():
+    for name, kind in {**DEPTH_FIELDS, **dict.fromkeys(per_layer_fields, "per_layer")}.items():
         value = config.get(name)
         if value is None or name == "layer_types":
             continue

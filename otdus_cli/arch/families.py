@@ -76,6 +76,10 @@ class Family:
     layer_kind: Callable[[dict, int], str] = uniform_layers
     # builder name -> why this family's layers cannot be built that way (refused at plan time)
     refuses: dict[str, str] = field(default_factory=dict)
+    # a template without roles (generic, or derived from transformers): copy-type methods only
+    copy_only: bool = False
+    # config fields with one entry per layer besides DEPTH_FIELDS' (found by a derived template)
+    per_layer_fields: tuple[str, ...] = ()
 
     def is_zero_target(self, suffix: str) -> bool:
         return any(re.fullmatch(p, suffix) for p in self.zero_init)
@@ -231,7 +235,25 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 # Used only with --allow-unknown-arch, for methods that copy layers whole.
-GENERIC = Family("generic", (), {}, zero_init=(), derives_layer_types=True)
+GENERIC = Family("generic", (), {}, zero_init=(), derives_layer_types=True, copy_only=True)
+
+
+def derived_family(config: dict) -> Family:
+    """The template transformers' own class gives a model_type without an exact one (arch/derived.py)."""
+    from otdus_cli.arch.derived import derive_template
+
+    found = derive_template(config)
+    return Family(
+        f"derived:{found['model_type']}",
+        (found["model_type"],),
+        {},
+        zero_init=(),
+        derives_layer_types=found["derives_layer_types"],
+        layer_prefix=found["layer_list"] + ".{i}.",  # on disk as in memory, or a wrapper's (io/stack.py)
+        copy_only=True,
+        per_layer_fields=tuple(found["per_layer_fields"]),
+    )
+
 
 _BY_MODEL_TYPE = {mt: fam for fam in FAMILIES for mt in fam.model_types}
 
@@ -255,10 +277,15 @@ def family_for(config: dict, allow_unknown: bool = False) -> Family:
     model_type = TEXT_FAMILY_ALIASES.get(model_type, model_type)
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]
+    from otdus_cli.arch.derived import derivable
+
+    if derivable(config.get("model_type", "")):
+        return derived_family(config)
     if allow_unknown:
         return GENERIC
     raise OtdusError(
-        f"unknown architecture model_type={model_type!r}; supported: {', '.join(supported_model_types())} "
+        f"unknown architecture model_type={model_type!r}: neither an exact template "
+        f"({', '.join(supported_model_types())}) nor a causal LM of the installed transformers "
         "(--allow-unknown-arch copies layers generically for copy-type methods)"
     )
 

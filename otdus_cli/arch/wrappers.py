@@ -48,9 +48,10 @@ def depth_parts(config: dict) -> list[str | None]:
     return ([None] if "num_hidden_layers" in config or key is None else []) + ([key] if key else [])
 
 
-def text_model_prefix(names: list[str]) -> str:
-    """The prefix of the text model's tensors (before "layers.{i}.") among a checkpoint's names."""
+def text_model_prefix(names: list[str]) -> str | None:
+    """The prefix of the text model's tensors (before "layers.{i}.") among a checkpoint's names; None
+    when no layers are stored under any of TEXT_MODEL_PREFIXES (the family's own prefix then holds)."""
     found = [p for p in TEXT_MODEL_PREFIXES if any(n.startswith(p + "layers.0.") for n in names)]
     if len(found) > 1:
         raise OtdusError(f"the checkpoint holds decoder layers under both {found[0]} and {found[1]}")
-    return found[0] if found else TEXT_MODEL_PREFIXES[0]
+    return found[0] if found else None

@@ -91,9 +91,9 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
         raise OtdusError("config.json has no valid num_hidden_layers (nor a text_config that has one)")
     # a multimodal wrapper keeps its text model under another prefix; the rest is copied as is
-    prefix = text_model_prefix(reader.names) + "layers.{i}."
-    if prefix != family.layer_prefix:
-        family = replace(family, layer_prefix=prefix)
+    found = text_model_prefix(reader.names)
+    if found is not None and found + "layers.{i}." != family.layer_prefix:
+        family = replace(family, layer_prefix=found + "layers.{i}.")
     pattern = family.layer_regex()
     by_layer: dict[int, list[str]] = {}
     others: list[str] = []
