@@ -134,7 +134,8 @@ def test_multi_token_prediction_layers_stay_after_the_stack(tiny_models, tmp_pat
     mtp |= {f"model.layers.4.{n}.weight": torch.randn(32) for n in ("enorm", "hnorm", "shared_head.norm")}
     mtp["model.layers.4.eh_proj.weight"] = torch.randn(32, 64)
     save_file({**tensors, **mtp}, src / "model.safetensors", metadata={"format": "pt"})
-    assert json.loads((src / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    config = json.loads((src / "config.json").read_text())  # as DeepSeek-V3's own config.json says
+    (src / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
 
     result = expand(str(src), tmp_path / "out", ExpandOptions(method="copy", layers=2, zero_init=True))
     assert result.manifest["num_hidden_layers"] == 6
