@@ -149,6 +149,11 @@ def test_multi_token_prediction_layers_stay_after_the_stack(tiny_models, tmp_pat
         base_reference(tiny_models["deepseek_v3"])[1], logits(load_causal_lm(tmp_path / "out"))
     )
 
+    # a stack layer missing is named, though the MTP layer makes the count of stored layers right
+    without_layer_2 = {n: t for n, t in tensors.items() if not n.startswith("model.layers.2.")}
+    save_file({**without_layer_2, **mtp}, src / "model.safetensors")
+    with pytest.raises(Exception, match="holds tensors for 3 \\(none for layer 2\\)"):
+        expand(str(src), tmp_path / "out2", ExpandOptions(method="copy", layers=2))
     # a layer past the stack and its MTP layers is still refused
     save_file({**tensors, **mtp, "model.layers.5.enorm.weight": torch.ones(32)}, src / "model.safetensors")
     with pytest.raises(Exception, match="layer 5 but config says 4 layers"):

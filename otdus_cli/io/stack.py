@@ -103,11 +103,12 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
             by_layer.setdefault(int(m.group(1)), []).append(m.group(2))
         else:
             others.append(name)
-    if depth > len(by_layer):
-        first_missing = next(i for i in range(len(by_layer) + 1) if i not in by_layer)
+    missing = next((i for i in range(depth) if i not in by_layer), None)
+    if missing is not None:
+        held = sum(1 for i in by_layer if i < depth)
         raise OtdusError(
-            f"config.json says {depth} layers but the checkpoint holds tensors for {len(by_layer)} "
-            f"(none for layer {first_missing})"
+            f"config.json says {depth} layers but the checkpoint holds tensors for {held} "
+            f"(none for layer {missing})"
         )
     trailing = sum(int(config.get(name) or 0) for name, kind in DEPTH_FIELDS.items() if kind == "trailing")
     after_stack = sorted(
