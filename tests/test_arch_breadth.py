@@ -77,7 +77,8 @@ def test_ot_is_an_exact_identity(tiny_models, tmp_path, model_type, variant, sin
         ("starcoder2", "non-gated MLP"),
         ("olmo2", "post-norm layers"),
         ("cohere2", "attention and MLP run in parallel"),
-        ("gpt_oss", "MoE"),
+        ("gpt_oss", "fused experts with biases"),
+        ("deepseek_v3", "multi-head latent attention"),
     ],
 )
 def test_ot_refused_where_the_layer_lacks_its_roles(tiny_models, tmp_path, model_type, why):

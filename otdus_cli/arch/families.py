@@ -164,9 +164,16 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
         zero_init=(r"self_attn\.o_proj\.(weight|bias)", r"mlp\.experts\.down_proj(_bias)?"),
         moe=True,
         derives_layer_types=True,
+        refuses={"ot": "fused experts with biases: OT knows no expert layout for them (arch/experts.py)"},
     ),
     Family(
-        "deepseek_v3", ("deepseek_v3",), {}, zero_init=MOE_ZERO, moe=True, layer_kind=first_k_dense_layers
+        "deepseek_v3",
+        ("deepseek_v3",),
+        {},
+        zero_init=MOE_ZERO,
+        moe=True,
+        layer_kind=first_k_dense_layers,
+        refuses={"ot": "multi-head latent attention has no q/k/v projections for the OT-DUS flow"},
     ),
 )
 
