@@ -109,7 +109,11 @@ def test_diagnose_through_the_cli(tmp_path):
     assert len(data["weight_norms"]) == 5
     for value in pair["mlp"].values():
         assert -1.0 <= value <= 1.0
-    text = invoke(*common).stdout  # every adjacent pair, as tables
+    assert data["warnings"] == []
+    # every adjacent pair, as tables; the bundled sample has fewer tokens than asked: a warning
+    shown = invoke("diagnose", "bundled:stories260k", "--max-tokens", "100000", "--seq-len", "64")
+    text = shown.stdout
+    assert "warning:" in shown.stderr and "fewer than the 100,000 asked" in shown.stderr
     for title in ("MLP neuron correlation", "attention heads", "transport plan entropy", "weight norm"):
         assert title in text, title
     assert all(f"{i}-{i + 1}" in text for i in range(4))

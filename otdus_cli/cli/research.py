@@ -11,6 +11,7 @@ from otdus_cli.cli.checkpoint import Layers, Position
 from otdus_cli.cli.console import (
     JsonFlag,
     emit_json,
+    err_console,
     out_console,
     quiet_transformers,
     show_progress,
@@ -219,6 +220,8 @@ def diagnose(
             device=device,
             png=png,
         )
+    for line in result.warnings:
+        err_console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
     if json_out:
         emit_json(result.to_dict())
         return
