@@ -272,7 +272,8 @@ def study(
     ``train_text`` / ``eval_text``: text specs (a file, ``bundled:tinystories-sample``,
     ``bundled:wikitext-test``; see study.data). Without ``eval_text`` the last ``eval_fraction`` of
     the training documents is held out (documents are never shared). ``eval_windows`` windows of
-    ``seq_len`` tokens are scored at step 0, every ``eval_every`` steps and at the end.
+    ``seq_len`` tokens, evenly spaced over the held-out text, are scored at step 0, every
+    ``eval_every`` steps and at the end.
     ``expand_options``: ExpandOptions fields applied to every method (e.g. layers, position).
     ``reference``: label of the method the others are paired with (None: no pairing; the default
     "ot" absent from the methods: no pairing, said in ``notes``; any other absent label: an error).
@@ -318,7 +319,9 @@ def study(
         eval_docs = load_documents(eval_text)
         _check_disjoint(train_docs, eval_docs)
     train_w = tokenize_windows(tokenizer, train_docs, seq_len, max_train_windows)
-    eval_w = tokenize_windows(tokenizer, eval_docs, seq_len, eval_windows)
+    # spread over the held-out text: windows from many documents, not the first few (the paired
+    # interval treats windows as independent draws from the evaluation text)
+    eval_w = tokenize_windows(tokenizer, eval_docs, seq_len, eval_windows, spread=True)
     data = {
         "train": train_docs.name,
         "eval": eval_docs.name,
@@ -611,7 +614,7 @@ def load_study_recipe(path: str | os.PathLike[str]) -> StudyRecipe:
 def _resolve_text(spec: str | None, folder: Path) -> str | None:
     if spec is None or spec.startswith("bundled:") or os.path.isabs(spec):
         return spec
-    return str(folder / spec)
+    return os.path.normpath(folder / spec)  # "recipes/../../shared/x" is reported as "../shared/x"
 
 
 def run_recipe(

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.stats import t as student_t
 
-__all__ = ["crossed_mean_ci", "holm", "mean_std", "paired_ci", "sign_flip_p", "t_quantile"]
+__all__ = ["crossed_mean_ci", "holm", "mean_std", "sign_flip_p", "t_quantile"]
 
 
 def t_quantile(df: float, confidence: float = 0.95) -> float:
@@ -43,23 +43,6 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     if n < 2:
         return mean, 0.0
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-
-
-def paired_ci(diffs: Sequence[float], confidence: float = 0.95) -> dict[str, float | int | None]:
-    """Mean of paired differences with its t interval (NaN-free: None when n < 2)."""
-    n = len(diffs)
-    mean, sd = mean_std(diffs)
-    if n < 2:
-        return {"n": n, "mean": mean, "std": sd, "low": None, "high": None, "confidence": confidence}
-    half = t_quantile(n - 1, confidence) * sd / math.sqrt(n)
-    return {
-        "n": n,
-        "mean": mean,
-        "std": sd,
-        "low": mean - half,
-        "high": mean + half,
-        "confidence": confidence,
-    }
 
 
 def _t_test(mean: float, se: float, df: float, confidence: float) -> dict[str, float | None]:
