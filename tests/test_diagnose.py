@@ -3,15 +3,12 @@ neurons that really match (correlation ~1) while same-index pairs do not (~0).""
 
 import itertools
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from scipy.optimize import linear_sum_assignment
 
-from otdus_cli.bundled import STORIES260K
 from otdus_cli.errors import OtdusError
 from otdus_cli.study.diagnose import (
     correlation_matrix,
@@ -23,53 +20,17 @@ from otdus_cli.study.diagnose import (
     random_pairing,
     sparkline,
 )
+from otdus_cli.study.planted import plant_permuted_copy, planted_permutations
 from otdus_cli.transport.plan import TransportPlan
 
 A, B = 2, 3  # layer B becomes a permuted copy of layer A
 
 
-def _planted(folder, permute_heads, seed=0):
-    """stories260K with layer B := layer A, MLP neurons (and, if asked, KV head groups with their
-    query heads) permuted: B computes exactly A's function.
-
-    Layer A's o_proj and down_proj are scaled down (in both copies), so A barely changes the residual
-    stream and B sees (nearly) A's input: paired neurons then have (nearly) identical activations.
-    """
-    shutil.copytree(STORIES260K, folder)
-    sd = load_file(str(folder / "model.safetensors"))
-    cfg = json.loads((folder / "config.json").read_text())
-    n_q, n_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    g = torch.Generator().manual_seed(seed)
-    pa, pb = f"model.layers.{A}.", f"model.layers.{B}."
-    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
-        sd[pa + name] = sd[pa + name] * 1e-3
-    for key in [k for k in sd if k.startswith(pa)]:
-        sd[pb + key[len(pa) :]] = sd[key].clone()
-    perm = torch.randperm(cfg["intermediate_size"], generator=g)
-    sd[pb + "mlp.gate_proj.weight"] = sd[pa + "mlp.gate_proj.weight"][perm].clone()
-    sd[pb + "mlp.up_proj.weight"] = sd[pa + "mlp.up_proj.weight"][perm].clone()
-    sd[pb + "mlp.down_proj.weight"] = sd[pa + "mlp.down_proj.weight"][:, perm].clone()
-    kv_perm = torch.randperm(n_kv, generator=g) if permute_heads else torch.arange(n_kv)
-    while permute_heads and torch.equal(kv_perm, torch.arange(n_kv)):
-        kv_perm = torch.randperm(n_kv, generator=g)
-    group = n_q // n_kv
-    q_perm = torch.tensor([int(kv) * group + r for kv in kv_perm for r in range(group)])
-
-    def rows(w, order):
-        return w.reshape(len(order), hd, -1)[order].reshape(w.shape).clone()
-
-    sd[pb + "self_attn.q_proj.weight"] = rows(sd[pa + "self_attn.q_proj.weight"], q_perm)
-    sd[pb + "self_attn.k_proj.weight"] = rows(sd[pa + "self_attn.k_proj.weight"], kv_perm)
-    sd[pb + "self_attn.v_proj.weight"] = rows(sd[pa + "self_attn.v_proj.weight"], kv_perm)
-    o = sd[pa + "self_attn.o_proj.weight"]
-    sd[pb + "self_attn.o_proj.weight"] = o.reshape(o.shape[0], n_q, hd)[:, q_perm].reshape(o.shape).clone()
-    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return perm, q_perm
-
-
 def _diagnosed(tmp_path_factory, permute_heads):
     folder = tmp_path_factory.mktemp("planted") / "model"
-    perm, q_perm = _planted(folder, permute_heads)
+    assert plant_permuted_copy("bundled:stories260k", folder, A, permute_heads) == (A, B)
+    config = json.loads((folder / "config.json").read_text())
+    perm, q_perm, _ = planted_permutations(config, permute_heads)
     result = diagnose(str(folder), "bundled:tinystories-sample", pairs=[(A, B)], max_tokens=768, seq_len=128)
     return result, perm, q_perm
 
@@ -115,6 +76,27 @@ def test_planted_pair_heads_matched(planted_heads):
     # gate/up are compared after their hidden axis is averaged by n T_O (docs/evidence.md).
     assert pair.entropy["o"]["entropy_normalized"] > 0.5
     assert pair.mlp["ot_gate"] < 0.5
+
+
+def test_planted_copy_computes_the_same_mlp_function(tmp_path):
+    """The control is what it claims: on the same input, the copy's MLP output equals the original's
+    (its neurons are a permutation of them), and its neuron j's activation is the original's perm[j]
+    (to float rounding: a matmul over permuted rows may sum in another order)."""
+    from otdus_cli.study.train import load_model
+
+    folder = tmp_path / "planted"
+    a, b = plant_permuted_copy("bundled:stories260k", folder, A, permute_heads=True, seed=3)
+    perm, _, kv_perm = planted_permutations(json.loads((folder / "config.json").read_text()), True, seed=3)
+    assert not torch.equal(kv_perm, torch.arange(len(kv_perm)))
+    layers = load_model(str(folder), torch.device("cpu")).model.layers
+    x = torch.randn(3, 7, layers[a].mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(layers[b].mlp(x), layers[a].mlp(x), rtol=1e-5, atol=1e-7)
+        neurons = {}
+        for i in (a, b):
+            mlp = layers[i].mlp
+            neurons[i] = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+    torch.testing.assert_close(neurons[b], neurons[a][..., perm], rtol=1e-6, atol=1e-7)
 
 
 def test_planted_mlp_only_keeps_heads_in_place(planted):

@@ -6,10 +6,11 @@ import math
 
 import numpy as np
 import pytest
+from conftest import study_from_window_losses
 from scipy import stats
 
 from otdus_cli.study.report import study_markdown
-from otdus_cli.study.runner import MethodSummary, RunResult, StudyResult, _compare
+from otdus_cli.study.runner import StudyResult
 from otdus_cli.study.stats import crossed_mean_ci, holm, sign_flip_p, t_quantile
 
 # Per-seed final-loss differences to `ot` on the new domain, 3 seeds, from the first Table 6 run
@@ -140,23 +141,6 @@ def test_sign_flip_p_matches_scipy_and_its_floor():
     assert sign_flip_p([1.0, 2.0, 3.0, 4.0, 5.0]) == 0.0625
 
 
-def _result(per_window: dict[str, list[list[float]]]) -> StudyResult:
-    """A StudyResult made from given per-seed, per-window final losses (no training)."""
-    seeds = list(range(len(next(iter(per_window.values())))))
-    runs, methods = [], []
-    for label, table in per_window.items():
-        for seed, losses in zip(seeds, table, strict=True):
-            final = math.fsum(losses) / len(losses)
-            runs.append(RunResult(label, seed, [0], [final], [], final, final, True, True, 1, 1, 0.0, losses))
-        finals = [math.fsum(t) / len(t) for t in table]
-        methods.append(
-            MethodSummary(label, {}, seeds, True, 0.0, True, float(np.mean(finals)), 0.0, 1.0, 1, 1)
-        )
-    result = StudyResult("b", "ref", {"seeds": seeds, "steps": 1}, {}, 0.0, methods, runs, 0.0)
-    _compare(result.methods, seeds, result.runs, "ref")
-    return result
-
-
 def test_verdict_accounts_for_windows_and_multiple_comparisons():
     """Three seeds agree to 1e-5 that `a` is 0.0006 below the reference, but the windows disagree
     (SD 0.002 over 24 windows): not a finding once the evaluation sample counts. Before, the
@@ -167,7 +151,7 @@ def test_verdict_accounts_for_windows_and_multiple_comparisons():
     window_effect += -0.0006 - window_effect.mean()
     a = [list(ref_losses + window_effect + rng.normal(0, 1e-5, 24)) for _ in range(3)]
     big = [list(ref_losses + 0.1 + rng.normal(0, 1e-3, 24)) for _ in range(3)]
-    result = _result({"ref": [list(ref_losses)] * 3, "a": a, "big": big})
+    result = study_from_window_losses({"ref": [list(ref_losses)] * 3, "a": a, "big": big})
     vs = result.summary("a").vs_reference
     assert vs["error"] == "seeds and windows" and vs["n_windows"] == 24
     assert vs["low"] < 0 < vs["high"] and vs["p"] > 0.05
@@ -185,7 +169,9 @@ def test_verdict_accounts_for_windows_and_multiple_comparisons():
 def test_recompute_from_stored_runs_without_window_losses():
     """A result saved before per-window losses were stored falls back to the seed-only interval,
     still Holm-adjusted, and another reference can be chosen afterwards."""
-    result = _result({"ref": [[1.0], [1.1], [1.2]], "a": [[0.9], [1.05], [1.1]], "b": [[1.5], [1.6], [1.6]]})
+    result = study_from_window_losses(
+        {"ref": [[1.0], [1.1], [1.2]], "a": [[0.9], [1.05], [1.1]], "b": [[1.5], [1.6], [1.6]]}
+    )
     again = StudyResult.from_dict(result.to_dict()).recompute("b")
     vs = again.summary("a").vs_reference
     assert again.reference == "b" and vs["error"] == "seeds" and vs["reference"] == "b"

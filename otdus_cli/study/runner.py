@@ -50,6 +50,7 @@ __all__ = [
     "StudyRecipe",
     "StudyResult",
     "load_study_recipe",
+    "paired_difference",
     "parse_method",
     "run_recipe",
     "study",
@@ -163,6 +164,15 @@ class StudyResult:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+    def contrast(self, label: str, reference: str) -> dict[str, Any]:
+        """``label``'s final loss minus ``reference``'s, as in ``vs_reference`` but for any two methods
+        (no multiple-comparison adjustment: adjust over the family of contrasts you report)."""
+        labels = [m.label for m in self.methods]
+        for name in (label, reference):
+            if name not in labels:
+                raise OtdusError(f"method {name!r} is not among the methods ({', '.join(labels)})")
+        return paired_difference(self.runs, [int(s) for s in self.config["seeds"]], label, reference)
 
     def recompute(self, reference: str | None = None) -> StudyResult:
         """A copy whose comparisons are re-derived from the stored runs, with the current statistics
@@ -488,40 +498,46 @@ def _summarise(
 def _compare(
     summaries: list[MethodSummary], seeds: list[int], runs: list[RunResult], ref: str | None
 ) -> None:
-    """Each method's final loss minus the reference's, paired by seed and by evaluation window.
-
-    The interval accounts for both seeds and the shared evaluation windows (stats.crossed_mean_ci;
-    seeds only when the runs carry no per-window losses); ``p_holm`` adjusts the p-values of all
-    the comparisons against the reference together (Holm), and the verdicts use it.
-    """
-    by = {(r.label, r.seed): r for r in runs}
+    """Each method's final loss minus the reference's, paired by seed and by evaluation window
+    (:func:`paired_difference`); ``p_holm`` adjusts the p-values of all the comparisons against the
+    reference together (Holm), and the verdicts use it."""
     compared = [m for m in summaries if ref is not None and m.label != ref]
     for m in summaries:
         m.vs_reference = None
     for m in compared:
-        pairs = [(by[m.label, s], by[ref, s]) for s in seeds]
-        diffs = [a.final_loss - b.final_loss for a, b in pairs]
-        windows = {len(r.final_window_loss) for pair in pairs for r in pair}
-        if len(windows) == 1 and windows != {0}:
-            table = [
-                [x - y for x, y in zip(a.final_window_loss, b.final_window_loss, strict=True)]
-                for a, b in pairs
-            ]
-        else:  # results saved before per-window losses were recorded
-            table = [[x] for x in diffs]
-        stats = crossed_mean_ci(table)
-        m.vs_reference = {
-            "reference": ref,
-            "diffs": diffs,  # per seed (mean over the windows)
-            "n": len(diffs),
-            "std": mean_std(diffs)[1],
-            **stats,
-            "seeds_lower": sum(x < 0 for x in diffs),
-            "sign_flip_p": sign_flip_p(diffs),
-        }
+        m.vs_reference = paired_difference(runs, seeds, m.label, ref)
     for m, q in zip(compared, holm([m.vs_reference["p"] for m in compared]), strict=True):
         m.vs_reference["p_holm"] = q
         m.vs_reference["comparisons"] = len(compared)
+
+
+def paired_difference(
+    runs: Sequence[RunResult], seeds: Sequence[int], label: str, ref: str
+) -> dict[str, Any]:
+    """``label``'s final loss minus ``ref``'s, paired by seed and by evaluation window.
+
+    The interval accounts for both seeds and the shared evaluation windows (stats.crossed_mean_ci;
+    seeds only when the runs carry no per-window losses). Not adjusted for multiple comparisons.
+    """
+    by = {(r.label, r.seed): r for r in runs}
+    pairs = [(by[label, s], by[ref, s]) for s in seeds]
+    diffs = [a.final_loss - b.final_loss for a, b in pairs]
+    windows = {len(r.final_window_loss) for pair in pairs for r in pair}
+    if len(windows) == 1 and windows != {0}:
+        table = [
+            [x - y for x, y in zip(a.final_window_loss, b.final_window_loss, strict=True)] for a, b in pairs
+        ]
+    else:  # results saved before per-window losses were recorded
+        table = [[x] for x in diffs]
+    return {
+        "reference": ref,
+        "diffs": diffs,  # per seed (mean over the windows)
+        "n": len(diffs),
+        "std": mean_std(diffs)[1],
+        **crossed_mean_ci(table),
+        "seeds_lower": sum(x < 0 for x in diffs),
+        "sign_flip_p": sign_flip_p(diffs),
+    }
 
 
 # -- recipes --------------------------------------------------------------------------------------
