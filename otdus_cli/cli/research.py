@@ -89,7 +89,10 @@ def study(
         float, typer.Option(help="Held-out share of documents when --eval is not given.", min=0, max=1)
     ] = 0.05,
     reference: Annotated[
-        str, typer.Option(help="Method the others are compared with (paired by seed).")
+        str,
+        typer.Option(
+            help="Method the others are compared with (paired by seed and evaluation window; Holm-adjusted)."
+        ),
     ] = "ot",
     train_all: Annotated[bool, typer.Option(help="Train every parameter, not only the new layers.")] = False,
     layers: Layers = None,

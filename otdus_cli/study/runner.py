@@ -130,7 +130,8 @@ class MethodSummary:
     final_ppl: float
     num_hidden_layers: int
     trainable_parameters: int
-    # per-seed paired difference of the final loss to the reference (method - reference; < 0: better)
+    # paired difference of the final loss to the reference (method - reference; < 0: lower loss), by
+    # seed and evaluation window, with its interval and Holm-adjusted p (runner.paired_difference)
     vs_reference: dict[str, Any] | None = None
 
 
