@@ -248,25 +248,29 @@ def _copy_side_files(source_folder: Path, folder: Path) -> list[str]:
     return copied
 
 
+def source_record(src: SourceModel) -> dict:
+    """What a manifest records of its source, so verify can tell whether a base is that model."""
+    return {
+        "id": src.resolved.id,
+        "revision": src.resolved.revision,
+        "path": str(src.resolved.folder.absolute()),
+        "model_type": src.config.get("model_type"),
+        "family": src.family.name,
+        "num_hidden_layers": src.depth,
+        "kind": src.resolved.kind,
+        **src.reader.fingerprint(),
+        "fingerprints": stack_fingerprints(src),
+        "config": src.config,
+    }
+
+
 def build_manifest(
     plan: Plan, stats: dict[int, dict], side_files: list[str], config_check_skipped: str | None = None
 ) -> dict:
-    src = plan.source
     return {
         "otdus_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": {
-            "id": src.resolved.id,
-            "revision": src.resolved.revision,
-            "path": str(src.resolved.folder.absolute()),
-            "model_type": src.config.get("model_type"),
-            "family": src.family.name,
-            "num_hidden_layers": src.depth,
-            "kind": src.resolved.kind,
-            **src.reader.fingerprint(),
-            "fingerprints": stack_fingerprints(src),
-            "config": src.config,
-        },
+        "source": source_record(plan.source),
         "method": plan.method.name,
         "options": plan.options.model_dump(),
         "ignored_options": ignored_options(plan.options),  # option -> why it had no effect

@@ -21,6 +21,8 @@ EXPECTED = {
     "solar-10.7b-style.yaml": (32, 48),
     "llama-pro-8b.yaml": (32, 40),
     "stories260k-ablation-average-zero.yaml": (5, 7),
+    "mixtral-8x7b-otdus-top.yaml": (32, 48),
+    "qwen3-30b-a3b-otdus-top.yaml": (48, 72),
 }
 
 
