@@ -16,12 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from otdus_cli import __version__
-from otdus_cli.arch.config_rules import (
-    finish_prefetch,
-    prefetch_config_validation,
-    rewrite_config,
-    validate_with_transformers,
-)
+from otdus_cli.arch.config_check import ConfigCheck
+from otdus_cli.arch.config_rules import rewrite_config
 from otdus_cli.arch.families import family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import stack_fingerprints
@@ -137,6 +133,8 @@ class ExpandResult:
     stats: dict = field(default_factory=dict)
     # what the user should know: the manifest's warnings, stale temporary folders removed or found
     warnings: list[str] = field(default_factory=list)
+    # where the time went (seconds; "first_byte_at" is a time.time() stamp): see expand()
+    timings: dict = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -162,6 +160,7 @@ class _Engine:
         self.writer = ShardedWriter(folder, plan.tensors, parse_size(plan.options.max_shard_size))
         self.progress = progress or (lambda n: None)
         self.stats: dict[int, dict] = {}
+        self.first_byte_at: float | None = None  # time.time() when the first tensor started moving
 
     def _copy(self, src_name: str, out_name: str) -> None:
         raw = self.src.reader.raw(src_name)
@@ -173,7 +172,6 @@ class _Engine:
         self.progress(n)
 
     def run(self) -> None:
-        # builders first: their imports (torch, POT, SciPy) are done before the config prefetch starts
         builders = {
             lay.builder: make_builder(lay.builder)
             for lay in self.plan.layer_map
@@ -182,7 +180,7 @@ class _Engine:
         # copy-type plans move bytes only: no torch (seconds of import) unless a device was named
         named = self.plan.options.device
         device = resolve_device(named) if builders or named != "auto" else None
-        prefetch_config_validation(self.src.config.get("model_type"))
+        self.first_byte_at = time.time()
         for name in self.src.head:
             self._copy(name, name)
         for lay in self.plan.layer_map:
@@ -248,7 +246,11 @@ def _copy_side_files(source_folder: Path, folder: Path) -> list[str]:
 
 
 def build_manifest(
-    plan: Plan, stats: dict[int, dict], side_files: list[str], config_check_skipped: str | None = None
+    plan: Plan,
+    stats: dict[int, dict],
+    side_files: list[str],
+    config_check_skipped: str | None = None,
+    fingerprints: dict | None = None,
 ) -> dict:
     src = plan.source
     return {
@@ -263,7 +265,7 @@ def build_manifest(
             "num_hidden_layers": src.depth,
             "kind": src.resolved.kind,
             **src.reader.fingerprint(),
-            "fingerprints": stack_fingerprints(src),
+            "fingerprints": fingerprints if fingerprints is not None else stack_fingerprints(src),
             "config": src.config,
         },
         "method": plan.method.name,
@@ -297,20 +299,36 @@ def expand(
         on_plan(plan)
     out = Path(out)
     report = OutputReport()
+    timings: dict = {"plan_s": time.perf_counter() - start}
     with staged_output(out, protected=[source.resolved.folder], force=force, report=report) as tmp:
+        # config.json first: transformers' load check reads it in a child process while tensors move
+        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+        check = ConfigCheck(tmp, len(plan.layer_map))
+        check.start()
         engine = _Engine(plan, tmp, progress)
         try:
+            t = time.perf_counter()
             engine.run()
             engine.writer.finish()
+            timings["copy_s"] = time.perf_counter() - t
+            side_files = _copy_side_files(source.resolved.folder, tmp)
+            t = time.perf_counter()
+            fingerprints = stack_fingerprints(source)
+            timings["fingerprints_s"] = time.perf_counter() - t
+            skipped = check.result()
         finally:
             engine.writer.close()
-            finish_prefetch()
-        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-        side_files = _copy_side_files(source.resolved.folder, tmp)
-        skipped = validate_with_transformers(tmp, len(plan.layer_map))
-        manifest = build_manifest(plan, engine.stats, side_files, skipped)
+            check.cancel()
+        timings.update(
+            first_byte_at=engine.first_byte_at,
+            sync_s=engine.writer.sync_s,
+            config_check_wait_s=check.wait_s,
+            config_check_cpu_s=check.cpu_s,
+            config_check_in=check.where,
+        )
+        manifest = build_manifest(plan, engine.stats, side_files, skipped, fingerprints)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
     seconds = time.perf_counter() - start
     notes = list(manifest["warnings"]) + report.notes
-    return ExpandResult(out, plan, manifest, written, seconds, engine.stats, notes)
+    return ExpandResult(out, plan, manifest, written, seconds, engine.stats, notes, timings)

@@ -309,6 +309,23 @@ def test_multi_shard_round_trip(sharded_llama, tmp_path):
     assert torch.equal(logits(load_causal_lm(sharded_llama)), logits(load_causal_lm(out)))
 
 
+def test_early_writeback_keeps_every_byte(sharded_llama, tmp_path, monkeypatch):
+    """The writer queues disk writes of its shards while it copies (sync_file_range); with a step of
+    one byte it does so after every tensor, into several shards, and every byte is still the source's."""
+    from otdus_cli.io import writer
+
+    started: list[int] = []
+    real = writer._start_writeback
+    monkeypatch.setattr(writer, "WRITEBACK_STEP", 1)
+    monkeypatch.setattr(writer, "_start_writeback", lambda fd: (started.append(fd), real(fd)))
+    out = tmp_path / "out"
+    result = expand(
+        str(sharded_llama), out, ExpandOptions(method="llama-pro", layers=2, max_shard_size="30KB")
+    )
+    assert len(started) > len(result.plan.tensors) and len(set(started)) > 2  # every tensor, every shard
+    assert_layers_match_sources(sharded_llama, out, result.manifest)
+
+
 def assert_values_converted(src: Path, out: Path, manifest: dict, dtype: torch.dtype) -> None:
     """Every output tensor is its source tensor rounded to `dtype` (for copy-type layers)."""
     a, b = CheckpointReader(src), CheckpointReader(out)

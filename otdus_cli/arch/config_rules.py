@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import sys
-import threading
 import warnings
 from pathlib import Path
 
@@ -107,38 +104,6 @@ def _rewrite_sparse_step(config: dict, out: dict, sources: list[int]) -> None:
     out["mlp_only_layers"] = [j for j, i in enumerate(sources) if not sparse(i) and (j + 1) % step == 0]
 
 
-_prefetch: threading.Thread | None = None
-
-
-def _import_autoconfig(model_type: str | None) -> None:
-    # any failure is left to validate_with_transformers, which imports again and reports it
-    with contextlib.suppress(BaseException):
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415
-
-        if model_type:
-            CONFIG_MAPPING[model_type]  # imports that family's configuration module
-
-
-def prefetch_config_validation(model_type: str | None = None) -> None:
-    """Import transformers' config machinery (seconds of CPU) on a thread while the caller does I/O,
-    so ``validate_with_transformers`` at the end of an expansion does not add it to the wall time.
-    Call it after the caller's own imports are done (two threads importing at once can deadlock on
-    module locks when their imports are circular)."""
-    global _prefetch
-    if _prefetch is None and "transformers.models.auto" not in sys.modules:
-        _prefetch = threading.Thread(
-            target=_import_autoconfig, args=(model_type,), name="otdus-prefetch", daemon=True
-        )
-        _prefetch.start()
-
-
-def finish_prefetch() -> None:
-    """Wait for the import thread: a caller that imports transformers next (a test, a study's next
-    arm) must not meet a half-imported package."""
-    if _prefetch is not None:
-        _prefetch.join()
-
-
 def validate_with_transformers(folder: Path, expected_layers: int) -> str | None:
     """Load the written config the way users will, so a bad config fails here and not in their job.
 
@@ -146,7 +111,6 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> str | None
     transformers does not know (--allow-unknown-arch) cannot be loaded by it, so only the depth
     fields are checked in the JSON itself.
     """
-    finish_prefetch()
     import transformers
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -259,6 +260,7 @@ def expand(
         "bytes_written": result.bytes_written,
         "seconds": round(result.seconds, 3),
         "new_parameters": len(result.manifest["new_parameters"]),
+        "timings": _timings_json(result.timings),
     }
     if json_out:
         emit_json(summary)
@@ -269,6 +271,27 @@ def expand(
         f"layers with {summary['method']} ({preserved}), {human_bytes(result.bytes_written)} "
         f"in {result.seconds:.1f} s"
     )
+
+
+def _process_started_at() -> float | None:
+    """time.time() when this process started (Linux /proc; 10 ms resolution), else None."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _timings_json(timings: dict) -> dict:
+    """Seconds, rounded; ``startup_s``: from the process's start to the first tensor byte moving
+    (imports, reading headers, planning), the wait a user sees before the copy itself."""
+    out = {k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items() if k != "first_byte_at"}
+    started, first = _process_started_at(), timings.get("first_byte_at")
+    out["startup_s"] = round(first - started, 2) if started and first else None
+    return out
 
 
 def _transport_warnings(transport: dict) -> list[str]:
