@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,8 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from otdus_cli import __version__
-from otdus_cli.arch.config_check import ConfigCheck
-from otdus_cli.arch.config_rules import rewrite_config
+from otdus_cli.arch.config_rules import check_depth_rules, rewrite_config, validate_with_transformers
 from otdus_cli.arch.families import family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import stack_fingerprints
@@ -251,6 +251,7 @@ def build_manifest(
     side_files: list[str],
     config_check_skipped: str | None = None,
     fingerprints: dict | None = None,
+    config_check: str = "transformers",
 ) -> dict:
     src = plan.source
     return {
@@ -277,7 +278,8 @@ def build_manifest(
         "new_parameters": plan.new_parameter_names,
         "transport": {str(k): v for k, v in sorted(stats.items())},
         "copied_files": side_files,
-        "config_checked_by_transformers": config_check_skipped is None,
+        "config_checked_by_transformers": config_check == "transformers" and config_check_skipped is None,
+        "config_check": config_check,
         "warnings": [config_check_skipped] if config_check_skipped else [],
     }
 
@@ -300,33 +302,36 @@ def expand(
     out = Path(out)
     report = OutputReport()
     timings: dict = {"plan_s": time.perf_counter() - start}
+    # otdus's own depth rules first (pure Python), so a wrong rewrite fails before any output exists
+    check_depth_rules(plan.config, source.config, len(plan.layer_map))
     with staged_output(out, protected=[source.resolved.folder], force=force, report=report) as tmp:
-        # config.json first: transformers' load check reads it in a child process while tensors move
-        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-        check = ConfigCheck(tmp, len(plan.layer_map))
-        check.start()
         engine = _Engine(plan, tmp, progress)
         try:
             t = time.perf_counter()
             engine.run()
             engine.writer.finish()
             timings["copy_s"] = time.perf_counter() - t
-            side_files = _copy_side_files(source.resolved.folder, tmp)
-            t = time.perf_counter()
-            fingerprints = stack_fingerprints(source)
-            timings["fingerprints_s"] = time.perf_counter() - t
-            skipped = check.result()
         finally:
             engine.writer.close()
-            check.cancel()
+        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+        side_files = _copy_side_files(source.resolved.folder, tmp)
+        t = time.perf_counter()
+        fingerprints = stack_fingerprints(source)
+        timings["fingerprints_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        config_check, skipped = "otdus depth rules", None
+        # transformers loads the written config when it derives fields of this family from the depth
+        # (or knows nothing of an unknown one), or is imported already; otherwise otdus's depth rules
+        # are the whole check, and copies never pay transformers' import (seconds, torch included)
+        if source.family.derives_layer_types or "transformers" in sys.modules:
+            config_check, skipped = "transformers", validate_with_transformers(tmp, len(plan.layer_map))
         timings.update(
             first_byte_at=engine.first_byte_at,
             sync_s=engine.writer.sync_s,
-            config_check_wait_s=check.wait_s,
-            config_check_cpu_s=check.cpu_s,
-            config_check_in=check.where,
+            config_check=config_check,
+            config_check_s=time.perf_counter() - t,
         )
-        manifest = build_manifest(plan, engine.stats, side_files, skipped, fingerprints)
+        manifest = build_manifest(plan, engine.stats, side_files, skipped, fingerprints, config_check)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
     seconds = time.perf_counter() - start

@@ -511,6 +511,32 @@ def test_planning_does_not_import_torch(stories):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_a_copy_expansion_imports_neither_transformers_nor_torch(stories, tmp_path):
+    """A llama (transformers derives nothing from its depth) is checked by otdus's depth rules alone:
+    the expanding process never imports transformers or torch (seconds of start-up); the output
+    still loads with transformers, config and weights, at the new depth."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    code = (
+        "import json, sys\n"
+        "from otdus_cli.expand import expand\n"
+        "from otdus_cli.options import ExpandOptions\n"
+        f"r = expand({str(stories)!r}, {str(out)!r}, ExpandOptions(method='solar', layers=3))\n"
+        "print(json.dumps([m for m in ('transformers', 'torch') if m in sys.modules]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert manifest["config_check"] == "otdus depth rules" and manifest["warnings"] == []
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(out).num_hidden_layers == 8
+    assert len(load_causal_lm(out).model.layers) == 8
+
+
 def test_unknown_architecture_expands_by_copy_when_allowed(stories, tmp_path):
     from typer.testing import CliRunner
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from otdus_cli.arch.config_check import ConfigCheck
 from otdus_cli.cli import app
 from otdus_cli.errors import Interrupted, OtdusError
 from otdus_cli.expand import expand
@@ -168,12 +167,14 @@ def test_unwritable_parent_is_one_line(stories, tmp_path):
 # -- a failed or interrupted forced run keeps the earlier output -------------------------------------
 @pytest.mark.parametrize("failure", [OtdusError("builder failed"), KeyboardInterrupt()])
 def test_failed_forced_run_keeps_the_earlier_output(stories, earlier_output, monkeypatch, failure):
+    import otdus_cli.expand as engine
+
     before = tree_digest(earlier_output)
 
     def fail(*args, **kwargs):
         raise failure
 
-    monkeypatch.setattr(ConfigCheck, "result", fail)  # the last step before the swap
+    monkeypatch.setattr(engine, "validate_with_transformers", fail)
     with pytest.raises(type(failure)):
         expand(str(stories), earlier_output, ExpandOptions(method="average", layers=2), force=True)
     assert tree_digest(earlier_output) == before
@@ -198,15 +199,17 @@ def test_signal_during_the_forced_swap_is_held_and_reported_truthfully(stories, 
 
 # -- concurrent runs and folders that appear ---------------------------------------------------------
 def test_a_folder_appearing_during_the_run_is_never_replaced(stories, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    real = ConfigCheck.result
+    import otdus_cli.expand as engine
 
-    def someone_else_writes(check):
+    out = tmp_path / "out"
+    real = engine.validate_with_transformers
+
+    def someone_else_writes(folder, layers):
         out.mkdir()
         (out / "their.bin").write_text("theirs")
-        return real(check)
+        return real(folder, layers)
 
-    monkeypatch.setattr(ConfigCheck, "result", someone_else_writes)
+    monkeypatch.setattr(engine, "validate_with_transformers", someone_else_writes)
     with pytest.raises(OtdusError, match="appeared while this run was writing"):
         expand(str(stories), out, ExpandOptions(method="copy"))
     assert (out / "their.bin").read_text() == "theirs"
@@ -215,14 +218,16 @@ def test_a_folder_appearing_during_the_run_is_never_replaced(stories, tmp_path, 
 
 
 def test_an_empty_folder_appearing_during_the_run_is_not_replaced_either(stories, tmp_path, monkeypatch):
+    import otdus_cli.expand as engine
+
     out = tmp_path / "out"
-    real = ConfigCheck.result
+    real = engine.validate_with_transformers
 
-    def someone_else_claims(check):
+    def someone_else_claims(folder, layers):
         out.mkdir()  # os.rename would silently replace an empty folder
-        return real(check)
+        return real(folder, layers)
 
-    monkeypatch.setattr(ConfigCheck, "result", someone_else_claims)
+    monkeypatch.setattr(engine, "validate_with_transformers", someone_else_claims)
     with pytest.raises(OtdusError, match="appeared"):
         expand(str(stories), out, ExpandOptions(method="copy"))
     assert out.is_dir() and list(out.iterdir()) == []

@@ -143,3 +143,35 @@ def _check_depth(config: dict, expected_layers: int) -> None:
     types = config.get("layer_types")
     if isinstance(types, list) and len(types) != expected_layers:
         raise OtdusError(f"rewritten config has {len(types)} layer_types for {expected_layers} layers")
+
+
+# Fields rewrite_config may change; anything else in the written config must be the source's.
+_REWRITTEN = {"num_hidden_layers", "torch_dtype", "dtype", *DEPTH_FIELDS}
+
+
+def check_depth_rules(written: dict, source: dict, expected_layers: int) -> None:
+    """The written config describes ``expected_layers`` layers by otdus's own depth rules: every
+    depth field (DEPTH_FIELDS) agrees with the new depth, and nothing else differs from the source.
+
+    This is the whole check for families whose config transformers derives nothing from the depth
+    (Family.derives_layer_types false: llama, mistral, phi3, mixtral, qwen3_moe, olmoe): it needs
+    no transformers import (seconds of CPU, torch included). The tests load every family's outputs
+    with transformers, and validate_with_transformers adds transformers' own check whenever it is
+    imported anyway.
+    """
+    _check_depth(written, expected_layers)
+    for name, kind in DEPTH_FIELDS.items():
+        value = written.get(name)
+        if kind == "per_layer" and isinstance(value, list) and len(value) != expected_layers:
+            raise OtdusError(f"rewritten config has {len(value)} {name} for {expected_layers} layers")
+        if kind == "index_list" and isinstance(value, list):
+            bad = [i for i in value if not isinstance(i, int) or not 0 <= i < expected_layers]
+            if bad:
+                raise OtdusError(f"rewritten config {name} lists layer {bad[0]} of {expected_layers}")
+        if kind == "threshold" and isinstance(value, int) and not 0 <= value <= expected_layers:
+            raise OtdusError(f"rewritten config {name}={value} exceeds the {expected_layers} layers")
+    changed = sorted(
+        k for k in set(written) | set(source) if k not in _REWRITTEN and written.get(k) != source.get(k)
+    )
+    if changed:
+        raise OtdusError(f"rewritten config changed {changed[0]}, which does not depend on depth")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -274,15 +275,15 @@ def expand(
 
 
 def _process_started_at() -> float | None:
-    """time.time() when this process started (Linux /proc; 10 ms resolution), else None."""
+    """time.time() when this process started (Linux /proc, 10 ms resolution), else None."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _timings_json(timings: dict) -> dict:
