@@ -310,19 +310,28 @@ def test_multi_shard_round_trip(sharded_llama, tmp_path):
 
 
 def test_early_writeback_keeps_every_byte(sharded_llama, tmp_path, monkeypatch):
-    """The writer queues disk writes of its shards while it copies (sync_file_range); with a step of
-    one byte it does so after every tensor, into several shards, and every byte is still the source's."""
+    """The writer has a helper thread start the disk writes of its shards while it copies
+    (sync_file_range); with a step of one byte it is asked after every tensor, and every byte of
+    the multi-shard output is still the source's."""
+    import threading
+
     from otdus_cli.io import writer
 
-    started: list[int] = []
+    started: list[tuple[int, str]] = []
     real = writer._start_writeback
+
+    def spy(fd: int) -> None:
+        started.append((fd, threading.current_thread().name))
+        real(fd)
+
     monkeypatch.setattr(writer, "WRITEBACK_STEP", 1)
-    monkeypatch.setattr(writer, "_start_writeback", lambda fd: (started.append(fd), real(fd)))
+    monkeypatch.setattr(writer, "_start_writeback", spy)
     out = tmp_path / "out"
-    result = expand(
-        str(sharded_llama), out, ExpandOptions(method="llama-pro", layers=2, max_shard_size="30KB")
-    )
-    assert len(started) > len(result.plan.tensors) and len(set(started)) > 2  # every tensor, every shard
+    options = ExpandOptions(method="llama-pro", layers=2, max_shard_size="30KB")
+    result = expand(str(sharded_llama), out, options)
+    assert any(name == "otdus-writeback" for _, name in started), started  # the helper thread ran
+    assert len({fd for fd, _ in started}) > 2  # and every shard was flushed before the fsyncs
+    assert not any(t.name == "otdus-writeback" for t in threading.enumerate())  # joined
     assert_layers_match_sources(sharded_llama, out, result.manifest)
 
 
