@@ -546,6 +546,43 @@ def test_a_copy_expansion_imports_neither_transformers_nor_torch(stories, tmp_pa
     assert len(load_causal_lm(out).model.layers) == 8
 
 
+def test_zero_init_tensors_are_allocated_not_written(stories, tmp_path, monkeypatch):
+    """LLaMA-Pro's zeroed o_proj/down_proj: the writer allocates the never-written range
+    (posix_fallocate) instead of writing zeros: the process writes that many fewer bytes, the file
+    is not sparse (its blocks cover its size) and the tensors read as zeros. Where the filesystem
+    refuses, zeros are written as before, and the files are byte for byte the same."""
+    import errno
+    import os
+
+    def written_by_this_process() -> int:  # bytes passed to write calls (/proc/self/io wchar)
+        return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["wchar"])
+
+    options = ExpandOptions(method="llama-pro", layers=5)
+    expand(str(stories), tmp_path / "first", options)  # what a first run writes once (caches) is not counted
+    before = written_by_this_process()
+    result = expand(str(stories), tmp_path / "out", options)
+    allocated_run = written_by_this_process() - before
+    shard = tmp_path / "out" / "model.safetensors"
+    assert shard.stat().st_blocks * 512 >= shard.stat().st_size
+    assert_layers_match_sources(stories, tmp_path / "out", result.manifest)
+
+    def refuse(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    before = written_by_this_process()
+    expand(str(stories), tmp_path / "again", options)
+    written_run = written_by_this_process() - before
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == shard.read_bytes()
+    reader = CheckpointReader(tmp_path / "out")
+    zero_bytes = sum(
+        reader.nbytes(n)
+        for n in reader.names
+        if n.endswith(("o_proj.weight", "down_proj.weight")) and not reader.get(n).view(torch.uint8).any()
+    )
+    assert zero_bytes > 0 and written_run - allocated_run >= zero_bytes, (written_run, allocated_run)
+
+
 def test_unknown_architecture_expands_by_copy_when_allowed(stories, tmp_path):
     from typer.testing import CliRunner
 

@@ -179,6 +179,10 @@ class ShardedWriter:
     def write_zeros(self, name: str) -> int:
         slot = self._slot(name)
         fd = self._fds[slot.file]
+        # The file was created empty and each slot is written once, so this range was never written:
+        # allocating it (unwritten extents, no data moved) makes it read as zeros, durably after fsync.
+        if _allocate(fd, slot.offset, slot.tensor.nbytes):
+            return slot.tensor.nbytes
         zeros = bytes(min(ZERO_CHUNK, slot.tensor.nbytes))
         done = 0
         while done < slot.tensor.nbytes:
@@ -229,6 +233,18 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         n = os.pwrite(fd, data, offset)
         data = data[n:]
         offset += n
+
+
+def _allocate(fd: int, offset: int, length: int) -> bool:
+    """Allocate a never-written range of ``fd`` as zeros without writing them (posix_fallocate);
+    False where the call is missing or the filesystem refuses (the caller then writes zeros)."""
+    if length == 0 or not hasattr(os, "posix_fallocate"):
+        return length == 0
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError:
+        return False
+    return True
 
 
 _SYNC_FILE_RANGE_WRITE = 2
