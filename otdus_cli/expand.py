@@ -162,6 +162,7 @@ class _Engine:
         self.progress = progress or (lambda n: None)
         self.stats: dict[int, dict] = {}
         self.first_byte_at: float | None = None  # time.time() when the first tensor started moving
+        self.first_byte_cpu_s: float | None = None  # this process's CPU seconds (all threads) by then
 
     def _copy(self, src_name: str, out_name: str) -> None:
         raw = self.src.reader.raw(src_name)
@@ -182,6 +183,7 @@ class _Engine:
         named = self.plan.options.device
         device = resolve_device(named) if builders or named != "auto" else None
         self.first_byte_at = time.time()
+        self.first_byte_cpu_s = time.process_time()
         for name in self.src.head:
             self._copy(name, name)
         for lay in self.plan.layer_map:
@@ -338,6 +340,7 @@ def expand(
             config_check, skipped = "transformers", validate_with_transformers(tmp, len(plan.layer_map))
         timings.update(
             first_byte_at=engine.first_byte_at,
+            startup_cpu_s=engine.first_byte_cpu_s,
             sync_s=engine.writer.sync_s,
             config_check=config_check,
             config_check_s=time.perf_counter() - t,

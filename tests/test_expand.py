@@ -520,30 +520,62 @@ def test_planning_does_not_import_torch(stories):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+_RUN_OTDUS_AND_LIST_IMPORTS = """
+import atexit, json, sys
+heavy = ("torch", "transformers", "numpy", "safetensors", "accelerate")
+atexit.register(lambda: print(json.dumps(sorted(m for m in heavy if m in sys.modules))))
+sys.argv = ["otdus", *sys.argv[1:]]
+from otdus_cli.entry import main
+main()
+"""
+
+
 def test_a_copy_expansion_imports_neither_transformers_nor_torch(stories, tmp_path):
-    """A llama (transformers derives nothing from its depth) is checked by otdus's depth rules alone:
-    the expanding process never imports transformers or torch (seconds of start-up); the output
-    still loads with transformers, config and weights, at the new depth."""
+    """`otdus expand --method solar` of a llama (transformers derives nothing from its depth), run as
+    the console script runs it: otdus's depth rules check the config, and the process never imports
+    torch, transformers or numpy (seconds of start-up), neither before the first byte moves nor
+    after; every byte is the source's, and the output loads with transformers at the new depth."""
     import subprocess
     import sys
 
     out = tmp_path / "out"
-    code = (
-        "import json, sys\n"
-        "from otdus_cli.expand import expand\n"
-        "from otdus_cli.options import ExpandOptions\n"
-        f"r = expand({str(stories)!r}, {str(out)!r}, ExpandOptions(method='solar', layers=3))\n"
-        "print(json.dumps([m for m in ('transformers', 'torch') if m in sys.modules]))\n"
+    argv = ["expand", str(stories), "--out", str(out), "--method", "solar", "--layers", "3", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_OTDUS_AND_LIST_IMPORTS, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    *report, imported = done.stdout.strip().splitlines()
+    assert json.loads(imported) == []
+    timings = json.loads("\n".join(report))["timings"]
+    assert timings["config_check"] == "otdus depth rules"
+    assert 0 < timings["startup_cpu_s"] <= timings["startup_s"] * 2 + 0.1, timings  # <= 2 cores busy
     manifest = json.loads((out / "otdus.json").read_text())
     assert manifest["config_check"] == "otdus depth rules" and manifest["warnings"] == []
+    assert_layers_match_sources(stories, out, manifest)
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(out).num_hidden_layers == 8
     assert len(load_causal_lm(out).model.layers) == 8
+
+
+def test_a_built_expansion_still_imports_torch(stories, tmp_path):
+    """The counterpart that keeps the test above honest: the same harness sees torch imported when
+    a method computes tensors (average)."""
+    import subprocess
+    import sys
+
+    argv = ["expand", str(stories), "--out", str(tmp_path / "out"), "--method", "average", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_OTDUS_AND_LIST_IMPORTS, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch" in json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_zero_init_tensors_are_allocated_not_written(stories, tmp_path, monkeypatch):

@@ -307,7 +307,9 @@ def _process_started_at() -> float | None:
 
 def _timings_json(timings: dict) -> dict:
     """Seconds, rounded; ``startup_s``: from the process's start to the first tensor byte moving
-    (imports, reading headers, planning), the wait a user sees before the copy itself."""
+    (imports, reading headers, planning), the wait a user sees before the copy itself;
+    ``startup_cpu_s``: the CPU time spent by then, which, unlike the wait, a busy machine does not
+    stretch."""
     out = {k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items() if k != "first_byte_at"}
     started, first = _process_started_at(), timings.get("first_byte_at")
     out["startup_s"] = round(first - started, 2) if started and first else None
