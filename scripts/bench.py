@@ -496,6 +496,30 @@ def versions(otdus: list[str] | None) -> dict:
     return v
 
 
+def conditions(otdus: list[str] | None, workdir: str) -> dict:
+    """When and with what a section was measured, kept with the section: a section rerun alone
+    (--no-table) keeps the earlier table's header, so it carries its own."""
+    return {
+        "date": dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": machine_info(workdir),
+        "versions": versions(otdus),
+        "load_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def render_conditions(c: dict | None) -> str:
+    if not c:
+        return ""
+    m = c["machine"]
+    return (
+        f"Measured {c['date']} on {m['cpu']}, {m['cores']} cores, {m['ram_gb']} GB RAM, kernel "
+        f"{m.get('kernel', '?')}; disk {m['disk']}; load average at the start "
+        f"{'/'.join(str(x) for x in c['load_at_start'])} (1/5/15 min). Versions: "
+        + ", ".join(f"{k} {v}" for k, v in c["versions"].items())
+        + "."
+    )
+
+
 def checkpoint_facts(src: str) -> dict:
     """Sizes that bound what a streaming expander needs: the largest layer and largest tensor."""
     idx = os.path.join(src, "model.safetensors.index.json")
@@ -665,9 +689,14 @@ def render_entry(e: dict) -> str:
     if e.get("transport"):
         lines += [*render_transport(e["transport"]), ""]
     if e.get("copy"):
-        lines += [*bench_copy.render_copy(e["copy"]), ""]
+        lines += [*bench_copy.render_copy(e["copy"], render_conditions(e["copy"].get("conditions"))), ""]
     if e.get("mergekit"):
-        lines += [*bench_mergekit.render_mergekit(e["mergekit"]), ""]
+        lines += [
+            *bench_mergekit.render_mergekit(
+                e["mergekit"], render_conditions(e["mergekit"].get("conditions"))
+            ),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -1124,6 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         log(f"paired copy runs: {', '.join(modes)} x {args.copy_reps}")
+        started = conditions(otdus, args.workdir)
         copy_section = bench_copy.run_copy_bench(
             src,
             commands,
@@ -1137,8 +1167,10 @@ def main(argv: list[str] | None = None) -> int:
             log=log,
             rmtree=lambda p: shutil.rmtree(p, ignore_errors=True),
         )
+        copy_section["conditions"] = started
     mergekit_section = None
     if args.against == "mergekit" and otdus:
+        started = conditions(otdus, args.workdir)
         mergekit_section = bench_mergekit.run_mergekit_bench(
             [(model_name, src), ("stories260k (bundled)", BUNDLED_TOKENIZER)],
             methods=[m for m in methods if m in bench_mergekit.EXPRESSIBLE]
@@ -1151,6 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout,
             log=log,
         )
+        mergekit_section["conditions"] = started
     transport = None
     if args.no_table:
         args.transport_budget = 0

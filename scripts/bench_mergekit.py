@@ -295,7 +295,7 @@ def _explain(c: dict) -> str:
     return "; ".join(parts)
 
 
-def render_mergekit(section: dict) -> list[str]:
+def render_mergekit(section: dict, conditions: str = "") -> list[str]:
     if section.get("error"):
         return ["", f"mergekit side by side: not run ({section['error']})."]
     lines = [
@@ -306,6 +306,7 @@ def render_mergekit(section: dict) -> list[str]:
         "each tool run once from a warm page cache into a fresh folder, "
         f"{section.get('env', '')}. time: wall, and wall + the `sync` after it; RSS: peak of the process "
         "tree; load: 1-minute load average after the run (2 cores).",
+        *(["", conditions] if conditions else []),
         "",
         "| checkpoint | method (otdus flags) | slices | otdus s (+sync) | mergekit s (+sync) "
         "| otdus peak RSS GB | mergekit peak RSS GB | otdus CPU s | mergekit CPU s | load | outputs |",
