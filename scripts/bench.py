@@ -634,7 +634,7 @@ def render_entry(e: dict) -> str:
         if has_gpu:
             cells.append("" if r.gpu_peak_mib is None else f"{r.gpu_peak_mib / 1024:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [
+    footnote = [
         "",
         (
             f"cp reference: the median of {len(cps)} runs ({', '.join(f'{r.durable_s:.1f}' for r in cps)} s "
@@ -653,6 +653,7 @@ def render_entry(e: dict) -> str:
         + (" GPU peak: nvidia-smi memory.used during the command minus just before it." if has_gpu else ""),
         "",
     ]
+    lines += footnote if res else []  # a section rerun alone (--no-table) has no table to explain
     checks = []
     budget = None
     if plan and plan.peak_tree_anon_bytes is not None:
