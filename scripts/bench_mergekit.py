@@ -142,8 +142,12 @@ def _why(a: bytes, b: bytes, dtype: str) -> tuple[str, str]:
     bits = x.view(torch.uint8).reshape(len(x), -1).ne(y.view(torch.uint8).reshape(len(y), -1)).any(1)
     n = int(bits.sum())
     if bool(torch.equal(x, y)):  # equal as numbers, different bits: only signs of zeros differ
-        where = "mergekit" if int((bits & torch.signbit(y)).sum()) else "otdus"
-        return f"zeros of opposite sign (-0.0 in {where}'s, equal as numbers)", f"{n} of {len(x)} values"
+        if int((bits & torch.signbit(y)).sum()):
+            # scale 0.0 multiplies each weight: a negative weight times 0.0 is -0.0; otdus writes +0.0
+            why = "-0.0 in mergekit's, which multiplies the weights by its scale 0.0 (negative x 0.0 = -0.0)"
+        else:
+            why = "-0.0 in otdus's"
+        return f"zeros of opposite sign ({why}; equal as numbers)", f"{n} of {len(x)} values"
     diff = float((x.float() - y.float()).abs().max())
     return "values differ", f"{n} of {len(x)} values, max |diff| {diff:.3g}"
 
@@ -291,8 +295,46 @@ def _explain(c: dict) -> str:
         if c["only_mergekit"]:
             parts.append(f"only in mergekit's: {', '.join(c['only_mergekit'][:3])}")
     if c["config_fields_differ"]:
-        parts.append("config.json differs in " + ", ".join(f"`{k}`" for k in c["config_fields_differ"]))
+        parts.append("config.json: " + explain_config(c["config_fields_differ"]))
     return "; ".join(parts)
+
+
+def explain_config(differ: dict[str, list]) -> str:
+    """Why the two config.json files differ, field by field ({field: [otdus's, mergekit's]}).
+
+    otdus writes the source's config with only its depth fields changed; mergekit re-serialises it
+    through the transformers of its own environment, whose field names may differ (5.x writes
+    `dtype` for `torch_dtype` and gathers rope settings under `rope_parameters`)."""
+    left = dict(differ)
+    said = []
+    if "torch_dtype" in left and "dtype" in left and left["torch_dtype"][0] == left["dtype"][1]:
+        said.append(f"mergekit writes `dtype` for `torch_dtype` (both {left['dtype'][1]})")
+        del left["torch_dtype"], left["dtype"]
+    rope = (left.get("rope_parameters") or [None, None])[1]
+    moved = []
+    if isinstance(rope, dict):
+        theta = left.get("rope_theta")
+        if theta and theta[1] is None and rope.get("rope_theta") == theta[0]:
+            moved.append("rope_theta")
+        scaling = left.get("rope_scaling")
+        same = (
+            scaling and isinstance(scaling[0], dict) and all(rope.get(k) == v for k, v in scaling[0].items())
+        )
+        if same and scaling[1] is None:
+            moved.append("rope_scaling")
+        if moved and left["rope_parameters"][0] is None:
+            said.append(
+                "moves " + " and ".join(f"`{k}`" for k in moved) + " into `rope_parameters` (same values)"
+            )
+            for k in [*moved, "rope_parameters"]:
+                del left[k]
+    theta = left.get("rope_theta")
+    if theta and theta[1] is None and theta[0] == 10000.0 and "rope_parameters" not in left:
+        said.append("drops `rope_theta` (10000.0, which transformers then assumes: the same value)")
+        del left["rope_theta"]
+    if left:
+        said.append("differs in " + ", ".join(f"`{k}` ({v[0]!r} against {v[1]!r})" for k, v in left.items()))
+    return "; ".join(said)
 
 
 def render_mergekit(section: dict, conditions: str = "") -> list[str]:
