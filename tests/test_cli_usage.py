@@ -201,6 +201,11 @@ def test_piped_output_is_never_wrapped_and_sizes_are_in_human_units(tmp_path):
     warnings = [w for w in warned.stderr.splitlines() if w.strip()]
     assert warnings and all(w.startswith("warning: layer ") for w in warnings), warned.stderr
     assert all(w.endswith("raise --max-iter or --reg") for w in warnings)
+    # where the time went: start-up to the first byte, the copy, the config check (a llama: otdus's
+    # depth rules, transformers never imported for it)
+    timings = json.loads(warned.stdout)["timings"]
+    assert 0 < timings["startup_s"] < 300 and timings["copy_s"] > 0, timings
+    assert timings["config_check"] == "otdus depth rules", timings
     # the README's pipeline: otdus expand ... --json | jq -r .out | xargs otdus verify
     verified = otdus("verify", json.loads(warned.stdout)["out"], "--max-tokens", "500", "--device", "cpu")
     assert verified.returncode == 0, verified.stderr
