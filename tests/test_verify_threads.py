@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -88,3 +89,32 @@ def test_a_run_restores_torch_s_setting_and_reports_its_choice(no_omp):
     threads_used = report.to_dict()["compute"]["threads"]
     assert threads_used["threads"] == 1 and threads_used["reason"].startswith("small work")
     assert report.compute.batch_size >= 2  # equal-length windows share a forward pass
+
+
+def _ppl_threads(extra: list[str], env: dict[str, str], cpus: set[int] | None = None) -> dict:
+    """compute.threads of a real `otdus ppl --json` run (with its CPU affinity set to ``cpus``)."""
+    argv = [sys.executable, "-m", "otdus_cli.cli", "ppl", "bundled:stories260k", "--json", "--quiet"]
+    argv += ["--text", "bundled:tinystories-sample", "--protocol", "token", "--max-tokens", "600", *extra]
+    proc = subprocess.run(
+        argv,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)["compute"]["threads"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one")
+def test_the_cli_follows_affinity_omp_num_threads_and_threads_flag():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    pinned = _ppl_threads([], env, cpus={min(os.sched_getaffinity(0))})
+    assert pinned["usable_cpus"] == 1 and pinned["threads"] == 1, pinned
+    assert pinned["reason"] == "one thread allowed (CPU affinity)", pinned
+    # the user's word is taken as given, even beyond the CPUs: they may know better
+    omp = _ppl_threads([], {**env, "OMP_NUM_THREADS": "3"})
+    assert omp["threads"] == 3 and omp["reason"] == "OMP_NUM_THREADS", omp
+    flagged = _ppl_threads(["--threads", "2"], {**env, "OMP_NUM_THREADS": "3"})
+    assert flagged["threads"] == 2 and flagged["reason"] == "--threads", flagged
