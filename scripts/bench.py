@@ -838,6 +838,16 @@ def expected_out_bytes(src_bytes: int, facts: dict, method: str) -> int:
     return src_bytes + extra * facts["largest_layer_bytes"]
 
 
+def run_verify_speed(args) -> None:
+    """verify's throughput against a plain forward (scripts/bench_verify.py), into the same docs."""
+    if not args.verify_speed:
+        return
+    import bench_verify  # noqa: PLC0415
+
+    argv = ["--sections", args.verify_speed, "--workdir", args.workdir, "--md", args.md]
+    bench_verify.main(argv + (["--no-report"] if args.no_report else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.2-1b", help="synthetic shape (make_synthetic.py --list)")
@@ -905,6 +915,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--json-out", default=os.path.join(ROOT, "docs", "benchmarks.json"))
     ap.add_argument("--no-report", action="store_true", help="print results only; do not touch docs/")
+    ap.add_argument(
+        "--verify-speed",
+        default="demo,llama-1b",
+        help="sections of scripts/bench_verify.py (verify against a plain transformers forward) run "
+        "after the expansions: demo, llama-1b ('' for none)",
+    )
     args = ap.parse_args(argv)
 
     os.makedirs(args.workdir, exist_ok=True)
@@ -1099,6 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
         "transport": transport,
     }
     print(render_entry(entry))
+    run_verify_speed(args)
     if args.no_report:
         return 0
     entries = [e for e in _load_entries(args.json_out) if e.get("key") != entry["key"]] + [entry]
