@@ -15,8 +15,7 @@ from otdus_cli.cli.console import (
     emit_json,
     out_console,
     quiet_transformers,
-    show_progress,
-    task_progress,
+    tick_progress,
     user_errors,
 )
 from otdus_cli.cli.flags import with_flags
@@ -65,7 +64,33 @@ Dtype = Annotated[
         case_sensitive=False,
     ),
 ]
-BatchSize = Annotated[int, typer.Option(help="Windows per forward pass.", min=1)]
+BatchSize = Annotated[
+    int | None,
+    typer.Option(
+        help="Windows per forward pass. \\[default: windows of one length stacked up to 16,384 tokens, "
+        "fewer where a layer's intermediate results would exceed 256 MiB]",
+        min=1,
+        show_default=False,
+    ),
+]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        help="CPU threads for torch's operators. \\[default: OMP_NUM_THREADS if set; else 1 for small "
+        "models, else the CPUs this process may use (affinity, cgroup quota) less those other processes "
+        "keep busy; the choice is in --json's compute.threads]",
+        min=1,
+        show_default=False,
+    ),
+]
+Quiet = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="No progress on stderr (by default a bar on a terminal, else one line every 10 s).",
+    ),
+]
 TokenModeOption = Annotated[
     TokenMode,
     typer.Option(
@@ -88,7 +113,9 @@ class EvalFlags:
     max_docs: MaxDocs = None
     device: EvalDevice = "auto"
     dtype: Dtype = "float32"
-    batch_size: BatchSize = 1
+    batch_size: BatchSize = None
+    threads: Threads = None
+    quiet: Quiet = False
 
 
 def _corpus(text: str | None, dataset: str | None, max_docs: int | None):
@@ -171,11 +198,14 @@ def _evaluate(
     """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
     from otdus_cli.manifest import manifest_source
     from otdus_cli.source import resolve_source
+    from otdus_cli.verify.threads import sample_cpus
 
+    cpu_sample = sample_cpus()  # other processes' CPU use is measured from here to the first layer
     eval_options = asdict(flags)
-    run = {k: eval_options.pop(k) for k in ("device", "dtype", "batch_size")}
-    label = "verifying" if find_base or base else "scoring"
-    with user_errors(), task_progress(show_progress(json_out), label) as update:
+    run = {k: eval_options.pop(k) for k in ("device", "dtype", "batch_size", "threads")}
+    quiet = eval_options.pop("quiet")
+    command = "otdus verify" if find_base else "otdus ppl"
+    with user_errors(), tick_progress(command, quiet) as on_tick:
         # everything the user can get wrong is checked before torch and transformers are imported
         model_dir = _local_model(model)
         claimed = parse_layer_map(layer_map)
@@ -195,7 +225,7 @@ def _evaluate(
 
         quiet_transformers()
         plan = make_plan(base_dir or model_dir, corpus=corpus, **eval_options)
-        run["progress"] = lambda kind, done, total: update(done, total, kind)
+        run["progress"], run["cpu_sample"] = on_tick, cpu_sample
         if base_dir is None:
             report = perplexity(model_dir, plan, **run)
         else:

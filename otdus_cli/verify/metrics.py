@@ -32,13 +32,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.verify.progress import Progress, Tick
 from otdus_cli.verify.text import Corpus, count_bytes, count_words, wikitext_detokenize
 
 DEFAULT_SEQ_LEN = 2048
 LM_EVAL_DEFAULT_MAX_LENGTH = 2048
 _TOKENIZER_INFINITY = 1000000000000000019884624838656  # transformers' "no limit" model_max_length
-
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -272,17 +271,40 @@ def plan_token(
 
 
 # -- scoring ------------------------------------------------------------------------------------------
+def _scored_span(window: Window, first: int, positions: int) -> tuple[int, int]:
+    """Targets lo .. hi - 1 of ``window`` are predicted by a chunk of ``positions`` positions from
+    ``first`` (target i is predicted at position ``window.offset + i``); hi <= lo when none are."""
+    lo = max(0, first - window.offset)
+    hi = min(len(window.targets), first + positions - window.offset)
+    return lo, hi
+
+
+def batch_target_logprobs(logits: torch.Tensor, windows: Sequence[Window], first: int) -> list[torch.Tensor]:
+    """Log-probabilities (float64, CPU) of each window's targets predicted at positions ``first`` ..
+    ``first + c - 1`` (logits [B, c, V], row b for ``windows[b]``), one log-softmax over the whole chunk
+    in float32; an empty tensor for a window the chunk predicts none of."""
+    batch, positions = logits.shape[0], logits.shape[1]
+    spans = [_scored_span(w, first, positions) for w in windows]
+    # target id at each position (0 where the position predicts nothing of its window: gathered, unused)
+    ids = torch.zeros((batch, positions), dtype=torch.long)
+    for row, (window, (lo, hi)) in enumerate(zip(windows, spans, strict=True)):
+        if hi > lo:
+            start = window.offset + lo - first
+            ids[row, start : start + hi - lo] = torch.as_tensor(window.targets[lo:hi], dtype=torch.long)
+    picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.to(logits.device)[..., None])[..., 0]
+    picked = picked.double().cpu()
+    out = []
+    for row, (window, (lo, hi)) in enumerate(zip(windows, spans, strict=True)):
+        start = window.offset + lo - first
+        out.append(picked[row, start : start + hi - lo] if hi > lo else torch.empty(0, dtype=torch.float64))
+    return out
+
+
 def target_logprobs(logits: torch.Tensor, window: Window, first: int) -> torch.Tensor:
     """Log-probabilities (float64, CPU) of the window's targets predicted at positions ``first`` ..
     ``first + len(logits) - 1`` (logits [c, V] of those positions; target i is predicted at position
     ``window.offset + i``); log-softmax in float32. Empty when the chunk predicts none of them."""
-    lo = max(0, first - window.offset)
-    hi = min(len(window.targets), first + logits.shape[0] - window.offset)
-    if hi <= lo:
-        return torch.empty(0, dtype=torch.float64)
-    rows = logits[window.offset + lo - first : window.offset + hi - first].float()
-    idx = torch.tensor(window.targets[lo:hi], dtype=torch.long, device=rows.device)
-    return torch.log_softmax(rows, dim=-1).gather(-1, idx[:, None])[:, 0].double().cpu()
+    return batch_target_logprobs(logits[None], [window], first)[0]
 
 
 def logits_to_keep(window: Window) -> int:
@@ -290,20 +312,35 @@ def logits_to_keep(window: Window) -> int:
 
 
 def score_activations(
-    model, acts, windows: Sequence[Window], on_chunk: Callable[[torch.Tensor], None] | None = None
+    model,
+    acts,
+    windows: Sequence[Window],
+    on_chunk: Callable[[torch.Tensor], None] | None = None,
+    progress: Progress | None = None,
+    label: str = "",
 ) -> list[torch.Tensor]:
     """Target log-probs for every window from a :class:`StreamedModel`'s finished activations.
 
     The logits come chunk by chunk (``StreamedModel.iter_logits``); ``on_chunk`` sees each chunk
-    before it is dropped (verify digests them). The model's head is freed afterwards.
+    before it is dropped (verify digests them); ``progress`` gets a "scoring" tick per chunk (``label``
+    names the model). The model's head is freed afterwards.
     """
     keep = [logits_to_keep(w) for w in windows]
     pieces: list[list[torch.Tensor]] = [[] for _ in windows]
+    total = sum(len(w.targets) for w in windows)
+    done = 0
+    phase = f"scoring {label}".strip()
+    if progress is not None:
+        progress(Tick(phase, 0, total, "tokens", 0, f"0/{total:,} tokens"))
     for group, first, logits in model.iter_logits(acts, keep):
         if on_chunk is not None:
             on_chunk(logits)
-        for row, i in enumerate(group):
-            pieces[i].append(target_logprobs(logits[row], windows[i], first))
+        parts = batch_target_logprobs(logits, [windows[i] for i in group], first)
+        for i, part in zip(group, parts, strict=True):
+            pieces[i].append(part)
+            done += part.numel()
+        if progress is not None:
+            progress(Tick(phase, done, total, "tokens", done, f"{done:,}/{total:,} tokens"))
     model.free_shell()
     out = []
     for window, parts in zip(windows, pieces, strict=True):
@@ -316,9 +353,8 @@ def score_activations(
 
 def score_plan(model, plan: EvalPlan, progress: Progress | None = None) -> list[torch.Tensor]:
     """Target log-probs for every window of ``plan`` with a :class:`StreamedModel`."""
-    layer_progress = (lambda i, n: progress("layers", i, n)) if progress else None
-    acts = model.run([w.input_ids for w in plan.windows], layer_progress)
-    return score_activations(model, acts, plan.windows)
+    acts = model.run([w.input_ids for w in plan.windows], progress)
+    return score_activations(model, acts, plan.windows, progress=progress)
 
 
 def metrics_from_logprobs(plan: EvalPlan, logprobs: Sequence[torch.Tensor]) -> PerplexityMetrics:
