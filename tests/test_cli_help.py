@@ -120,5 +120,5 @@ def test_cli_defaults_are_the_library_defaults(command):
             continue
         assert param.default == library[name], (command, name, param.default, library[name])
         compared.append(name)
-    expected = {"verify": 5, "ppl": 5, "study": 12, "diagnose": 5}[command]
+    expected = {"verify": 6, "ppl": 6, "study": 12, "diagnose": 5}[command]
     assert len(compared) == expected, compared

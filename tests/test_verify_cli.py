@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -33,6 +34,7 @@ def test_function_preserving_expansions_hold_parity_exactly(tmp_path):
         assert code == 0 and report["parity"] and report["logits_equal"], report["verdict"]
         assert report["base"]["word_perplexity"] == report["expanded"]["word_perplexity"]
         assert report["verdict"].startswith("PARITY")
+        assert report["verdict"].endswith("[wikitext figures of lm-eval 0.4.13]")  # the default release
 
 
 def test_non_preserving_methods_report_the_rise_and_exit_0(tmp_path):
@@ -83,20 +85,37 @@ def test_ppl_of_one_model(tmp_path):
     assert bad.exit_code == 2 and bad.stderr.startswith("error:")
 
 
-# in-domain text in short windows: seconds, not the tokenisation of all of WikiText
-def test_wikitext_protocol_matches_lm_eval_reference():
-    """`otdus ppl` on the default protocol against lm-eval 0.4.13's own figures for the first WikiText-2
-    test article (scripts/check_lm_eval.py --limit 1 --variants no-bos; docs/perplexity.md)."""
+# Figures of real lm-eval runs (scripts/check_lm_eval.py --versions 0.4.2,0.4.9.1,0.4.13 --max-docs 1;
+# docs/perplexity.md): the stock wikitext task on the first WikiText-2 test article (1,093 words,
+# 5,667 bytes), stories260K on the CPU in float32.
+LM_EVAL_FIGURES = {
+    "0.4.2": (2, 3413, 1156449.2827172745, 14.770708749436556, 3.8846671481237953),
+    "0.4.9.1": (1, 3413, 1113537.6675886472, 14.663379312589948, 3.8741457192111173),
+    "0.4.13": (1, 3414, 1130024.712436787, 14.705004787161819, 3.8782353487766366),
+}
+
+
+@pytest.mark.parametrize("version", list(LM_EVAL_FIGURES))
+def test_ppl_lm_eval_presets_match_real_lm_eval_runs(version):
+    """`otdus ppl --lm-eval V` gives lm-eval V's own figures; with no --lm-eval, the newest's."""
+    args = ["--lm-eval", version] if version != "0.4.13" else []  # 0.4.13 is the default
     result = runner.invoke(
-        app, ["ppl", "bundled:stories260k", "--max-docs", "1", "--batch-size", "8", "--json"]
+        app, ["ppl", "bundled:stories260k", "--max-docs", "1", "--batch-size", "8", "--json", *args]
     )
     assert result.exit_code == 0, result.output
     m = json.loads(result.stdout)["metrics"]
-    assert (m["protocol"], m["context"], m["n_windows"], m["n_tokens"]) == ("wikitext", 512, 7, 3413)
+    prefix, tokens, *figures = LM_EVAL_FIGURES[version]
+    assert m["reproduces"] == f"lm-eval {version}" and m["settings"]["lm_eval"] == version
+    assert (m["context"], m["n_windows"], m["n_tokens"], m["settings"]["prefix_token_id"]) == (
+        512,
+        7,
+        tokens,
+        prefix,
+    )
     assert (m["n_words"], m["n_bytes"]) == (1093, 5667)
-    lm_eval = {"word_perplexity": 1113537.6675886472, "byte_perplexity": 14.663379312589948}
-    lm_eval["bits_per_byte"] = 3.8741457192111173
-    for metric, reference in lm_eval.items():
+    for metric, reference in zip(
+        ("word_perplexity", "byte_perplexity", "bits_per_byte"), figures, strict=True
+    ):
         assert abs(m[metric] / reference - 1) < 1e-6, (metric, m[metric], reference)
 
 
