@@ -5,9 +5,10 @@ For each version asked for, this script
 
 1. creates a throwaway virtual environment (``--venv-root``, default /tmp/otdus-lm-eval/<version>;
    kept between runs unless ``--fresh``) and pip-installs ``lm_eval==<version>`` with the torch and
-   transformers versions of the project's environment, plus ``accelerate``; releases 0.4.5 to 0.4.9.2
-   cannot be imported with transformers 5 (they read ``transformers.AutoModelForVision2Seq``, gone
-   in 5.0) and get transformers 4.57.6 instead (``--transformers`` overrides both);
+   transformers versions of the project's environment, plus ``accelerate``; releases 0.4.0-0.4.1 and
+   0.4.5-0.4.9.2 cannot be imported with transformers 5 (they import
+   ``transformers.data.metrics`` or read ``transformers.AutoModelForVision2Seq``, both gone in 5.0)
+   and get transformers 4.57.6 instead (``--transformers`` overrides both);
 2. inside it (this same file with ``--worker``) copies lm-eval's own ``wikitext`` task
    (``lm_eval/tasks/wikitext/wikitext.yaml`` and ``preprocess_wikitext.py`` of that release) and
    changes only where the data comes from: ``EleutherAI/wikitext_document_level`` from the Hub
@@ -51,7 +52,8 @@ METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 # keys of the stock task YAML that say where the data comes from (replaced, nothing else is)
 SOURCE_KEYS = ("dataset_path", "dataset_name", "dataset_kwargs")
 # releases that cannot be imported with transformers 5, and the transformers they get instead
-OLD_TRANSFORMERS = (((0, 4, 5), (0, 4, 9, 2)), "4.57.6")
+NEED_TRANSFORMERS_4 = (((0, 4, 0), (0, 4, 1)), ((0, 4, 5), (0, 4, 9, 2)))
+TRANSFORMERS_4 = "4.57.6"
 
 
 # -- worker (runs inside an lm-eval venv; stdlib + lm_eval only) -------------------------------------
@@ -132,8 +134,10 @@ def worker(args: argparse.Namespace) -> None:
 def transformers_for(version: str) -> str:
     from otdus_cli.verify.lm_eval_presets import parse_version
 
-    (first, last), old = OLD_TRANSFORMERS
-    return old if first <= parse_version(version) <= last else metadata.version("transformers")
+    release = parse_version(version)
+    if any(first <= release <= last for first, last in NEED_TRANSFORMERS_4):
+        return TRANSFORMERS_4
+    return metadata.version("transformers")
 
 
 def ensure_venv(version: str, root: Path, fresh: bool, transformers: str | None) -> Path:
