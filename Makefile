@@ -4,8 +4,18 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+# The oldest transformers pyproject.toml accepts: `make test` also runs the verify/ppl tests (and their
+# expand -> verify passes) under it, in a second environment.
+COMPAT_VENV ?= .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+OLDEST_TRANSFORMERS ?= transformers==4.57.6
+# (the memory-limit verify run is left to the main run: it tests the streaming, not transformers, and is
+# the slowest test)
+COMPAT_TESTS := tests/test_verify_streaming.py tests/test_verify_compare.py tests/test_verify_cli.py \
+	tests/test_verify_families.py tests/test_verify_self_check.py tests/test_verify_static.py \
+	--deselect tests/test_verify_cli.py::test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup setup-compat demo test test-main test-compat lint bench faults clean
 
 setup: $(VENV)/.installed
 
@@ -16,11 +26,28 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+setup-compat: $(COMPAT_VENV)/.installed
+
+$(COMPAT_VENV)/.installed: pyproject.toml
+	python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q $(TORCH)
+	$(COMPAT_PY) -m pip install -q -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
+	touch $@
+
 demo: setup
 	$(VENV)/bin/otdus demo
 
-test: setup
+# the whole suite with the newest transformers, then the verify/ppl tests with the oldest accepted one
+test: test-main test-compat
+
+test-main: setup
 	$(PY) -m pytest
+
+# one intra-op thread: these tests run tiny models, where a second thread only adds synchronisation
+test-compat: setup-compat
+	$(COMPAT_PY) -c "import transformers; print('transformers', transformers.__version__)"
+	OMP_NUM_THREADS=1 $(COMPAT_PY) -m pytest $(COMPAT_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check otdus_cli tests scripts
@@ -29,5 +56,9 @@ lint: setup
 bench: setup
 	$(PY) scripts/bench.py
 
+# kill expansions at random moments (SIGINT, SIGTERM, SIGKILL) on a ~1 GB checkpoint: no data lost
+faults: setup
+	$(PY) scripts/fault_inject.py --runs 50
+
 clean:
-	rm -rf $(VENV) demo-out
+	rm -rf $(VENV) $(COMPAT_VENV) demo-out

@@ -32,6 +32,7 @@ from otdus_cli.io.stack import LayerStack, read_stack
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
 from otdus_cli.manifest import MANIFEST
 from otdus_cli.methods.base import BuildContext
+from otdus_cli.methods.ot_choices import ot_choices
 from otdus_cli.methods.registry import Method, get_method, make_builder, plan_layers
 from otdus_cli.options import ExpandOptions, ignored_options
 from otdus_cli.plan.layer_map import OutputLayer, is_function_preserving
@@ -274,10 +275,19 @@ def build_manifest(
         "layers": [lay.to_json() for lay in plan.layer_map],
         "new_parameters": plan.new_parameter_names,
         "transport": {str(k): v for k, v in sorted(stats.items())},
+        **_ot_choices(plan),
         "copied_files": side_files,
         "config_checked_by_transformers": config_check_skipped is None,
         "warnings": [config_check_skipped] if config_check_skipped else [],
     }
+
+
+def _ot_choices(plan: Plan) -> dict:
+    """The OT conventions in force, each with its source (methods/ot_choices.py), for ``--method ot``."""
+    if plan.method.builder != "ot":
+        return {}
+    zero_init = plan.method.zero_init_default if plan.options.zero_init is None else plan.options.zero_init
+    return {"ot_choices": ot_choices(plan.options.ot, zero_init)}
 
 
 def expand(
@@ -287,6 +297,7 @@ def expand(
     force: bool = False,
     progress: ProgressFn | None = None,
     on_plan: Callable[[Plan], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> ExpandResult:
     """Expand `model` (folder or hub id) into `out` atomically; returns what was written."""
     options = options or ExpandOptions()
@@ -296,7 +307,7 @@ def expand(
     if on_plan:
         on_plan(plan)
     out = Path(out)
-    report = OutputReport()
+    report = OutputReport(notify=on_note)
     with staged_output(out, protected=[source.resolved.folder], force=force, report=report) as tmp:
         engine = _Engine(plan, tmp, progress)
         try:

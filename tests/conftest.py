@@ -71,6 +71,16 @@ def build_tiny(model_type: str, folder: Path, max_shard_size: str | None = None,
     return folder
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for modules that run many passes of tiny models: a second thread only adds
+    synchronisation there (several times the CPU time, far worse on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
@@ -88,12 +98,12 @@ def stories(tmp_path) -> Path:
     return Path(shutil.copytree(STORIES260K, tmp_path / "stories260k"))
 
 
-def load_causal_lm(folder: Path):
+def load_causal_lm(folder: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
 
 
 def logits(model, seed: int = 0, vocab: int | None = None, length: int = 24) -> torch.Tensor:
@@ -101,3 +111,21 @@ def logits(model, seed: int = 0, vocab: int | None = None, length: int = 24) -> 
     ids = torch.randint(0, vocab or model.config.vocab_size, (2, length), generator=gen)
     with torch.no_grad():
         return model(input_ids=ids).logits
+
+
+def one_error_line(result, code: int = 2, message: str | None = None) -> str:
+    """A CLI result that failed as promised: exit ``code``, one `error:` line on stderr (holding
+    ``message`` when given), no traceback. Returns the line."""
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert "Traceback" not in result.output
+    if message is not None:
+        assert message in lines[0], lines[0]
+    return lines[0]
+
+
+def no_output_left(parent: Path, out_name: str = "out") -> None:
+    """Neither the output nor anything of otdus's life cycle (temporary folders, lock) beside it."""
+    assert not (parent / out_name).exists()
+    assert not [p.name for p in parent.iterdir() if "otdus-" in p.name]

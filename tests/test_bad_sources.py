@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import no_output_left, one_error_line
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -30,14 +31,9 @@ def run_cli(*args: str):
 
 
 def refused(result, message: str, parent: Path) -> str:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    assert message in lines[0], lines[0]
-    assert "Traceback" not in result.output
-    assert not (parent / "out").exists()
-    assert not [p for p in parent.iterdir() if "otdus-" in p.name]
-    return lines[0]
+    line = one_error_line(result, 2, message)
+    no_output_left(parent)
+    return line
 
 
 def split_file(path: Path) -> tuple[dict, bytes]:

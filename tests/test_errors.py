@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import no_output_left, one_error_line
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
@@ -23,13 +24,8 @@ def run_cli(*args: str):
 
 
 def assert_clean_failure(result, message: str, parent: Path, code: int = 2) -> None:
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    assert message in lines[0], lines[0]
-    assert "Traceback" not in result.output
-    assert not (parent / "out").exists()
-    assert not [p for p in parent.iterdir() if "otdus-tmp" in p.name]
+    one_error_line(result, code, message)
+    no_output_left(parent)
 
 
 def test_missing_shard(sharded_llama, tmp_path):

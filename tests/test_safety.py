@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
@@ -46,14 +47,6 @@ def tree_digest(folder: Path) -> dict[str, str]:
 
 def leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if "otdus-" in p.name)
-
-
-def one_error_line(result, code: int = 2) -> str:
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 @pytest.fixture()
@@ -276,6 +269,12 @@ def test_two_real_runs_to_one_out(stories, tmp_path):
 
 
 # -- signals ---------------------------------------------------------------------------------------
+def _start_expand(stories: Path, out: Path) -> subprocess.Popen:
+    """A real `otdus expand` process (average: it builds a layer, so it runs for a few seconds)."""
+    cmd = [OTDUS, "expand", str(stories), "--out", str(out), "--method", "average"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def _wait_for_tmp(parent: Path, proc: subprocess.Popen, timeout: float = 60) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -292,12 +291,7 @@ def _wait_for_tmp(parent: Path, proc: subprocess.Popen, timeout: float = 60) -> 
 def test_signals_leave_nothing_and_say_so(stories, tmp_path, sig):
     before = tree_digest(stories)
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [OTDUS, "expand", str(stories), "--out", str(out), "--method", "average"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start_expand(stories, out)
     _wait_for_tmp(tmp_path, proc)
     proc.send_signal(sig)
     code = proc.wait(timeout=60)
@@ -312,12 +306,7 @@ def test_signals_leave_nothing_and_say_so(stories, tmp_path, sig):
 
 def test_after_sigkill_the_next_run_sweeps_the_dead_runs_folder(stories, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [OTDUS, "expand", str(stories), "--out", str(out), "--method", "average"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start_expand(stories, out)
     stale = _wait_for_tmp(tmp_path, proc)
     proc.kill()
     proc.wait()
@@ -343,4 +332,20 @@ def test_lock_is_released_and_reacquirable(tmp_path):
     second = OutputLock(out)
     second.acquire()
     second.release()
+    assert leftovers(tmp_path) == []
+
+
+def test_a_sweep_is_said_even_when_the_run_is_interrupted_later(stories, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that is surely gone
+    stale = tmp_path / f".out.{TMP_TAG}{dead.pid}@{socket.gethostname()}.zzzz"
+    stale.mkdir()
+    proc = _start_expand(stories, tmp_path / "out")
+    deadline = time.monotonic() + 60
+    while stale.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    stderr = proc.stderr.read()
+    assert f"removed {stale}, left by an otdus run that died (pid {dead.pid})" in stderr, stderr
     assert leftovers(tmp_path) == []

@@ -23,6 +23,8 @@ from otdus_cli.verify.compare import (
 )
 from otdus_cli.verify.text import Corpus, text_corpus, wikitext_corpus
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 # The real model and its in-domain text are shipped inside the package (see otdus_cli/bundled.py).
 STORIES = Path(STORIES260K)
 SAMPLE = Path(TINYSTORIES_SAMPLE)
@@ -178,11 +180,30 @@ def test_a_hand_edited_boolean_does_not_turn_broken_into_a_pass(tmp_path, small_
     assert "static check: layer 2 is new and not an identity" in report.verdict
 
 
-def test_bfloat16_parity_within_tolerance(tmp_path, small_plan):
-    expanded = _expand(tmp_path / "exp", after=3)
-    report = verify_expansion(STORIES, expanded, small_plan, dtype="bfloat16")
-    assert report.dtype == "bfloat16" and report.parity and report.exit_code == 0
-    assert "relative" in report.tolerance
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_tolerance_on_both_sides_of_the_threshold(tmp_path, small_plan, dtype):
+    # a new layer with a small non-zero o_proj/down_proj really changes the function (float32 says
+    # BROKEN); in bf16/fp16 a change well below the 1e-3 relative tolerance passes, one above fails
+    def relative_change(report) -> float:
+        b, e = report.base.values(), report.expanded.values()
+        return max(abs(e[k] - b[k]) / abs(b[k]) for k in b if k != "loglikelihood")
+
+    below = _expand(tmp_path / "below", after=3, o_proj_value=3e-4)
+    assert verify_expansion(STORIES, below, small_plan).exit_code == 1  # float32: bitwise, so broken
+    report = verify_expansion(STORIES, below, small_plan, dtype=dtype)
+    assert report.dtype == dtype and "relative 0.001" in report.tolerance
+    assert 0 < relative_change(report) < 0.5e-3
+    assert report.parity and report.exit_code == 0 and report.verdict.startswith("PARITY")
+    above = _expand(tmp_path / "above", after=3, o_proj_value=1e-2)
+    report = verify_expansion(STORIES, above, small_plan, dtype=dtype)
+    assert relative_change(report) > 2e-3
+    assert not report.parity and report.exit_code == 1 and report.verdict.startswith("BROKEN")
+
+
+def test_perplexity_is_the_same_bit_for_bit_every_run(small_plan):
+    runs = [perplexity(STORIES, small_plan).metrics for _ in range(3)]
+    assert runs[1].values() == runs[0].values() and runs[2].values() == runs[0].values()
+    assert runs[1].to_dict() == runs[0].to_dict()
 
 
 def test_mapping_function_instead_of_manifest(tmp_path, small_plan):

@@ -7,11 +7,13 @@ import shutil
 
 import pytest
 import torch
-from conftest import DENSE_TYPES, load_causal_lm
+from conftest import DENSE_TYPES, MOE_TYPES, load_causal_lm
 from safetensors.torch import load_file, save_file
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.verify.streaming import StreamedModel, group_windows
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 LENGTHS = (40, 40, 23)  # longer than the tiny models' sliding windows (16); two equal lengths batch together
 
@@ -72,10 +74,45 @@ def test_streamed_sharded_checkpoint(sharded_llama):
     assert torch.equal(streamed.logits(inputs)[0], _reference(sharded_llama, inputs)[0])
 
 
-def test_streamed_bfloat16_runs(tiny_models):
-    streamed = StreamedModel(tiny_models["llama"], dtype="bf16")
-    out = streamed.logits(_inputs(streamed.config.vocab_size)[:1])[0]
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])  # Gemma 3: embed_scale buffer in bf16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_streamed_low_precision_equals_transformers_own(tiny_models, model_type, dtype):
+    folder = tiny_models[model_type]
+    streamed = StreamedModel(folder, dtype=dtype)
+    inputs = _inputs(streamed.config.vocab_size)[:2]
+    model = load_causal_lm(folder, dtype=dtype)
+    for ids, out in zip(inputs, streamed.logits(inputs), strict=True):
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        assert out.dtype == ref.dtype == dtype
+        assert torch.equal(out, ref), f"max |diff| {(out.float() - ref.float()).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("model_type", DENSE_TYPES + MOE_TYPES)
+def test_forward_with_layers_loaded_in_turn_equals_the_layer_by_layer_path(tiny_models, model_type):
+    # the self-check's reference for models too large to load whole: the family's own forward, each
+    # decoder layer loaded when reached; and the full transformers model agrees with both
+    folder = tiny_models[model_type]
+    streamed = StreamedModel(folder)
+    ids = _inputs(streamed.config.vocab_size)[0]
+    real_forward = streamed.forward_logits(ids)
+    assert all(p.is_meta for p in streamed.model.parameters())  # everything freed again
+    assert torch.equal(real_forward, streamed.logits([ids])[0])
+    assert torch.equal(real_forward, _reference(folder, [ids])[0])
+
+
+def test_buffers_are_the_constructors_values(tiny_models):
+    # rotary frequencies and Gemma 3's embedding scale as transformers computes them, never left over
+    # memory: a loaded shell holds exactly the buffers of the model transformers loads itself
+    folder = tiny_models["gemma3_text"]
+    streamed = StreamedModel(folder)
+    streamed._load_shell("all")
+    mine = dict(streamed.model.named_buffers())
+    theirs = dict(load_causal_lm(folder).named_buffers())
+    assert any("inv_freq" in name for name in mine) and any("embed_scale" in name for name in mine)
+    assert mine.keys() == theirs.keys()
+    for name, value in mine.items():
+        assert torch.equal(value, theirs[name]), name
 
 
 def test_layers_are_loaded_one_at_a_time(tiny_models):
@@ -156,3 +193,16 @@ def test_shell_stages_never_hold_an_untied_embedding_and_head_together(tiny_mode
     tied = StreamedModel(tiny_models["qwen2"])  # tied: one matrix serves both stages
     tied._load_shell("head")
     assert _on_device(tied.model.get_input_embeddings()) and _on_device(tied.model.get_output_embeddings())
+
+
+def test_a_stored_copy_of_a_tied_head_is_used_as_transformers_uses_it(tiny_models, tmp_path):
+    # tie_word_embeddings, yet the checkpoint also holds a different lm_head.weight: transformers 5
+    # loads it as stored (untied), 4.57 ties it back to the embeddings; the evaluator must agree
+    folder = shutil.copytree(tiny_models["qwen2"], tmp_path / "both")
+    state = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in state
+    state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    streamed = StreamedModel(folder)
+    ids = _inputs(streamed.config.vocab_size)[0]
+    assert torch.equal(streamed.logits([ids])[0], _reference(folder, [ids])[0])

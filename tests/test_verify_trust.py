@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -27,11 +28,7 @@ def run_cli(*args: str):
 
 
 def one_line(result, code: int) -> str:
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    assert "Traceback" not in result.output
-    return lines[0]
+    return one_error_line(result, code)
 
 
 @pytest.fixture()

@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 
 from otdus_cli.cli.about import demo, version
 from otdus_cli.cli.checkpoint import expand, inspect, plan
-from otdus_cli.cli.console import fail, fit_consoles_to_streams
+from otdus_cli.cli.console import fail, fit_consoles_to_streams, stopped
 from otdus_cli.cli.evaluation import ppl, verify
 from otdus_cli.cli.research import diagnose, study
 from otdus_cli.errors import exit_on_signals
@@ -51,12 +51,16 @@ class _OtdusGroup(TyperGroup):
             if type(exc).__name__ == "NoArgsIsHelpError":  # `otdus` alone prints the help
                 raise
             _usage_error(exc)
+        except KeyboardInterrupt as exc:  # click would print "Aborted!" and exit 1
+            stopped(exc)
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except UsageError as exc:
             _usage_error(exc)
+        except KeyboardInterrupt as exc:
+            stopped(exc)
 
 
 app = typer.Typer(
@@ -71,5 +75,11 @@ for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, versi
 
 def main(argv: list[str] | None = None) -> Callable | None:
     exit_on_signals()  # SIGTERM/SIGHUP (timeout, Slurm) clean up like Ctrl-C
-    app(args=argv, prog_name="otdus")
+    try:
+        app(args=argv, prog_name="otdus")
+    except KeyboardInterrupt as exc:  # a signal while Typer builds the command, before any work
+        try:
+            stopped(exc)
+        except typer.Exit as done:
+            raise SystemExit(done.exit_code) from None
     return None

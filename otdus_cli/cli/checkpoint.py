@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from otdus_cli.cli.console import (
     JsonFlag,
@@ -62,16 +63,26 @@ ZeroInit = Annotated[
 ]
 OtVariant = Annotated[
     OTVariant | None,
-    typer.Option(help="OT-DUS variant; official: the released code's computation. \\[default: paper]"),
+    typer.Option(
+        help="OT-DUS variant. paper: the paper's layer flow with Imfeld et al.'s conventions (plans "
+        "scaled by n, max-normalised cost); official: the released script's computation (unscaled "
+        "plans, raw cost, POT); structured: ours. Sources: docs/ot.md. \\[default: paper]"
+    ),
 ]
 Solver = Annotated[
     OTSolver | None, typer.Option(help="Transport solver; emd: exact assignment. \\[default: sinkhorn]")
 ]
-Reg = Annotated[float | None, typer.Option(help="Sinkhorn entropic regularisation. \\[default: 0.06]")]
+Reg = Annotated[
+    float | None,
+    typer.Option(
+        help="Sinkhorn entropic regularisation, relative to the largest cost (absolute on "
+        "official's raw cost). \\[default: 0.06]"
+    ),
+]
 Tol = Annotated[
     float | None,
     typer.Option(
-        help="Sinkhorn stopping tolerance: largest relative row/column mass error "
+        help="Sinkhorn stopping tolerance (otdus's rule): largest relative row/column mass error "
         "(the official variant pins the released code's 1e-9). \\[default: 1e-6]"
     ),
 ]
@@ -228,6 +239,12 @@ def expand(
         out = out or (Path(recipe_obj.out) if recipe_obj and recipe_obj.out else None)
         if out is None:
             raise OtdusError("give --out (the output folder)")
+        printed: set[str] = set()
+
+        def say(line: str) -> None:
+            printed.add(line)
+            _warn(line)
+
         with byte_progress(show_progress(json_out), "expanding") as (set_total, advance):
             result = run_expand(
                 model,
@@ -236,9 +253,10 @@ def expand(
                 force=force,
                 progress=advance,
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
+                on_note=say,  # stale temporary folders, said when removed (a later Ctrl-C keeps it said)
             )
     transport = _transport_warnings(result.manifest.get("transport", {}))
-    warnings = list(result.warnings)  # the manifest's, and stale temporary folders removed or found
+    warnings = list(result.warnings)  # the manifest's, and the notes already said
     given = {
         "ot.variant": ot_variant,
         "ot.solver": solver,
@@ -250,7 +268,8 @@ def expand(
         if given.get(option) is not None:
             warnings.append(f"{_flag(option.split('.'))} was ignored: {why}")
     for line in [*warnings, *transport]:
-        err_console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
+        if line not in printed:
+            _warn(line)
     summary = {
         "out": str(result.out),
         "warnings": warnings,
@@ -269,6 +288,10 @@ def expand(
         f"layers with {summary['method']} ({preserved}), {human_bytes(result.bytes_written)} "
         f"in {result.seconds:.1f} s"
     )
+
+
+def _warn(line: str) -> None:
+    err_console.print(Text.assemble(("warning:", "yellow"), " ", line), highlight=False, soft_wrap=True)
 
 
 def _transport_warnings(transport: dict) -> list[str]:

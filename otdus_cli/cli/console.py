@@ -72,6 +72,14 @@ def fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def stopped(exc: KeyboardInterrupt) -> None:
+    """A signal's one line and exit code 128 + signal. Interrupted (from the output life cycle) says
+    what is where; one that arrives outside an expansion has nothing to report."""
+    stop = exc if isinstance(exc, Interrupted) else Interrupted()
+    err_console.print(str(stop), highlight=False, soft_wrap=True)
+    raise typer.Exit(stop.exit_code) from None
+
+
 @contextmanager
 def user_errors():
     """Turn library errors into one line and an exit code; keep tracebacks for OTDUS_DEBUG."""
@@ -80,11 +88,7 @@ def user_errors():
     except OtdusError as exc:
         fail(str(exc), exc.exit_code)
     except KeyboardInterrupt as exc:
-        # Interrupted (any signal, from the output life cycle) says what is where; a bare Ctrl-C
-        # outside an expansion has nothing to report
-        stopped = exc if isinstance(exc, Interrupted) else Interrupted()
-        err_console.print(str(stopped), highlight=False, soft_wrap=True)
-        raise typer.Exit(stopped.exit_code) from None
+        stopped(exc)
     except typer.Exit:
         raise
     except Exception as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
@@ -149,7 +150,50 @@ def _local_model(model: str) -> str:
     return str(resolve_source(model).folder)
 
 
-def _evaluate(model: str, base: str | None, find_base: bool, flags: EvalFlags, json_out: bool) -> None:
+def parse_layer_map(text: str | None) -> list[dict] | None:
+    """--layer-map: '0,1,2,2,3,4' (base layer per expanded layer, 'new' for a layer with no source),
+    or a JSON file holding such a list (null for new) or a manifest-style list of layer entries."""
+    from otdus_cli.verify.proof import layer_map_from_sources
+
+    if text is None:
+        return None
+    path = Path(text)
+    if path.is_file():
+        from otdus_cli.io.reader import read_json_object
+
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, RecursionError):
+            raise OtdusError(f"--layer-map {text}: not valid JSON") from None
+        if isinstance(data, dict):
+            data = read_json_object(path).get("layers")
+        if not isinstance(data, list):
+            raise OtdusError(f"--layer-map {text}: expected a JSON list")
+        if all(isinstance(e, dict) for e in data):
+            return data
+        return layer_map_from_sources(data)
+    sources: list[int | None] = []
+    for token in (t.strip() for t in text.split(",")):
+        if token in ("new", "-"):
+            sources.append(None)
+        elif token.isdigit():
+            sources.append(int(token))
+        else:
+            raise OtdusError(
+                f"--layer-map: {token!r} is neither a base layer index nor 'new' (e.g. 0,1,2,2,3, or a file)"
+            )
+    return layer_map_from_sources(sources)
+
+
+def _evaluate(
+    model: str,
+    base: str | None,
+    find_base: bool,
+    flags: EvalFlags,
+    json_out: bool,
+    layer_map: str | None = None,
+    static: bool = False,
+) -> None:
     """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
     from otdus_cli.manifest import manifest_source
     from otdus_cli.source import resolve_source
@@ -160,10 +204,18 @@ def _evaluate(model: str, base: str | None, find_base: bool, flags: EvalFlags, j
     with user_errors(), task_progress(show_progress(json_out), label) as update:
         # everything the user can get wrong is checked before torch and transformers are imported
         model_dir = _local_model(model)
+        claimed = parse_layer_map(layer_map)
         if base is None and find_base:
             recorded = manifest_source(model_dir)
             base = str(resolve_source(*recorded).folder) if recorded else None
         base_dir = _local_model(base) if base else None
+        if (static or claimed is not None) and base_dir is None:
+            raise OtdusError(f"{model} has no otdus.json naming its base: give --base")
+        if static:
+            from otdus_cli.verify.proof import static_check
+
+            _print_static(static_check(base_dir, model_dir, claimed), json_out)
+            return
         corpus = _corpus(eval_options.pop("text"), eval_options.pop("dataset"), eval_options["max_docs"])
         from otdus_cli.verify.compare import make_plan, perplexity, verify_expansion
 
@@ -173,7 +225,7 @@ def _evaluate(model: str, base: str | None, find_base: bool, flags: EvalFlags, j
         if base_dir is None:
             report = perplexity(model_dir, plan, **run)
         else:
-            report = verify_expansion(base_dir, model_dir, plan, **run)
+            report = verify_expansion(base_dir, model_dir, plan, layer_map=claimed, **run)
     if base_dir is None:
         _print_ppl(report, json_out)
         _note_token_count(report.metrics, flags, json_out)
@@ -192,6 +244,10 @@ def _evaluate(model: str, base: str | None, find_base: bool, flags: EvalFlags, j
         if report.first_divergence is not None:
             d = report.first_divergence
             out_console.print(f"first divergence: {d.name} (max |diff| {d.max_abs_diff:.3g})")
+        if report.proof is not None:
+            from otdus_cli.verify.proof import summary
+
+            out_console.print(summary(report.proof), highlight=False)
         colour = "green" if report.exit_code == 0 else "red"
         out_console.print(f"[bold {colour}]{report.verdict}[/]")
         _note_token_count(report.base, flags, json_out)
@@ -211,6 +267,28 @@ def _note_token_count(metrics, flags: EvalFlags, json_out: bool) -> None:
     else:
         why = "that is all the text holds"
     out_console.print(f"--max-tokens {asked:,}: scored {metrics.n_tokens:,} tokens ({why})", highlight=False)
+
+
+def _print_static(proof, json_out: bool) -> None:
+    """--static: the proof alone; exit 1 when the layer map claims preservation the proof refutes."""
+    from otdus_cli.verify.proof import summary
+
+    exit_code = 1 if proof.claims_preserving and not proof.preserving else 0
+    if json_out:
+        emit_json({**proof.to_dict(), "exit_code": exit_code})
+    else:
+        table = Table(title="static check (no forward pass)")
+        for col in ("layer", "found", "identity", "claimed"):
+            table.add_column(col)
+        for f in proof.layers:
+            found = "new" if f.copy_of is None else f"copy of {f.copy_of}"
+            found = f"base layer {f.copy_of}" if f.base else found
+            claim = f.claim + (f" ({f.note})" if f.note else "")
+            table.add_row(str(f.index), found, "yes" if f.identity else "", claim)
+        out_console.print(table)
+        out_console.print(summary(proof), highlight=False)
+    if exit_code:
+        raise typer.Exit(exit_code)
 
 
 def _print_ppl(report, json_out: bool) -> None:
@@ -236,14 +314,33 @@ def verify(
             help="The base model. \\[default: the source recorded in the manifest]", parser=model_name
         ),
     ] = None,
+    layer_map: Annotated[
+        str | None,
+        typer.Option(
+            help="Which base layer each expanded layer holds, for a checkpoint without otdus.json: "
+            "'0,1,2,2,3,4' ('new' for a layer built from several), or a JSON file with such a list. "
+            "\\[default: the manifest's, else found by matching tensor fingerprints]"
+        ),
+    ] = None,
+    static: Annotated[
+        bool,
+        typer.Option(
+            "--static",
+            help="Stop after the static check (fingerprints and zero output projections; seconds, no "
+            "forward pass): exit 0 if it proves the function preserved or none is claimed, 1 if the "
+            "layer map claims it and the check refutes it.",
+        ),
+    ] = False,
     flags: EvalFlags = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Perplexity parity of an expansion with its base, layer by layer in lockstep (exit 1 if broken).
 
-    With no --base and no manifest, reports the one model's perplexity.
+    A static check comes first: the base must be the one the manifest recorded (exit 2 if not), and
+    each layer is matched to the base's by tensor fingerprints. With no --base and no manifest,
+    reports the one model's perplexity.
     """
-    _evaluate(expanded, base, True, flags, json_out)
+    _evaluate(expanded, base, True, flags, json_out, layer_map, static)
 
 
 @with_flags(EvalFlags)

@@ -54,10 +54,21 @@ HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 @dataclass
 class OutputReport:
-    """What the life cycle did besides writing: stale folders removed or found, for the user."""
+    """What the life cycle did besides writing: stale folders removed or found, for the user.
+
+    ``notify`` sees each note as it happens: a run interrupted later must still have said what it
+    removed.
+    """
 
     notes: list[str] = field(default_factory=list)
     replaced: bool = False  # --force replaced an earlier otdus output
+    notify: Callable[[str], None] | None = None
+
+    def add(self, notes: list[str]) -> None:
+        for note in notes:
+            self.notes.append(note)
+            if self.notify:
+                self.notify(note)
 
 
 # -- claim ---------------------------------------------------------------------------------------
@@ -372,7 +383,7 @@ def staged_output(
         with held_signals() as arrived:
             lock.acquire()
             expected = check_target(out, protected, force)  # again, now that no other run can race us
-            report.notes += sweep_stale(absolute)
+            report.add(sweep_stale(absolute))
             tmp = _make_temporary(absolute)
         if arrived() is not None:
             raise Interrupted(arrived())
@@ -391,7 +402,7 @@ def staged_output(
         raise
     with held_signals() as arrived:
         try:
-            report.notes += _swap(tmp, absolute, expected, absolute.parent)
+            report.add(_swap(tmp, absolute, expected, absolute.parent))
             report.replaced = expected == "otdus"
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -3,28 +3,34 @@
 For a module with weight W (rows = output neurons) a transport plan T couples A's neurons with
 B's; A is aligned to B and the two are averaged:
 
-    W_new = 1/2 ( (n T)^T (W_A T_in) + W_B )
+    W_new = 1/2 ( (s T)^T (W_A T_in) + W_B ),   s = n (paper, structured) or 1 (official)
 
 where T_in is the plan already applied to the module's input side ("transport matrix flow").
 Three variants (docs/ot.md has the full tables and the reasons):
 
-* ``paper`` (default): the paper's formulas (reference.md section 2): unit-row Euclidean cost
-  divided by its max, an own plan for each of q, k, v, o, gate, up, down, plans applied scaled by
-  n, post-attention norm T_in = 1/2 (n T_O + I), gate/up T_in = n T_O, o/down zero.
-* ``official``: what the authors' released script computes (section 2.1): raw Euclidean cost,
-  POT's standard Sinkhorn (reg 0.06, 10000 iterations, stopThr 1e-9) in float32, plans applied
-  WITHOUT the factor n, unscaled T_O in the norm and gate/up inputs; o/down zero.
+* ``paper`` (default): the paper's transport-matrix flow (an own plan for each of q, k, v, o,
+  gate, up, down; post-attention norm T_in = 1/2 (T_O + I), gate/up T_in = T_O; o/down zero)
+  with Imfeld et al.'s fusion conventions where the paper's text is silent (the cost) or
+  writes otherwise (no factor n): plans applied scaled by n (so an aligned row is a convex
+  combination of A's rows, not 1/n of one), unit-row Euclidean cost divided by its max (the
+  cost on which Imfeld et al. found reg 0.06 best for weight-based fusion).
+* ``official``: what the authors' released script (Model/OT-DUS.py) computes (reference.md
+  section 2.1): raw Euclidean cost, POT's standard Sinkhorn (reg 0.06, 10000 iterations, stopThr
+  1e-9) in float32, plans applied WITHOUT the factor n, as the paper's table writes them.
 * ``structured`` (ours, section 2.2): alignment only along the layer's real symmetries. One plan
   per MLP neuron (gate row, up row, down column together); attention aligned by whole heads (a
   KV head with its group of query heads), no permutation inside q/k heads (RoPE pairs intact),
   V dims matched inside a head with the O columns following; the hidden (residual) axis is not
   permuted at all.
 
+docs/ot.md, "Where each choice comes from", gives the source of every choice (paper, Imfeld et
+al., released script, ours); methods/ot_choices.py records them in the manifest.
+
 Options (``ctx.options``; a key that is missing or None takes its default):
     variant   "paper" | "official" | "structured"                        (default "paper")
     solver    "sinkhorn" | "emd" (exact assignment)                       (default "sinkhorn")
     reg       entropic regularisation                                    (default 0.06)
-    tol       Sinkhorn stop: relative marginal error                     (default 1e-6)
+    tol       Sinkhorn stop: relative marginal error (our rule)          (default 1e-6)
     max_iter  Sinkhorn iteration cap                                     (default 2000)
     device    "auto" | "cpu" | "cuda" | "cuda:N"; default ctx.device
     zero_init whether o/down come out zero, as in the paper              (default True)
@@ -338,7 +344,11 @@ def _zeros_like_role(ta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _aligned_role(
     plan: TransportPlan, ta: dict[str, torch.Tensor], tb: dict[str, torch.Tensor], scale: float | None
 ) -> dict[str, torch.Tensor]:
-    """1/2 ((s T)^T X_A + X_B) for the weight (already input-aligned) and the bias of one role."""
+    """1/2 ((s T)^T X_A + X_B) for the weight (already input-aligned) and the bias of one role.
+
+    The bias moves with its weight's output plan, as in Imfeld et al.'s fusion code; the paper and
+    the released script have no biases (Llama), so for them this is our extension.
+    """
     out = {}
     for kind, t in ta.items():
         moved = plan.rows_to_b(_f32(t), scale)  # fresh: safe to update in place
@@ -365,8 +375,9 @@ def _norm_through(
     """A norm gain aligned through a plan on its axis, then averaged with B's.
 
     The gain that multiplies activations is s = w + offset (offset 1 for Gemma's (1 + w) norms),
-    so the alignment acts on s: 1/2 (s_A T_in + s_B) - offset. ``mix``: T_in = 1/2 (s T + I), the
-    paper's rule for the post-attention norm (residual = identity path + attention path).
+    so the alignment acts on s: 1/2 (s_A T_in + s_B) - offset (our choice: Gemma is outside the
+    paper). ``mix``: T_in = 1/2 (s T + I), the paper's rule for the post-attention norm (residual
+    = identity path + attention path; Imfeld et al.'s "mean" residual policy does the same).
     Written as 1/2 (w_A T_in + w_B) + offset/2 (1 T_in - 1), which is bit-exact when T_in's
     columns sum to exactly 1 (a permutation); with the released code's unscaled T they sum to
     ~1/n and the offset term matters.
@@ -390,12 +401,13 @@ Roles = Iterator[tuple[str, dict[str, torch.Tensor]]]
 
 
 def _paper(pair: _ParentPair, heads: Heads, s: OTSettings, offset: float, stats: dict) -> Roles:
-    """The transport-matrix-flow table of reference.md section 2 (or its released-code form),
-    yielding each module as soon as it is built.
+    """The paper's transport-matrix-flow table, yielding each module as soon as it is built.
 
-    paper:    cost "paper", chosen solver, plans applied as n T.
-    official: cost "raw", POT standard Sinkhorn, plans applied as T (scale 1): A's contribution
-              shrinks by ~n, so q/k/v/gate/up come out ~ 1/2 W_B, exactly as the released code.
+    paper:    cost "paper" (Imfeld et al.'s), chosen solver, plans applied as n T (Imfeld et
+              al.'s convention: an aligned row is a convex combination of A's rows).
+    official: cost "raw", POT standard Sinkhorn, plans applied as T (scale 1), as the released
+              script does and the paper's table writes them: A's contribution shrinks by ~n,
+              so q/k/v/gate/up come out ~ 1/2 W_B.
     With zero-init on, o and down come out zero: their plans are still solved (T_O feeds the
     post-attention norm and gate/up; T_D Gemma's post-feedforward norm; both go to the stats),
     but the aligned weights are not computed.
@@ -437,11 +449,13 @@ def _paper(pair: _ParentPair, heads: Heads, s: OTSettings, offset: float, stats:
     yield "o", out
     del out
     # Gemma's post-attention / post-feedforward norms scale o's / down's output rows, so in
-    # "paper" they follow T_O / T_D (the plans of the rows they multiply). They only ever act on
-    # the zeroed outputs, so they cannot change the function; the released code has no such
-    # tensors, and "official" averages them plainly rather than invent a convention.
+    # "paper" they follow T_O / T_D (the plans of the rows they multiply: our extension of the
+    # flow, neither the paper nor the released script has these tensors). They only ever act on
+    # the zeroed outputs, so they cannot change the function; "official" averages them plainly
+    # rather than invent a convention.
     yield from _output_norm(pair, "attn_out_norm", plan_o, offset, scale, official)
-    # Post-attention (pre-MLP) norm: T_in = 1/2 (s T_O + I).
+    # Post-attention (pre-MLP) norm: T_in = 1/2 (s T_O + I) (the paper's table: the residual
+    # stream is the identity path plus the attention path; s = n is Imfeld et al.'s scaling).
     ta, tb = pair.take("mlp_norm")
     yield "mlp_norm", {"weight": _norm_through(plan_o, ta["weight"], tb["weight"], offset, scale, mix=True)}
     for role in ("gate", "up"):

@@ -5,13 +5,18 @@ holds C[i, j] = distance between row i of A and row j of B; the transport plan i
 
 Two costs are offered:
 
-* ``paper_cost``: each row scaled to unit L2 norm, Euclidean (not squared) distance, the whole
-  matrix divided by its maximum so that it lies in [0, 1]. This is the cost of Imfeld et al.
-  (Transformer fusion with OT), which the OT-DUS paper describes and whose regularisation 0.06
-  it borrows; on a [0, 1] cost reg = 0.06 means "a cost gap of 0.06 weighs e times less".
+* ``paper_cost`` (the cost of the `paper` variant; the name is historical): each row scaled to
+  unit L2 norm, Euclidean (not squared) distance, the whole matrix divided by its maximum so
+  that it lies in [0, 1]. This is Imfeld et al.'s weight-based ground metric (their released
+  transformer-fusion code, ground_metric.py: ``wts.norm: True``, ``type: euclidean``,
+  ``squared: False``, ``norm: max``), for which their configuration names 0.06 as the best
+  Sinkhorn regularisation with weights; on a [0, 1] cost reg = 0.06 means "a cost gap of 0.06
+  weighs e times less". As far as we could check (issue 22; docs/ot.md, "Where each choice
+  comes from"), the OT-DUS paper's text does not state this normalisation: taking it for
+  `paper` is our choice.
 * ``raw_cost``: Euclidean distance between the raw rows, as the authors' released script
-  computes it (``torch.cdist(W1, W2, p=2)``); reg = 0.06 is then an absolute scale that depends
-  on the norms of the weights.
+  computes it (``torch.cdist(W1, W2, p=2)`` in Model/OT-DUS.py); reg = 0.06 is then an absolute
+  scale that depends on the norms of the weights.
 
 Distances are computed with matrix products (``|a|^2 + |b|^2 - 2 a.b``, clamped at 0, square
 root), which needs only the n x m output and is fast on every device.
@@ -55,7 +60,8 @@ def euclidean_distances(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
 
 
 def paper_cost(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-    """The paper's cost: unit-norm rows, Euclidean distance, divided by its maximum (in [0, 1]).
+    """The `paper` variant's cost (Imfeld et al.'s): unit-norm rows, Euclidean distance, divided by
+    its maximum (in [0, 1]).
 
     If every distance is zero (identical, degenerate inputs) the cost is all zeros.
     """
@@ -63,9 +69,9 @@ def paper_cost(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
 
 
 def paper_cost_of_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The paper's cost between rows made of several parts, each part scaled to unit norm.
+    """``paper_cost`` between rows made of several parts, each part scaled to unit norm.
 
-    Row i of A stands for [unit(A1_i) | unit(A2_i) | ...] (one part: the paper's cost). The
+    Row i of A stands for [unit(A1_i) | unit(A2_i) | ...] (one part: ``paper_cost``). The
     concatenation is never built: with e_i the number of nonzero parts of row i (an all-zero
     part stays zero, as in ``unit_rows``),
 

@@ -1,6 +1,7 @@
 """The released OT-DUS code's solver, reproduced call for call.
 
-The authors' script solves every module with
+The authors' script (voalmciaf/OpT-DeUS, ``Model/OT-DUS.py``; ``Model/OpT-DeUS.py`` before its
+rename of 2026-03-12, same computation) solves every module with
 
     ot.sinkhorn(torch.ones(n) / n, torch.ones(n) / n, torch.cdist(W1, W2, p=2), 0.06, numItermax=10000)
 

@@ -3,8 +3,12 @@
 T (n x m) couples the n rows (output neurons) of A with the m rows of B; T_ij is the mass of A's
 neuron i sent to B's neuron j. With uniform marginals, n T has rows and columns summing to 1
 (when n = m), so (n T)^T W_A expresses B's neuron j as a convex combination of A's neurons: the
-"aligned" A. The OT-DUS paper applies the plan scaled by n; the authors' released code applies
-T unscaled, which is why ``scale`` is a parameter.
+"aligned" A. Unscaled, T^T W_A is that combination times 1/n, so A's share of an average
+shrinks by ~n. Scaling by n is the fusion codes' convention (Imfeld et al.'s otfusion_lib.py,
+"normalize t_out with beta (marginals)"; Singh & Jaggi's ``--correction``), which the `paper`
+and `structured` variants follow. The OT-DUS paper's transport-matrix-flow table writes T_O and
+1/2 (T_O + I) with no factor (as issue 22 quotes it), and the authors' released script applies
+T unscaled (`official`): hence ``scale`` (docs/ot.md, "Where each choice comes from").
 
 A plan is stored either densely (Sinkhorn) or as a permutation (exact assignment with uniform
 marginals, where T = P / n for a permutation matrix P): applying a permutation is an index, not
@@ -55,7 +59,8 @@ class TransportPlan:
     def rows_to_b(self, w: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """(s T)^T w: A-indexed rows (dim 0 of ``w``, size n) moved to B's indexing (size m).
 
-        ``s`` defaults to n (the paper's convention); pass scale=1.0 for the released code's.
+        ``s`` defaults to n (the fusion convention: variants paper and structured); pass
+        scale=1.0 for the released script's (variant official).
         ``w`` may be 1-D (a bias or norm vector) or 2-D (a weight matrix).
         """
         s = float(self.n) if scale is None else float(scale)

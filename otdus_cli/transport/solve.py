@@ -3,7 +3,8 @@
     plan = match_rows(W_A, W_B, cost="paper", solver="sinkhorn", reg=0.06)
     aligned_A = plan.rows_to_b(W_A)          # (n T)^T W_A
 
-``cost``: "paper" (unit rows, Euclidean, divided by its max) or "raw" (Euclidean on raw rows).
+``cost``: "paper" (unit rows, Euclidean, divided by its max: Imfeld et al.'s weight-based ground
+metric, which the `paper` variant uses) or "raw" (Euclidean on raw rows: the released script's).
 ``solver``:
   * "sinkhorn": our stabilised Sinkhorn (sinkhorn.py), stops at relative marginal error <= tol;
   * "emd": the exact plan, an assignment (assignment.py);

@@ -117,7 +117,12 @@ def perplexity(
 ) -> PerplexityReport:
     """Single-model perplexity (``otdus ppl``), streamed layer by layer."""
     model = StreamedModel(
-        model_dir, device=device, dtype=dtype, attn_implementation=attn_implementation, batch_size=batch_size
+        model_dir,
+        device=device,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        batch_size=batch_size,
+        self_check="on",
     )
     metrics = metrics_from_logprobs(plan, score_plan(model, plan, progress))
     return PerplexityReport(str(model_dir), str(model.device), _dtype_name(model.dtype), metrics)
@@ -316,6 +321,7 @@ def verify_expansion(
         dtype=torch_dtype,
         attn_implementation=attn_implementation,
         batch_size=batch_size,
+        self_check="whole-model",
     )
     expd = StreamedModel(
         expd_reader,
@@ -323,6 +329,7 @@ def verify_expansion(
         dtype=torch_dtype,
         attn_implementation=attn_implementation,
         batch_size=batch_size,
+        self_check="on",
     )
     entries = layer_entries(layer_map, expd.num_layers)
     points = correspondence(entries, base.num_layers)

@@ -51,20 +51,32 @@ def open_stack(folder: str | os.PathLike[str] | CheckpointReader) -> LayerStack:
 _COSMETIC_CONFIG_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures"}
 
 
-def _semantic_config(config: dict) -> dict:
-    """The config as transformers reads it (a re-save may rename fields, e.g. rope_theta into
-    rope_parameters), without the fields that only say how it was written."""
+def _semantic_config(config: dict, normalise: bool) -> dict:
+    """The config without the fields that only say how it was written; with ``normalise``, as
+    transformers reads it (a re-save may rename fields, e.g. rope_theta into rope_parameters)."""
     import warnings  # noqa: PLC0415
 
-    try:
-        from transformers import AutoConfig  # noqa: PLC0415
+    if normalise:
+        try:
+            from transformers import AutoConfig  # noqa: PLC0415
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            config = AutoConfig.for_model(**config).to_dict()
-    except Exception:  # a model_type transformers does not know: compare the fields as written
-        pass
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = AutoConfig.for_model(**config).to_dict()
+        except Exception:  # a model_type transformers does not know: compare the fields as written
+            pass
     return {k: v for k, v in config.items() if k not in _COSMETIC_CONFIG_KEYS}
+
+
+def _config_difference(mine: dict, theirs: dict) -> str | None:
+    """The first field in which two configs differ as models, or None (transformers is imported
+    only when the files differ as written)."""
+    for normalise in (False, True):
+        a, b = _semantic_config(mine, normalise), _semantic_config(theirs, normalise)
+        if a == b:
+            return None
+    key = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))[0]
+    return f"config.json field {key} is {json.dumps(a.get(key))}, the source had {json.dumps(b.get(key))}"
 
 
 def check_recorded_base(manifest: dict | None, base: LayerStack) -> list[str]:
@@ -87,13 +99,9 @@ def check_recorded_base(manifest: dict | None, base: LayerStack) -> list[str]:
     recorded_config = source.get("config")
     if isinstance(recorded_config, dict):
         made.insert(0, "config.json fields")
-        mine, theirs = _semantic_config(base.config), _semantic_config(recorded_config)
-        if mine != theirs:
-            key = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))[0]
-            raise WrongBase(
-                f"{not_it}: config.json field {key} is {json.dumps(mine.get(key))}, the source had "
-                f"{json.dumps(theirs.get(key))}"
-            )
+        difference = _config_difference(base.config, recorded_config)
+        if difference:
+            raise WrongBase(f"{not_it}: {difference}")
     layers = prints.get("layers") or []
     if len(layers) != base.depth:
         raise WrongBase(f"{where} has {base.depth} layers; the expansion was made from {len(layers)}")
@@ -140,6 +148,7 @@ class StaticProof:
     outside_equal: bool  # embeddings, final norm, head: the base's
     preserving: bool
     reason: str  # why the proof fails ("" when it holds)
+    claims_preserving: bool | None = None  # what the claimed layer map says (None: no claim)
     base_checks: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -209,7 +218,15 @@ def prove(base: LayerStack, expanded: LayerStack, claimed: Sequence[dict] | None
         if bad is not None:
             what = f"a copy of base layer {bad.copy_of}" if bad.copy_of is not None else "new"
             reason = f"layer {bad.index} is {what} and not an identity (its output projections are not zero)"
-    return StaticProof(findings, outside_equal, reason == "", reason)
+    claims = None if claimed is None else map_claims_preserving(claimed, base.depth)
+    return StaticProof(findings, outside_equal, reason == "", reason, claims)
+
+
+def map_claims_preserving(entries: Sequence[dict], base_depth: int) -> bool:
+    """A layer map describes a function-preserving expansion: base layers once each, in order, and
+    every new layer zero-initialised."""
+    base_order = [e.get("source") for e in entries if not e.get("new")]
+    return base_order == list(range(base_depth)) and all(e.get("zero_init") for e in entries if e.get("new"))
 
 
 def static_check(
@@ -233,3 +250,29 @@ def static_check(
     proof = prove(base_stack, expanded_stack, claimed)
     proof.base_checks = checks
     return proof
+
+
+def layer_map_from_sources(sources: Sequence[int | None]) -> list[dict]:
+    """A layer map from a list such as [0, 1, 2, 2, 3, None]: expanded layer j holds base layer
+    sources[j] (its first appearance is that base layer, a repeat is a new copy), None a new layer.
+    Whether new layers are identities is for the static proof to find out."""
+    seen: set[int] = set()
+    out = []
+    for j, i in enumerate(sources):
+        if i is not None and (not isinstance(i, int) or isinstance(i, bool) or i < 0):
+            raise OtdusError(f"layer map entry {j} is {i!r}; give base layer indices or 'new'")
+        new = i is None or i in seen
+        if i is not None:
+            seen.add(i)
+        out.append({"index": j, "source": i, "new": new, "zero_init": False})
+    return out
+
+
+def summary(proof: StaticProof) -> str:
+    """One line: what the static check found."""
+    copies = sum(f.base for f in proof.layers)
+    identities = sum(f.identity for f in proof.layers)
+    found = f"{copies} base layers in order, {identities} identity layers, {len(proof.layers)} in all"
+    if proof.preserving:
+        return f"static check: function-preserving ({found}; outside the stack: the base's)"
+    return f"static check: not shown function-preserving ({found}): {proof.reason}"

@@ -1,6 +1,8 @@
 """Layer-by-layer evaluation of a checkpoint with the model's own transformers classes.
 
-The model is instantiated on the meta device (no memory, no trust_remote_code). Its decoder layers are
+The model is instantiated with its parameters on the meta device (no memory, no trust_remote_code) and
+its buffers as its constructors compute them (rotary frequencies, embedding scales: see ``hf_compat``,
+which holds every transformers-version detail the evaluator relies on). Its decoder layers are
 swapped for light stand-ins, so the family's own ``forward`` still computes everything around the
 layers: embeddings (Gemma's scaling included), position ids, rotary embeddings (per layer type for
 Gemma 3), causal / sliding-window masks from transformers' masking utilities, the final norm, the
@@ -27,6 +29,7 @@ from torch import nn
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.verify import hf_compat
 
 # Large tensors are copied from disk in blocks of this size (float32 destination bytes).
 _COPY_BLOCK_BYTES = 64 * 2**20
@@ -75,6 +78,9 @@ class _LayerStandIn(nn.Module):
     mode "record": remember the call's keyword arguments (masks, rotary embeddings, ...) and, for the
     first layer, its input (the embeddings); pass the hidden states through.
     mode "inject": the last layer returns the given final hidden states instead of its input.
+    mode "delegate": hand the call to the real layer (``_Hub.delegate``) and return what it returns.
+    Outside "delegate", the hidden states are returned the way the real layers return them (a tensor or
+    a 1-tuple), which the first recording learns from real layer 0 (``_Hub.learn_output``).
     """
 
     def __init__(self, index: int, real: nn.Module, hub: _Hub):
@@ -88,16 +94,19 @@ class _LayerStandIn(nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         hub = self._hub
+        if args:
+            raise OtdusError("decoder layer called with positional arguments besides hidden_states")
+        if hub.mode == "delegate":
+            return hub.delegate(self.index, hidden_states, kwargs)
         if hub.mode == "record":
-            if args:
-                raise OtdusError("decoder layer called with positional arguments besides hidden_states")
             if self.index == 0:
                 hub.first_input = hidden_states
+                if hub.output_is_tuple is None:
+                    hub.output_is_tuple = hf_compat.returns_tuple(hub.learn_output(hidden_states, kwargs))
             hub.kwargs[self.index] = kwargs
-            return hidden_states
-        if hub.mode == "inject" and self.index == hub.last_index:
-            return hub.final_hidden
-        return hidden_states
+        elif hub.mode == "inject" and self.index == hub.last_index:
+            hidden_states = hub.final_hidden
+        return hf_compat.as_layer_output(hidden_states, bool(hub.output_is_tuple))
 
 
 @dataclass
@@ -107,6 +116,10 @@ class _Hub:
     kwargs: dict[int, dict] = field(default_factory=dict)
     last_index: int = -1
     final_hidden: torch.Tensor | None = None
+    # (hidden_states, kwargs) -> real layer 0's output on them; None until learned
+    learn_output: Callable[[torch.Tensor, dict], object] | None = None
+    output_is_tuple: bool | None = None
+    delegate: Callable[[int, torch.Tensor, dict], object] | None = None
 
 
 @dataclass
@@ -118,6 +131,19 @@ class Activations:
     hidden: list[torch.Tensor]  # [B, T, H] per batch (on the activation device)
     layer_kwargs: list[dict[int, dict] | None]  # per batch: layer index -> forward kwargs (None: recompute)
     layers_done: int = 0
+    check: CheckBatch | None = None  # the self-check's input, carried along beside the windows
+
+
+@dataclass
+class CheckBatch:
+    """The self-check's input (not a window of the plan): run through every layer like the windows,
+    then its logits are compared with ``reference`` (transformers' own, computed ``how``)."""
+
+    ids: torch.Tensor  # [1, T]
+    hidden: torch.Tensor  # [1, T, H]
+    layer_kwargs: dict[int, dict]
+    reference: torch.Tensor  # [T, V] on the CPU
+    how: str
 
 
 def group_windows(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -145,10 +171,6 @@ def _tensor_bytes(obj, seen: set[int] | None = None) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(v, seen) for v in obj)
     return 0
-
-
-def _has_volatile_buffers(module: nn.Module) -> bool:
-    return any(name in module._non_persistent_buffers_set for name, _ in module.named_buffers(recurse=False))
 
 
 def _non_persistent_keys(module: nn.Module) -> set[str]:
@@ -197,8 +219,9 @@ class StreamedModel:
         batch_size: int = 1,
         activation_device: str | torch.device | None = None,
         kwargs_budget: int = 512 * 2**20,
+        self_check: str = "off",
     ):
-        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 - heavy import
+        from transformers import AutoConfig  # noqa: PLC0415 - heavy import
 
         self.reader = model if isinstance(model, CheckpointReader) else CheckpointReader(model)
         self.folder = Path(self.reader.folder)
@@ -207,18 +230,25 @@ class StreamedModel:
         self.activation_device = resolve_device(activation_device) if activation_device else self.device
         self.batch_size = max(1, int(batch_size))
         self.kwargs_budget = kwargs_budget  # bytes of recorded masks/rotary tables kept between layers
+        # "on": the next start() adds the self-check (see verify.self_check); "whole-model": only if the
+        # model is small enough for the whole-model reference
+        if self_check not in ("off", "on", "whole-model"):
+            raise ValueError(f"self_check must be off, on or whole-model, not {self_check!r}")
+        self.self_check = self_check
+        self._check_pending = self_check != "off"
         try:
             config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
         except Exception as exc:  # unknown model_type, invalid fields, ...
             raise OtdusError(f"transformers cannot read {self.folder}/config.json: {exc}") from None
-        kwargs = {"dtype": self.dtype}
-        if attn_implementation:
-            kwargs["attn_implementation"] = attn_implementation
-        try:
-            with torch.device("meta"):
-                self.model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kwargs)
-        except Exception as exc:
-            raise OtdusError(f"cannot build {config.model_type} with transformers: {exc}") from None
+        self.attn_implementation = attn_implementation
+        self.model, self._buffer_values = hf_compat.build_skeleton(config, self.dtype, attn_implementation)
+        # tied name -> its source; a stored tied copy is its own tensor where transformers loads it so
+        untie = hf_compat.loads_stored_tied_copies()
+        self._tied = {
+            target: source
+            for target, source in hf_compat.tied_parameters(self.model).items()
+            if not (untie and target in self.reader)
+        }
         self.model.eval()
         self.config = self.model.config
         self.decoder = self._find_decoder()
@@ -228,7 +258,7 @@ class StreamedModel:
             raise OtdusError(f"{self.folder} has no decoder layers")
         self.layer_prefixes = self._layer_prefixes()
         self._check_layer_tensors()
-        self._hub = _Hub(last_index=self.num_layers - 1)
+        self._hub = _Hub(last_index=self.num_layers - 1, learn_output=self._layer0_output)
         self.decoder.layers = nn.ModuleList(
             _LayerStandIn(i, layer, self._hub) for i, layer in enumerate(self.layers)
         )
@@ -311,9 +341,7 @@ class StreamedModel:
     ) -> None:
         """Allocate ``module`` on the device and fill it from the checkpoint (tensors under ``prefix``)."""
         module.to_empty(device=self.device)
-        for sub in module.modules():
-            if _has_volatile_buffers(sub):
-                self.model._init_weights(sub)  # recomputes rotary inv_freq, Gemma's embed_scale, ...
+        hf_compat.restore_buffers(module, self._buffer_values)  # rotary inv_freq, Gemma's embed_scale, ...
         skip = _non_persistent_keys(module)
         targets = dict(module.named_parameters())
         targets.update(dict(module.named_buffers()))
@@ -337,15 +365,16 @@ class StreamedModel:
         """Per shell stage, the module that stage can leave on the meta device (none if unlisted).
 
         "embed" (embedding the windows) needs no LM head, "head" (the logits, fed the final hidden
-        states as ``inputs_embeds``) no input embeddings; unless the two share one matrix stored
-        once, which then serves both stages.
+        states as ``inputs_embeds``) no input embeddings; unless the two are tied (one matrix), which
+        then serves both stages.
         """
         inp, out = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         weight_in, weight_out = getattr(inp, "weight", None), getattr(out, "weight", None)
         if not isinstance(weight_in, nn.Parameter) or not isinstance(weight_out, nn.Parameter):
             return {}
-        head_name = next(name for name, module in self.model.named_modules() if module is out) + ".weight"
-        if weight_in is weight_out and head_name not in self.reader:  # tied, and stored once
+        names = {id(m): n for n, m in self.model.named_modules()}
+        pair = {names[id(inp)] + ".weight", names[id(out)] + ".weight"}
+        if any({target, source} == pair for target, source in self._tied.items()):
             return {}
         return {"embed": out, "head": inp}
 
@@ -358,39 +387,43 @@ class StreamedModel:
             self.free_shell()
         skip = self._stage_skips.get(stage)
         skipped = {id(p) for p in skip.parameters()} if skip is not None else set()
-        layer_ids = {id(p) for layer in self.layers for p in layer.parameters()}
-        tied = dict(getattr(self.model, "all_tied_weights_keys", None) or {})
+        tied = self._tied
         # stand-ins own nothing and real layers are not children; the skipped module stays on meta
         for sub in self.model.modules():
             if sub is not skip:
                 sub.to_empty(device=self.device, recurse=False)
-        for sub in self.model.modules():
-            if sub is not skip and _has_volatile_buffers(sub):
-                self.model._init_weights(sub)
+                hf_compat.restore_buffers(sub, self._buffer_values, recurse=False)
         on_disk = set(self.reader.names)
         with torch.no_grad():
             for name, param in self.model.named_parameters(remove_duplicate=False):
-                if id(param) in layer_ids or id(param) in skipped or param.is_meta:
+                if id(param) in skipped or param.is_meta or name in tied:
                     continue
-                if name in on_disk:
-                    self._copy_from_disk(param, name)
-                elif name not in tied:
+                # a tied group is read from its first name on disk (the head, if only it is stored)
+                group = [name] + [t for t, s in tied.items() if s == name]
+                stored = next((n for n in group if n in on_disk), None)
+                if stored is None:
                     raise OtdusError(f"{self.folder.name}: tensor {name} not found")
+                self._copy_from_disk(param, stored)
             for name, buf in self.model.named_buffers():
                 if name in on_disk:
                     buf.copy_(self.reader.get(name))
-        for target, source in tied.items():
-            if target in on_disk:
-                continue  # stored untied on disk: keep both as stored
+        for target, source in tied.items():  # to_empty gave each module its own copy: tie them again
             owner_name, _, attr = target.rpartition(".")
-            owner = self.model.get_submodule(owner_name)
-            setattr(owner, attr, self.model.get_parameter(source))
+            setattr(self.model.get_submodule(owner_name), attr, self.model.get_parameter(source))
         self._shell_loaded = stage
 
     def free_shell(self) -> None:
         if self._shell_loaded:
             self.model.to_empty(device="meta")
             self._shell_loaded = None
+
+    def _layer0_output(self, hidden_states: torch.Tensor, kwargs: dict):
+        """Real layer 0's output on its first recorded call: how the stand-ins must return."""
+        layer = self.load_layer(0)
+        try:
+            return layer(hidden_states, **kwargs)
+        finally:
+            self.free_layer(0)
 
     def load_layer(self, index: int) -> nn.Module:
         layer = self.layers[index]
@@ -407,9 +440,20 @@ class StreamedModel:
         """Embed every window (token id lists) and record each layer's forward arguments."""
         if not inputs:
             raise OtdusError("nothing to evaluate (no windows)")
-        self._load_shell("embed")
         groups = group_windows([len(x) for x in inputs], self.batch_size)
+        reference = None
+        if self._check_pending:  # once per model: the first window's start, as a batch of its own
+            from otdus_cli.verify.self_check import SELF_CHECK_TOKENS, reference_logits  # noqa: PLC0415
+
+            self._check_pending = False
+            check_ids = list(inputs[0])[:SELF_CHECK_TOKENS]
+            reference = reference_logits(self, check_ids, whole_model_only=self.self_check == "whole-model")
+        self._load_shell("embed")
         acts = Activations(groups=groups, inputs=[], hidden=[], layer_kwargs=[])
+        if reference is not None:
+            ids = torch.tensor([check_ids], dtype=torch.long, device=self.device)
+            embedded, kwargs = self._record(ids)
+            acts.check = CheckBatch(ids, embedded.to(self.activation_device), kwargs, *reference)
         by_shape: dict[tuple[int, int], dict[int, dict]] = {}
         kept_bytes = 0
         for group in groups:
@@ -455,10 +499,11 @@ class StreamedModel:
                     self._load_shell("embed")  # recording runs the embeddings again
                     kwargs = self._record(acts.inputs[g])[1]
                 h = hidden.to(self.device)
-                out = layer(h, **kwargs[index])
-                if isinstance(out, tuple):  # older-style layers return (hidden_states, ...)
-                    out = out[0]
+                out = hf_compat.hidden_states_of(layer(h, **kwargs[index]))
                 acts.hidden[g] = out.to(self.activation_device)
+            if acts.check is not None:
+                out = layer(acts.check.hidden.to(self.device), **acts.check.layer_kwargs[index])
+                acts.check.hidden = hf_compat.hidden_states_of(out).to(self.activation_device)
         finally:
             if own:
                 self.free_layer(index)
@@ -485,6 +530,9 @@ class StreamedModel:
         head = self.model.get_output_embeddings()
         vocab = int(head.weight.shape[0]) if head is not None else int(self.config.vocab_size)
         try:
+            if acts.check is not None:  # before any figure comes out
+                self._self_check(acts.check)
+                acts.check = None
             for g, group in enumerate(acts.groups):
                 length = acts.inputs[g].shape[1]
                 k = length if keep is None else max(keep[i] for i in group)
@@ -499,6 +547,42 @@ class StreamedModel:
                     yield group, p0, out.logits
         finally:
             hub.mode, hub.final_hidden = "record", None
+
+    def _self_check(self, check: CheckBatch) -> None:
+        """The check batch's logits, in one piece as the reference computed them, against the reference
+        (refuses with OtdusError when they differ)."""
+        from otdus_cli.verify.self_check import check_logits  # noqa: PLC0415
+
+        hub = self._hub
+        hub.mode, hub.final_hidden = "inject", check.hidden.to(self.device)
+        logits = self.model(inputs_embeds=hub.final_hidden, use_cache=False, logits_to_keep=0).logits
+        hub.mode, hub.final_hidden = "record", None
+        check_logits(self, logits[0], check.reference, check.how)
+
+    @torch.inference_mode()
+    def forward_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Logits [T, V] of one input by the family's own forward in one call, each decoder layer loaded
+        when the forward reaches it (the stand-ins hand the call to the real layer): no recorded
+        arguments, no injected states. The self-check's reference for models too large to load whole."""
+        hub = self._hub
+
+        def delegate(index: int, hidden_states: torch.Tensor, kwargs: dict):
+            if index == 0 and self._stage_skips:
+                self._load_shell("head")  # the input embeddings are done with: never hold both
+            layer = self.load_layer(index)
+            try:
+                return layer(hidden_states, **kwargs)
+            finally:
+                self.free_layer(index)
+
+        self._load_shell("embed")
+        hub.mode, hub.delegate = "delegate", delegate
+        try:
+            ids_t = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+            return self.model(input_ids=ids_t, use_cache=False).logits[0]
+        finally:
+            hub.mode, hub.delegate = "record", None
+            self.free_shell()
 
     def run(
         self, inputs: Sequence[Sequence[int]], progress: Callable[[int, int], None] | None = None

@@ -1,0 +1,125 @@
+"""The conventions each OT-DUS variant uses, and where each comes from (recorded in the manifest).
+
+Two checkpoints built with different variants, or by different otdus versions, can then be
+compared choice by choice. Each choice has a ``value`` (what is computed) and a ``source``:
+
+* ``paper``: stated by the OT-DUS paper (Cao, Wang & Aletras, arXiv 2508.08011): its
+  transport-matrix-flow table and Algorithm 1 (docs/ot.md, "Where each choice comes from");
+* ``imfeld``: the convention of Imfeld et al. 2024's released transformer-fusion code
+  (graldij/transformer-fusion), which the paper builds on;
+* ``released``: the OT-DUS authors' released script (voalmciaf/OpT-DeUS, ``Model/OT-DUS.py``);
+* ``otdus``: our own choice (the paper and the released script cover Llama tensors only);
+* ``user``: an option the user set away from the variant's default.
+
+The builder (methods/ot.py) is what computes; this table says what it computes.
+tests/test_ot_choices.py checks the two against each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from otdus_cli.options import OTOptions
+
+__all__ = ["SOURCES", "ot_choices"]
+
+SOURCES = ("paper", "imfeld", "released", "otdus", "user")
+
+_DEFAULT_REG = 0.06
+_RELEASED_ITERATIONS, _RELEASED_STOP = 10000, 1e-9
+
+
+def _choice(value: Any, source: str) -> dict[str, Any]:
+    assert source in SOURCES, source
+    return {"value": value, "source": source}
+
+
+def ot_choices(ot: OTOptions, zero_init: bool) -> dict[str, dict[str, Any]]:
+    """choice -> {"value", "source"} for ``--method ot`` with these options."""
+    variant, exact = ot.variant, ot.solver == "emd"
+    official, structured = variant == "official", variant == "structured"
+    # Where this variant's conventions come from when they are not the paper's own.
+    fusion = "released" if official else "imfeld"
+    ours = "otdus"
+    reg_source = "user" if ot.reg != _DEFAULT_REG else fusion
+    scale = "1" if official else "n"
+
+    if official:
+        cost = _choice("Euclidean distance between raw rows (torch.cdist, p=2)", "released")
+        reg = _choice(f"{ot.reg}, absolute (on the raw cost)", reg_source)
+        solver = _choice("POT ot.sinkhorn, standard domain, float32", "released")
+        stopping = _choice(
+            f"POT: L2 column-marginal error < {_RELEASED_STOP:g} (checked every 10 iterations), "
+            f"at most {_RELEASED_ITERATIONS} iterations",
+            "released",
+        )
+    else:
+        cost = _choice(
+            "rows scaled to unit L2 norm, Euclidean (not squared) distance, divided by its maximum"
+            + ("; MLP: [gate | up | down column] parts each unit-normalised" if structured else ""),
+            "imfeld",
+        )
+        if exact:
+            reg = _choice("unused (exact plan)", ours)
+            solver = _choice("exact assignment (linear_sum_assignment): the plan is P / n", ours)
+            stopping = _choice("none (exact plan)", ours)
+        else:
+            reg = _choice(f"{ot.reg}, relative to the largest cost (cost in [0, 1])", reg_source)
+            solver = _choice("Sinkhorn, log-stabilised (absorption, over-relaxation), float32", ours)
+            stopping = _choice(
+                f"relative L-inf row/column marginal error <= {ot.tol:g}, at most {ot.max_iter} iterations",
+                ours,
+            )
+
+    choices = {
+        "marginals": _choice("uniform, 1/n on both sides", "released" if official else "paper"),
+        "cost": cost,
+        "reg": reg,
+        "solver": solver,
+        "stopping": stopping,
+        "plan_scale": _choice(scale, "released" if official else "imfeld"),
+        "average": _choice(f"1/2 (({scale} T)^T W_A T_in + W_B)", "released" if official else "paper"),
+    }
+    if structured:
+        choices |= {
+            "hidden_axis": _choice("never permuted (A and B share the residual stream's basis)", ours),
+            "attention": _choice(
+                "whole heads by exact assignment (a KV head with its query heads), q/k dims never "
+                "permuted (RoPE), V dims by a plan per head with o's columns following",
+                ours,
+            ),
+            "mlp": _choice("one plan per neuron: gate row, up row and down column together", ours),
+            "input_norm": _choice("1/2 (g_A + g_B)", ours),
+            "mlp_norm": _choice("1/2 (g_A + g_B) (hidden axis not permuted)", ours),
+        }
+    else:
+        flow = "released" if official else "paper"
+        choices |= {
+            "hidden_axis": _choice("moved by T_O (pre-MLP norm, gate/up inputs)", flow),
+            "attention": _choice("q, k, v rows: an own plan each, T_in = I", flow),
+            "mlp": _choice(f"gate, up: inputs W_A {scale} T_O, then an own plan each", flow),
+            "input_norm": _choice("1/2 (g_A + g_B) (T_in = I)", flow),
+            "mlp_norm": _choice(f"1/2 (g_A T_in + g_B), T_in = 1/2 ({scale} T_O + I)", flow),
+        }
+    choices["o_down"] = (
+        _choice("zero (their plans are still solved)", "released" if official else "paper")
+        if zero_init
+        else _choice(
+            "aligned average with their own plans" + ("" if structured else ", T_in = I"),
+            ours if structured else ("released" if official else "paper"),
+        )
+    )
+    choices |= {
+        "biases": _choice(
+            f"with their weight's plan: 1/2 (({scale} T)^T b_A + b_B); o/down biases on the hidden axis",
+            ours if official or structured else "imfeld",
+        ),
+        "q_k_norms": _choice("1/2 (A + B): per head_dim, shared by all heads", ours),
+        "sandwich_norms": _choice(
+            "through T_O / T_D (the rows they scale)" if variant == "paper" else "1/2 (A + B)", ours
+        ),
+        "norm_offset": _choice("plans act on the gain 1 + w of (1 + w) norms", ours),
+        "fused_tensors": _choice("split (qkv; gate_up), aligned as separate roles, re-fused", ours),
+        "other_tensors": _choice("1/2 (A + B)", ours),
+    }
+    return choices

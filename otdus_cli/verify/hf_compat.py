@@ -1,0 +1,130 @@
+"""What the streamed evaluator relies on in transformers beyond its public API, in one place.
+
+Tested with transformers 4.57.6 and 5.24.0 (see the README's compatibility section). Each helper
+says what it uses and how the versions differ:
+
+* Buffers (rotary ``inv_freq`` with any rope scaling, Gemma's ``embed_scale``): every family computes
+  them in its modules' constructors, in both versions. 4.57's own loader keeps those values (it builds
+  models with parameters on the meta device and real buffers); 5.x's builds on meta and recomputes them
+  on the CPU with ``_init_weights``, which 4.57's ``_init_weights`` does not do (after ``to_empty``,
+  ``inv_freq`` stays uninitialised memory there). So the skeleton is built with real buffers and meta
+  parameters, and the evaluator copies those values: no private initialiser is called at all.
+* Tied weights: both versions tie at construction (``post_init`` -> ``tie_weights``), so tied
+  parameters are one ``Parameter`` object; they are read from identity, not from 5.x's
+  ``all_tied_weights_keys`` (absent in 4.57) or 4.57's ``_tied_weights_keys`` (a different format).
+  When a checkpoint also stores the tied copy (``lm_head.weight`` beside the embeddings), 5.x loads it
+  as stored (it unties the two when they differ) and 4.57 ties it back to the embeddings
+  (``loads_stored_tied_copies``).
+* Decoder layer outputs: 5.x layers return the hidden states; in 4.57 most do too, but Gemma 2/3,
+  OLMoE and Qwen2-MoE return a tuple and their model takes ``layer_outputs[0]``. The convention is
+  learned from a real layer's output (``returns_tuple``), not tabled per family and version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from otdus_cli.errors import OtdusError
+
+BufferValues = dict[nn.Module, dict[str, torch.Tensor]]
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the block goes to the meta device; buffers and all other
+    tensors are computed for real on the CPU, so constructors fill the buffers as they always do.
+    (A parameter's own ``torch.empty`` still happens on the CPU first: address space, never touched,
+    given back at once.)"""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_skeleton(
+    config, dtype: torch.dtype, attn_implementation: str | None
+) -> tuple[nn.Module, BufferValues]:
+    """The causal LM for ``config`` with its parameters on the meta device, and the value of every
+    buffer as the constructors computed it (CPU tensors, per module and buffer name). The model's own
+    buffers go to the meta device too: nothing is allocated until the evaluator loads it."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy import
+
+    kwargs: dict = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        with _parameters_on_meta(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kwargs)
+    except Exception as exc:
+        raise OtdusError(f"cannot build {config.model_type} with transformers: {exc}") from None
+    values: BufferValues = {}
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_meta:
+                raise OtdusError(
+                    f"{type(module).__name__}.{name}: transformers did not compute this buffer when "
+                    f"building {config.model_type}; streaming this model is not supported"
+                )
+            values.setdefault(module, {})[name] = buf.detach().clone()
+            module._buffers[name] = torch.empty_like(buf, device="meta")  # keeps tied parameters tied
+    return model, values
+
+
+def restore_buffers(module: nn.Module, values: BufferValues, recurse: bool = True) -> None:
+    """Fill the buffers of ``module`` (and its submodules), already allocated on their device, with the
+    constructor's values."""
+    with torch.no_grad():
+        for sub in module.modules() if recurse else (module,):
+            for name, value in values.get(sub, {}).items():
+                sub._buffers[name].copy_(value)
+
+
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Tied parameters: each name that shares its ``Parameter`` with an earlier one -> that earlier name
+    (e.g. ``lm_head.weight`` -> ``model.embed_tokens.weight``). Call it before any ``to_empty``, which
+    gives each module its own copy."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def loads_stored_tied_copies() -> bool:
+    """Whether a tied parameter that the checkpoint also stores under its own name is loaded from that
+    tensor (5.x) rather than tied to its source (4.57)."""
+    import transformers  # noqa: PLC0415 - heavy import
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
+def returns_tuple(layer_output) -> bool:
+    """Whether a decoder layer's forward returns a tuple whose first item is the hidden states."""
+    return isinstance(layer_output, tuple)
+
+
+def hidden_states_of(layer_output) -> torch.Tensor:
+    """The hidden states in a decoder layer's output (a tensor, or the first item of a tuple)."""
+    return layer_output[0] if isinstance(layer_output, tuple) else layer_output
+
+
+def as_layer_output(hidden_states: torch.Tensor, as_tuple: bool):
+    """Hidden states shaped the way the family's model forward expects a decoder layer to return them."""
+    return (hidden_states,) if as_tuple else hidden_states

@@ -1,0 +1,96 @@
+"""The streamed evaluator's guard: its logits on a short input must equal transformers' own forward.
+
+``verify`` and ``ppl`` give figures only from an evaluator that reproduces the model exactly. Once per
+model and run, the first window's first ``SELF_CHECK_TOKENS`` tokens are evaluated as one extra window
+of the streamed run (so the layer-by-layer side costs no extra pass over the checkpoint) and compared,
+bit for bit, with a reference computed by transformers itself:
+
+* models up to ``WHOLE_MODEL_MAX_BYTES`` (in the evaluation dtype): ``from_pretrained`` and a plain
+  forward of the whole model, independent of the evaluator's loading (buffers, tied weights, expert
+  layouts) and of its layer-by-layer machinery;
+* larger models: the family's own forward in one call, each decoder layer loaded from the checkpoint
+  when the forward reaches it (one extra pass over the layers on a short input). This checks the
+  layer-by-layer machinery (recorded layer arguments, layer output conventions, the injected head
+  pass) but shares the evaluator's loading, which the whole-model check covers on small models.
+  ``verify`` runs it on the expanded model only (the base is the same family, built the same way), so
+  a run pays at most one extra pass.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from otdus_cli.errors import OtdusError
+
+if TYPE_CHECKING:
+    from otdus_cli.verify.streaming import StreamedModel
+
+SELF_CHECK_TOKENS = 32
+WHOLE_MODEL_MAX_BYTES = 512 * 2**20
+
+
+def model_bytes(model: StreamedModel) -> int:
+    """The checkpoint's size in the evaluation dtype."""
+    element = torch.empty((), dtype=model.dtype).element_size()
+    return sum(math.prod(model.reader.meta(name).shape) for name in model.reader.names) * element
+
+
+def _whole_model_logits(model: StreamedModel, ids: Sequence[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy import
+
+    kwargs = {"attn_implementation": model.attn_implementation} if model.attn_implementation else {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            whole = AutoModelForCausalLM.from_pretrained(
+                str(model.folder), dtype=model.dtype, trust_remote_code=False, **kwargs
+            )
+    except Exception as exc:
+        raise OtdusError(
+            f"self-check: transformers cannot load {model.folder} whole to check the streamed evaluator "
+            f"against it: {exc.__class__.__name__}: {exc}"
+        ) from None
+    whole = whole.to(model.device).eval()
+    with torch.inference_mode():
+        ids_t = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
+        logits = whole(input_ids=ids_t, use_cache=False).logits[0].cpu()
+    del whole
+    return logits
+
+
+def reference_logits(
+    model: StreamedModel, ids: Sequence[int], whole_model_only: bool = False
+) -> tuple[torch.Tensor, str] | None:
+    """transformers' own logits [T, V] for ``ids`` (CPU) and how they were computed; None when the model
+    is too large to load whole and ``whole_model_only``."""
+    if model_bytes(model) <= WHOLE_MODEL_MAX_BYTES:
+        return _whole_model_logits(model, ids), "from_pretrained and forward of the whole model"
+    if whole_model_only:
+        return None
+    return model.forward_logits(ids).cpu(), "its forward with each decoder layer loaded in turn"
+
+
+def check_logits(model: StreamedModel, streamed: torch.Tensor, reference: torch.Tensor, how: str) -> None:
+    """Refuse (OtdusError) unless ``streamed`` equals ``reference`` bit for bit (NaN where NaN)."""
+    import transformers  # noqa: PLC0415 - heavy import
+
+    streamed = streamed.cpu()
+    if streamed.shape == reference.shape:
+        same = (streamed == reference) | (streamed.isnan() & reference.isnan())
+        if bool(same.all()):
+            return
+        diff = (streamed.double() - reference.double()).abs().nan_to_num(math.inf)
+        detail = f"max |diff| {float(diff.max()):.3g}"
+    else:
+        detail = f"shape {tuple(streamed.shape)} vs {tuple(reference.shape)}"
+    raise OtdusError(
+        f"self-check failed: the streamed evaluator's logits for {model.folder.name} differ from "
+        f"transformers' own ({how}; {detail} on {reference.shape[0]} tokens; transformers "
+        f"{transformers.__version__}, {model.device} {str(model.dtype).replace('torch.', '')}); "
+        "no figures from an evaluator that does not reproduce the model"
+    )

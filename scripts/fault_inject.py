@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""Kill `otdus expand` at random moments and check that no data is ever lost (README: Safety).
+
+On a ~1 GB synthetic checkpoint (scripts/make_synthetic.py, Llama-3.2-1B shaped, a few layers),
+each run is a real `otdus expand` process, half of them `--force` onto an earlier output, killed
+after a random delay with SIGINT, SIGTERM or SIGKILL (or left to finish). After every run:
+
+* the source is byte-identical to what it was (SHA-256 of every file): zero lost source bytes;
+* the exit code is 128 + the signal (or 0 when the run finished first; -9 for SIGKILL);
+* nothing is left beside --out but what a SIGKILLed run leaves (its temporary folder), and every
+  such folder is removed, and reported, by a later run (a final clean run sweeps the rest);
+* an interrupted `--force` run left the earlier output byte-identical, or, when it says it had
+  finished, put the new output in place;
+* every output that exists is complete: `otdus verify` passes (the static check, and the
+  perplexity run with `--verify full`).
+
+    python scripts/fault_inject.py                 # 50 runs (make faults)
+    python scripts/fault_inject.py --runs 10 --workdir /tmp/faults --keep
+
+Prints one line per run and a summary; exit 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OTDUS = str(Path(sys.executable).parent / "otdus")
+STORIES = HERE.parent / "otdus_cli" / "data" / "stories260k"
+SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL}
+METHODS = (["--method", "copy", "--layers", "2"], ["--method", "llama-pro", "--layers", "2"],
+           ["--method", "average", "--layers", "1"])  # fmt: skip
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 24), b""):
+                    h.update(block)
+            out[str(p.relative_to(folder))] = h.hexdigest()
+    return out
+
+
+def leftovers(parent: Path, out_name: str) -> set[str]:
+    """Temporary folders beside --out (the lock file a SIGKILLed run leaves is unlinked by the next
+    run that takes the lock; the final check requires it gone too)."""
+    lock = f".{out_name}.otdus-lock"
+    return {p.name for p in parent.iterdir() if p.name.startswith(f".{out_name}.otdus-") and p.name != lock}
+
+
+def make_source(path: Path, layers: int) -> None:
+    if (path / "config.json").is_file():
+        return
+    subprocess.run(
+        [sys.executable, str(HERE / "make_synthetic.py"), "llama-3.2-1b", "--out", str(path),
+         "--layers", str(layers), "--fill", "fast", "--max-shard-size", "300MB",
+         "--tokenizer-from", str(STORIES)],
+        check=True,
+    )  # fmt: skip
+
+
+def expand_cmd(source: Path, out: Path, method: list[str], force: bool) -> list[str]:
+    return [OTDUS, "expand", str(source), "--out", str(out), *method, *(["--force"] if force else [])]
+
+
+def verify(out: Path, full: bool) -> tuple[bool, str]:
+    args = [OTDUS, "verify", str(out), "--json"]
+    args += ["--protocol", "token", "--max-tokens", "64", "--seq-len", "32"] if full else ["--static"]
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return False, proc.stderr.strip() or proc.stdout[-300:]
+    report = json.loads(proc.stdout)
+    ok = (
+        report["verdict"].startswith("PARITY")
+        if full
+        else report["preserving"] or not report["claims_preserving"]
+    )
+    return ok, report.get("verdict", report.get("reason", ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--layers", type=int, default=4, help="source layers (4: ~1.0 GB in bf16)")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/otdus-faults"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verify", choices=("static", "full"), default="static",
+                    help="static: fingerprints and zeros (seconds); full: also a perplexity run")  # fmt: skip
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    source = work / "source"
+    make_source(source, args.layers)
+    source_digest = tree_digest(source)
+    size = sum((source / name).stat().st_size for name in source_digest)
+    out_parent = work / "outs"
+    shutil.rmtree(out_parent, ignore_errors=True)
+    out_parent.mkdir()
+    out = out_parent / "deeper"
+    print(f"source: {size / 1e9:.2f} GB in {len(source_digest)} files; {args.runs} runs", flush=True)
+
+    # how long an undisturbed run takes, per method: the kill delays are drawn over that span
+    durations = {}
+    for method in METHODS:
+        t = time.monotonic()
+        subprocess.run(expand_cmd(source, out, method, True), check=True, capture_output=True)
+        durations[tuple(method)] = time.monotonic() - t
+    print("undisturbed: " + ", ".join(f"{m[1]} {d:.1f} s" for m, d in durations.items()), flush=True)
+
+    failures: list[str] = []
+    stale: set[str] = set()  # temporary folders SIGKILLed runs left, not yet swept
+    reported: set[str] = set()
+    counts: dict[str, int] = {}
+    verified = 0
+    for run in range(args.runs):
+        method = list(rng.choice(METHODS))
+        force = out.exists() and rng.random() < 0.5
+        if out.exists() and not force:
+            shutil.rmtree(out)  # the harness's own cleanup between runs: otdus never does this
+        before = tree_digest(out) if force else None
+        sig_name = rng.choice(list(SIGNALS))
+        delay = rng.uniform(0, 1.1 * durations[tuple(method)])
+        proc = subprocess.Popen(expand_cmd(source, out, method, force), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(SIGNALS[sig_name])
+        code = proc.wait()
+        stderr = proc.stderr.read()
+        outcome = "finished" if code == 0 else sig_name
+        counts[outcome] = counts.get(outcome, 0) + 1
+        problems = []
+
+        if tree_digest(source) != source_digest:
+            problems.append("SOURCE CHANGED")
+        expected = {0, 128 + SIGNALS[sig_name], -SIGNALS[sig_name]}
+        if code not in expected:
+            problems.append(f"exit {code}: {stderr.strip()[-200:]}")
+        # a signal in Python's own start-up (before any otdus code: importing `site`) is the
+        # interpreter's to report; nothing was written yet
+        if "Traceback" in stderr and "init_import_site" not in stderr:
+            problems.append("traceback on stderr")
+        for name in re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", stderr):
+            if name not in stale:
+                problems.append(f"reported removing {name}, which no killed run left")
+            reported.add(name)
+            stale.discard(name)
+        now = leftovers(out_parent, out.name)
+        if code == -signal.SIGKILL:
+            stale |= now
+        unexplained = now - stale
+        if unexplained:
+            problems.append(f"left behind: {sorted(unexplained)}")
+        # whatever the exit code, an output in place must be whole: the earlier one, untouched, or the
+        # new one (even a signal during interpreter shutdown, after the swap, can end a finished run)
+        if out.exists():
+            unchanged = before is not None and tree_digest(out) == before
+            if before is not None and not unchanged and "was not changed" in stderr:
+                problems.append("said the earlier output was not changed, but it was")
+            if not unchanged:
+                ok, what = verify(out, args.verify == "full")
+                verified += ok
+                if not ok:
+                    problems.append(f"output in place but verify fails: {what[:200]}")
+            if before is None and "was not created" in stderr:
+                problems.append("said the output was not created, but it exists")
+        status = "ok" if not problems else "FAIL: " + "; ".join(problems) + f"\n    stderr: {stderr.strip()}"
+        print(f"run {run + 1:3d}: {' '.join(method[:2])}{' --force' if force else ''} {sig_name} after "
+              f"{delay:5.2f} s -> exit {code} ({outcome}) {status}", flush=True)  # fmt: skip
+        failures += [f"run {run + 1}: {p}" for p in problems]
+
+    # a last undisturbed run sweeps what SIGKILLed runs left, and says so
+    final = subprocess.run(expand_cmd(source, out, METHODS[0], out.exists()), capture_output=True, text=True)
+    for name in re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", final.stderr):
+        reported.add(name)
+        stale.discard(name)
+    if final.returncode != 0:
+        failures.append(f"final run: exit {final.returncode}: {final.stderr.strip()[-200:]}")
+    rest = {p.name for p in out_parent.iterdir() if p.name.startswith(f".{out.name}.otdus-")}
+    if rest or stale:
+        failures.append(
+            f"unreported leftovers: {sorted(rest | stale)}; final run said: {final.stderr.strip()}"
+        )
+    lost = 0 if tree_digest(source) == source_digest else size
+    print()
+    print(f"runs: {args.runs} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})")
+    print(f"lost source bytes: {lost}")
+    print(f"temporary folders of SIGKILLed runs: {len(reported)}, all removed and reported: {not stale}")
+    print(f"unreported leftovers: {len(rest | stale)}")
+    print(f"outputs in place verified ({args.verify}): {verified}, failed: "
+          f"{sum('verify fails' in f for f in failures)}")  # fmt: skip
+    print(f"failures: {len(failures)}")
+    for f in failures:
+        print("  " + f)
+    if not args.keep:
+        shutil.rmtree(out_parent, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
