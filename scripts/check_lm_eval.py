@@ -1,36 +1,48 @@
 #!/usr/bin/env python3
-"""Run real lm-eval releases on a checkpoint and compare their ``wikitext`` figures with otdus's presets.
+"""Run real lm-eval releases on stories260K and compare their ``wikitext`` figures with ``otdus ppl``.
 
-For each version asked for, this script
+For each run (an lm-eval version, a number of documents, an optional ``max_length``) this script
 
 1. creates a throwaway virtual environment (``--venv-root``, default /tmp/otdus-lm-eval/<version>;
-   kept between runs unless ``--fresh``) and pip-installs ``lm_eval==<version>`` with the torch and
-   transformers versions of the project's environment, plus ``accelerate``; releases 0.4.0-0.4.1 and
-   0.4.5-0.4.9.2 cannot be imported with transformers 5 (they import
-   ``transformers.data.metrics`` or read ``transformers.AutoModelForVision2Seq``, both gone in 5.0)
-   and get transformers 4.57.6 instead (``--transformers`` overrides both);
-2. inside it (this same file with ``--worker``) copies lm-eval's own ``wikitext`` task
-   (``lm_eval/tasks/wikitext/wikitext.yaml`` and ``preprocess_wikitext.py`` of that release) and
-   changes only where the data comes from: ``EleutherAI/wikitext_document_level`` from the Hub
-   (unreachable here) becomes a local JSON-lines file holding the same 62 test documents, split from
-   the bundled raw WikiText-2 test file exactly as that dataset splits it (the train and validation
-   splits, loaded only as a few-shot pool and unused at zero shots, point at the same file); the
-   task is renamed so it does not clash with the stock one and sits beside it in the venv's
-   ``lm_eval/tasks``. lm-eval 0.4.0-0.4.2 load HF evaluate's ``exact_match`` metric from the Hub
-   when imported (wikitext never uses it): the worker answers that load with a placeholder. Then
-   it runs ``lm_eval.simple_evaluate(model="hf", model_args="pretrained=<checkpoint>")`` on the
-   CPU: windows, prefix token, special tokens, max length, detokeniser and aggregation are all that
-   release's;
-3. computes otdus's figures with ``make_plan(lm_eval=<version>)`` (what ``otdus ppl --lm-eval
-   <version>`` does) and prints both, with their relative differences.
+   kept between runs unless ``--fresh``) and pip-installs ``lm_eval==<version>`` with the project's
+   torch and transformers, plus ``accelerate``. Releases 0.4.0-0.4.1 and 0.4.5-0.4.9.2 cannot be
+   imported with transformers 5 (they import ``transformers.data.metrics`` or read
+   ``transformers.AutoModelForVision2Seq``, both gone in 5.0) and get transformers 4.57.6 instead
+   (``--transformers`` overrides every venv's);
+2. inside it (this same file with ``--worker``, which imports nothing from otdus) builds the
+   document-level WikiText-2 test split from the bundled raw file (``wiki.test.raw``, sha256-checked)
+   by the rule of the Hub dataset ``EleutherAI/wikitext_document_level`` (a new document at each
+   `` = Title = `` line): the 62 test documents, written as a JSON-lines file. The Hub is unreachable,
+   so that file is how lm-eval gets the data: the release's own ``wikitext`` task
+   (``lm_eval/tasks/wikitext/wikitext.yaml`` and ``preprocess_wikitext.py``) is copied with only
+   its dataset source changed (``dataset_path: json`` and that file for every split; the train and
+   validation splits are only a few-shot pool, unused at zero shots) and a new task name, beside the
+   stock tasks in the venv. lm-eval 0.4.0-0.4.2 load HF evaluate's ``exact_match`` metric from the Hub
+   when imported (wikitext never uses it): the worker answers that load with a placeholder. Then it
+   calls ``lm_eval.simple_evaluate(model="hf", model_args="pretrained=<stories260K>[,max_length=L]")``
+   on the CPU, which is what ``lm_eval --model hf --model_args ... --tasks wikitext`` runs: windows,
+   prefix token, special tokens, max length, detokeniser and aggregation are all that release's;
+3. runs ``otdus ppl bundled:stories260k --lm-eval <version> [--max-docs N] [--max-length L] --json``
+   and prints both sets of figures with their relative differences, and checks that otdus splits and
+   detokenises the text exactly as the worker and that release did.
+
+The reference runs (:data:`REFERENCE_RUNS`, the default) cover every row of otdus's preset table
+(otdus_cli/verify/lm_eval_presets.py) on the first document, a ``max_length`` model argument on two
+documents, and the whole test split for one release of each of the three behaviours. Their lm-eval
+figures are recorded, with the versions and the command that produced them, in
+tests/data/lm_eval_reference.json, which the tests read (tests/test_verify_lm_eval_reference.py).
 
 Usage (from the repository root, with the project's venv; PyPI must be reachable, the Hub need not):
 
-    .venv/bin/python scripts/check_lm_eval.py --versions 0.4.2,0.4.9.1,0.4.13 [--max-docs N]
-        [--model DIR] [--batch-size 16] [--json out.json]
+    make lm-eval-check                    # the reference runs; fresh lm-eval figures are also compared
+                                          # with the recorded ones
+    make lm-eval-check LM_EVAL_ARGS=--quick               # without the whole-split runs
+    make lm-eval-record                   # the reference runs, written to tests/data/lm_eval_reference.json
+    .venv/bin/python scripts/check_lm_eval.py --versions 0.4.5,0.4.11 --max-docs 3 [--max-length 256]
 
-``--max-docs N`` scores the first N documents (lm-eval's ``limit``). Exit status 0 when every
-figure agrees within ``--rtol`` (default 1e-6) and otdus's detokeniser gives lm-eval's text.
+Exit status 0 when every figure agrees within ``--rtol`` (default 1e-6), otdus's split and
+detokeniser give lm-eval's documents, and (without ``--record``) each fresh lm-eval figure agrees with
+its recorded one.
 """
 
 from __future__ import annotations
@@ -38,25 +50,95 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from datetime import date
 from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+REFERENCE_FILE = ROOT / "tests" / "data" / "lm_eval_reference.json"
 TASK = "wikitext_local_docs"
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 # keys of the stock task YAML that say where the data comes from (replaced, nothing else is)
 SOURCE_KEYS = ("dataset_path", "dataset_name", "dataset_kwargs")
 # releases that cannot be imported with transformers 5, and the transformers they get instead
-NEED_TRANSFORMERS_4 = (((0, 4, 0), (0, 4, 1)), ((0, 4, 5), (0, 4, 9, 2)))
+NEED_TRANSFORMERS_4 = (("0.4.0", "0.4.1"), ("0.4.5", "0.4.9.2"))
 TRANSFORMERS_4 = "4.57.6"
+BATCH_SIZE = 16
+PACKAGES = ("lm_eval", "transformers", "tokenizers", "torch", "datasets", "accelerate")
 
 
-# -- worker (runs inside an lm-eval venv; stdlib + lm_eval only) -------------------------------------
+@dataclass(frozen=True)
+class Run:
+    """One lm-eval run: a release, the first ``max_docs`` documents (None: all 62), a max_length."""
+
+    version: str
+    max_docs: int | None = None
+    max_length: int | None = None
+
+    @property
+    def key(self) -> str:
+        docs = "all documents" if self.max_docs is None else f"{self.max_docs} document(s)"
+        length = "" if self.max_length is None else f", max_length {self.max_length}"
+        return f"lm-eval {self.version}, {docs}{length}"
+
+    def model_args(self, model: str) -> str:
+        return f"pretrained={model}" + ("" if self.max_length is None else f",max_length={self.max_length}")
+
+    def lm_eval_command(self) -> str:
+        """The lm-eval command line this run is (its task's dataset source changed, see above)."""
+        cmd = ["lm_eval", "--model", "hf", "--model_args", self.model_args("<stories260k>")]
+        cmd += ["--tasks", "wikitext", "--batch_size", str(BATCH_SIZE), "--device", "cpu"]
+        return shlex.join(cmd + ([] if self.max_docs is None else ["--limit", str(self.max_docs)]))
+
+    def otdus_args(self) -> list[str]:
+        args = ["ppl", "bundled:stories260k", "--lm-eval", self.version]
+        if self.max_docs is not None:
+            args += ["--max-docs", str(self.max_docs)]
+        if self.max_length is not None:
+            args += ["--max-length", str(self.max_length)]
+        return [*args, "--batch-size", str(BATCH_SIZE), "--json"]
+
+    def otdus_command(self) -> str:
+        return shlex.join(["otdus", *self.otdus_args()])
+
+
+# One release per row of otdus's preset table on the first document (the last row's also on two, with
+# a max_length argument, as is the paper's), and one per behaviour on the whole split.
+REFERENCE_RUNS = (
+    *(Run(v, 1) for v in ("0.4.0", "0.4.2", "0.4.3", "0.4.9.1", "0.4.9.2", "0.4.13")),
+    Run("0.4.2", 2, 128),
+    Run("0.4.13", 2, 128),
+    *(Run(v) for v in ("0.4.2", "0.4.9.1", "0.4.13")),
+)
+
+
+# -- worker (runs inside an lm-eval venv; stdlib + lm_eval only, nothing from otdus) --------------------
+def document_level_pages(raw: str) -> list[str]:
+    """WikiText split into articles by the rule of the ``EleutherAI/wikitext_document_level`` dataset:
+    lines split on ``\\n``; a line that reads `` = Title = `` once ``= = =`` and ``= =`` are squeezed
+    starts a new page; pages are their lines joined with ``\\n``; a blank page before the first title
+    is dropped. (Written here, apart from otdus's own split, so lm-eval's input does not depend on it.)"""
+    pages: list[str] = []
+    lines: list[str] = []
+    for line in raw.split("\n"):
+        squeezed = line.replace("= = =", "===").replace("= =", "==").strip()
+        if squeezed.startswith("= ") and squeezed.endswith(" ="):
+            if "\n".join(lines).strip():
+                pages.append("\n".join(lines))
+            lines = []
+        lines.append(line)
+    pages.append("\n".join(lines))
+    return pages
+
+
 def local_task_yaml(stock: str, docs: Path) -> str:
     """The stock wikitext.yaml with its dataset source replaced by a local JSON-lines file."""
     out: list[str] = []
@@ -96,6 +178,10 @@ def worker(args: argparse.Namespace) -> None:
     import lm_eval.tasks
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
 
+    run = Run(args.version, args.max_docs, args.max_length)
+    pages = document_level_pages(Path(args.raw).read_text(encoding="utf-8"))
+    docs = Path(args.out).with_name("wikitext_document_level_test.jsonl")
+    docs.write_text("".join(json.dumps({"page": p}) + "\n" for p in pages))
     stock = Path(lm_eval.tasks.__file__).parent / "wikitext"
     # beside the stock tasks, in this throwaway venv: lm-eval 0.4.9.2 fails to list a task from
     # an include_path outside its own tasks folder
@@ -103,29 +189,28 @@ def worker(args: argparse.Namespace) -> None:
     task_dir.mkdir(exist_ok=True)
     shutil.copy(stock / "preprocess_wikitext.py", task_dir / "preprocess_wikitext.py")
     (task_dir / "wikitext_local.yaml").write_text(
-        local_task_yaml((stock / "wikitext.yaml").read_text(), Path(args.docs))
+        local_task_yaml((stock / "wikitext.yaml").read_text(), docs)
     )
-    pages = [json.loads(line)["page"] for line in Path(args.docs).read_text().splitlines()]
-    manager = lm_eval.tasks.TaskManager()
     start = time.time()
     res = lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={args.model}",
+        model_args=run.model_args(args.model),
         tasks=[TASK],
-        task_manager=manager,
-        batch_size=args.batch_size,
+        task_manager=lm_eval.tasks.TaskManager(),
+        batch_size=BATCH_SIZE,
         device="cpu",
-        limit=args.max_docs,
+        limit=run.max_docs,
     )
     result = res["results"][TASK]
-    versions = {
-        p: metadata.version(p) for p in ("lm_eval", "transformers", "tokenizers", "torch", "datasets")
-    }
     out = {
-        "versions": versions,
-        "seconds": time.time() - start,
+        "environment": {
+            **{p: metadata.version(p) for p in PACKAGES},
+            "python": platform.python_version(),
+        },
+        "seconds": round(time.time() - start, 1),
+        "pages": pages,
         "detokenized": [wikitext_detokenizer({"page": p}) for p in pages],
-        **{m: result[f"{m},none"] for m in METRICS},
+        "figures": {m: result[f"{m},none"] for m in METRICS},
     }
     Path(args.out).write_text(json.dumps(out))
 
@@ -135,7 +220,7 @@ def transformers_for(version: str) -> str:
     from otdus_cli.verify.lm_eval_presets import parse_version
 
     release = parse_version(version)
-    if any(first <= release <= last for first, last in NEED_TRANSFORMERS_4):
+    if any(parse_version(first) <= release <= parse_version(last) for first, last in NEED_TRANSFORMERS_4):
         return TRANSFORMERS_4
     return metadata.version("transformers")
 
@@ -159,47 +244,97 @@ def ensure_venv(version: str, root: Path, fresh: bool, transformers: str | None)
     return python
 
 
-def run_lm_eval(python: Path, model: Path, docs: Path, max_docs: int | None, batch_size: int) -> dict:
+def run_lm_eval(python: Path, run: Run, model: Path, raw: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [str(python), __file__, "--worker", "--model", str(model), "--docs", str(docs)]
-        cmd += ["--out", str(out), "--batch-size", str(batch_size)]
-        if max_docs is not None:
-            cmd += ["--max-docs", str(max_docs)]
+        cmd = [str(python), __file__, "--worker", "--version", run.version, "--model", str(model)]
+        cmd += ["--raw", str(raw), "--out", str(out)]
+        if run.max_docs is not None:
+            cmd += ["--max-docs", str(run.max_docs)]
+        if run.max_length is not None:
+            cmd += ["--max-length", str(run.max_length)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("PYTHONPATH", None)
         subprocess.run(cmd, check=True, env=env, cwd=tmp)
         return json.loads(out.read_text())
 
 
-def run_otdus(model: Path, version: str, max_docs: int | None, batch_size: int) -> dict:
-    from otdus_cli.verify.compare import make_plan, perplexity
-
-    plan = make_plan(model, lm_eval=version, max_docs=max_docs)
+def run_otdus(run: Run) -> dict:
+    """``otdus ppl ... --json`` in this venv: the figures, counts and settings it reports."""
     start = time.time()
-    m = perplexity(model, plan, device="cpu", dtype="float32", batch_size=batch_size).metrics
+    cmd = [sys.executable, "-c", "from otdus_cli.entry import main; main()", *run.otdus_args()]
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+    m = json.loads(proc.stdout)["metrics"]
+    counts = ("n_docs", "n_windows", "n_tokens", "n_words", "n_bytes")
     return {
-        "seconds": time.time() - start,
-        "settings": m.settings,
-        **{k: getattr(m, k) for k in ("n_docs", "n_windows", "n_tokens", "n_words", "n_bytes", *METRICS)},
+        "seconds": round(time.time() - start, 1),
+        "settings": m["settings"],
+        **{k: m[k] for k in counts},
+        "figures": {k: m[k] for k in METRICS},
     }
+
+
+def rel_diffs(ours: dict, theirs: dict) -> dict:
+    return {m: abs(ours[m] - theirs[m]) / abs(theirs[m]) for m in METRICS}
+
+
+def read_reference(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {"runs": []}
+
+
+def write_reference(path: Path, reference: dict, measured: dict[Run, dict], command: str) -> None:
+    """Replace (or add) the entries of the runs just measured; keep the others."""
+    entries = {e["run"]: e for e in reference.get("runs", [])}
+    for run, result in measured.items():
+        lm, ours = result["lm_eval"], result["otdus"]
+        entries[run.key] = {
+            "run": run.key,
+            "lm_eval": run.version,
+            "max_docs": run.max_docs,
+            "max_length": run.max_length,
+            "figures": lm["figures"],  # lm-eval's: what the tests pin
+            "environment": lm["environment"],
+            "lm_eval_command": run.lm_eval_command(),
+            "recorded_by": command,
+            "recorded_on": date.today().isoformat(),
+            "otdus_command": run.otdus_command(),
+            "otdus_rel_diff": result["rel_diff"],
+            "otdus_counts": {k: ours[k] for k in ("n_docs", "n_windows", "n_tokens", "n_words", "n_bytes")},
+            "otdus_settings": ours["settings"],
+        }
+    order = {r.key: i for i, r in enumerate(REFERENCE_RUNS)}
+    runs = sorted(entries.values(), key=lambda e: (order.get(e["run"], len(order)), e["run"]))
+    out = {
+        "about": (
+            "wikitext figures (word perplexity, byte perplexity, bits per byte) of real lm-eval releases "
+            "on the bundled stories260K, float32 CPU, stock hf model and wikitext task with only the "
+            "dataset source changed: the document-level WikiText-2 test split rebuilt from "
+            "otdus_cli/data/wikitext-2-raw-test.txt.gz (scripts/check_lm_eval.py). "
+            "tests/test_verify_lm_eval_reference.py pins otdus ppl --lm-eval to them."
+        ),
+        "runs": runs,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--versions", default="0.4.2,0.4.9.1,0.4.13", help="comma-separated lm-eval versions")
-    ap.add_argument(
-        "--model", type=Path, default=None, help="HF checkpoint folder (default: bundled stories260K)"
-    )
-    ap.add_argument("--max-docs", type=int, default=None, help="first N documents only (default: all 62)")
-    ap.add_argument("--batch-size", type=int, default=16, help="windows per forward pass, both sides")
+    ap.add_argument("--versions", help="comma-separated lm-eval versions (default: the reference runs)")
+    ap.add_argument("--max-docs", type=int, help="with --versions: the first N documents (default all 62)")
+    ap.add_argument("--max-length", type=int, help="with --versions: lm-eval's max_length model argument")
+    ap.add_argument("--quick", action="store_true", help="reference runs without the whole-split ones")
+    ap.add_argument("--record", type=Path, help="write the lm-eval figures here (reference file format)")
+    ap.add_argument("--reference", type=Path, default=REFERENCE_FILE, help="recorded figures to compare")
     ap.add_argument("--venv-root", type=Path, default=Path(tempfile.gettempdir()) / "otdus-lm-eval")
     ap.add_argument("--fresh", action="store_true", help="recreate the venvs")
     ap.add_argument("--transformers", help="transformers version for every lm-eval venv")
     ap.add_argument("--rtol", type=float, default=1e-6)
-    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--docs", help=argparse.SUPPRESS)
+    ap.add_argument("--version", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--raw", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -210,64 +345,87 @@ def main() -> int:
     from otdus_cli.bundled import STORIES260K
     from otdus_cli.verify.text import load_wikitext_raw, wikitext_detokenize, wikitext_pages
 
-    model = (args.model or STORIES260K).resolve()
-    pages = wikitext_pages(load_wikitext_raw())
-    report: dict = {"model": str(model), "max_docs": args.max_docs, "runs": {}}
+    if args.versions:
+        versions = [v.strip() for v in args.versions.split(",") if v.strip()]
+        runs = [Run(v, args.max_docs, args.max_length) for v in versions]
+    else:
+        runs = [r for r in REFERENCE_RUNS if not (args.quick and r.max_docs is None)]
+    command = shlex.join(["python", "scripts/check_lm_eval.py", *sys.argv[1:]])
+    recorded = {e["run"]: e for e in read_reference(args.reference)["runs"]}
+    raw_text = load_wikitext_raw()  # sha256-checked
+    ours_pages = wikitext_pages(raw_text)
+    measured: dict[Run, dict] = {}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        docs = Path(tmp) / "wikitext_document_level_test.jsonl"
-        docs.write_text("".join(json.dumps({"page": p}) + "\n" for p in pages))
-        for version in [v.strip() for v in args.versions.split(",") if v.strip()]:
+        raw = Path(tmp) / "wiki.test.raw"
+        raw.write_text(raw_text, encoding="utf-8")
+        for run in runs:
             try:
-                python = ensure_venv(version, args.venv_root, args.fresh, args.transformers)
-                print(f"lm-eval {version}: running its wikitext task on {model.name} ...", flush=True)
-                theirs = run_lm_eval(python, model, docs, args.max_docs, args.batch_size)
+                python = ensure_venv(run.version, args.venv_root, args.fresh, args.transformers)
+                print(f"{run.key}: running lm-eval's wikitext task ...", flush=True)
+                theirs = run_lm_eval(python, run, STORIES260K.resolve(), raw)
+                print(f"{run.key}: {run.otdus_command()} ...", flush=True)
+                ours = run_otdus(run)
             except subprocess.CalledProcessError as exc:
-                print(f"lm-eval {version} failed: {exc}", flush=True)
-                report["runs"][version] = {"error": str(exc)}
+                print(f"{run.key} failed: {exc}\n{exc.stderr or ''}", flush=True)
+                failed[run.key] = str(exc)
                 continue
-            detok = theirs.pop("detokenized")
-            mismatched = sum(wikitext_detokenize(p) != d for p, d in zip(pages, detok, strict=True))
-            print(f"otdus --lm-eval {version} ...", flush=True)
-            ours = run_otdus(model, version, args.max_docs, args.batch_size)
-            report["runs"][version] = {
+            pages, detok = theirs.pop("pages"), theirs.pop("detokenized")
+            result = {
                 "lm_eval": theirs,
                 "otdus": ours,
-                "rel_diff": {m: abs(ours[m] - theirs[m]) / abs(theirs[m]) for m in METRICS},
-                "detokenizer_mismatches": mismatched,
+                "rel_diff": rel_diffs(ours["figures"], theirs["figures"]),
+                "split_mismatch": pages != ours_pages,
+                "detokenizer_mismatches": sum(
+                    wikitext_detokenize(p) != d for p, d in zip(pages, detok, strict=True)
+                ),
             }
-            if args.json:  # after every version, so a later failure keeps what was measured
-                args.json.write_text(json.dumps(report, indent=2) + "\n")
-    runs = {v: r for v, r in report["runs"].items() if "error" not in r}
-    worst = max((x for r in runs.values() for x in r["rel_diff"].values()), default=0.0)
-    detok_ok = all(r["detokenizer_mismatches"] == 0 for r in runs.values())
+            if run.key in recorded and not args.record:
+                result["drift"] = rel_diffs(theirs["figures"], recorded[run.key]["figures"])
+            measured[run] = result
+            if args.record:  # after every run, so a later failure keeps what was measured
+                write_reference(args.record, read_reference(args.record), {run: result}, command)
+            if args.json:
+                report = {r.key: x for r, x in measured.items()}
+                args.json.write_text(json.dumps({"runs": report, "failed": failed}, indent=2) + "\n")
+    if args.record:
+        print(f"recorded {len(measured)} run(s) in {args.record}")
 
-    n = len(pages) if args.max_docs is None else min(args.max_docs, len(pages))
-    print(f"\n{model.name}, first {n} of {len(pages)} WikiText-2 test documents, float32 CPU")
-    print("| lm-eval | transformers | metric | lm-eval | otdus --lm-eval | rel. diff |")
+    print(f"\n{STORIES260K.name}, WikiText-2 test documents, float32 CPU")
+    print("| run | transformers | metric | lm-eval | otdus --lm-eval | rel. diff |")
     print("|---|---|---|---|---|---|")
-    for run in runs.values():
-        v = run["lm_eval"]["versions"]
+    for run, r in measured.items():
+        env, a, b = r["lm_eval"]["environment"], r["lm_eval"]["figures"], r["otdus"]["figures"]
         for m in METRICS:
-            a, b = run["lm_eval"][m], run["otdus"][m]
             print(
-                f"| {v['lm_eval']} | {v['transformers']} | {m} | {a!r} | {b!r} | {run['rel_diff'][m]:.1e} |"
+                f"| {run.key} | {env['transformers']} | {m} | {a[m]!r} | {b[m]!r} | {r['rel_diff'][m]:.1e} |"
             )
-    for version, run in runs.items():
-        o = run["otdus"]
+    problems = [f"{key}: lm-eval failed" for key in failed]
+    for run, r in measured.items():
+        o = r["otdus"]
         print(
-            f"lm-eval {version}: {o['n_docs']} documents, {o['n_words']:,} words, {o['n_bytes']:,} bytes, "
+            f"{run.key}: {o['n_docs']} documents, {o['n_words']:,} words, {o['n_bytes']:,} bytes, "
             f"{o['n_windows']:,} windows, {o['n_tokens']:,} tokens (otdus settings {o['settings']}); "
-            f"lm-eval {run['lm_eval']['seconds']:.0f} s, otdus {o['seconds']:.0f} s; detokeniser "
-            f"mismatches: {run['detokenizer_mismatches']}"
+            f"lm-eval {r['lm_eval']['seconds']:.0f} s, otdus {o['seconds']:.0f} s"
         )
-    report["max_rel_diff"] = worst
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    ok = worst <= args.rtol and detok_ok and len(runs) == len(report["runs"])
-    print(
-        "\nMATCH" if ok else "\nMISMATCH", f"(max relative difference {worst:.2e}, tolerance {args.rtol:g})"
-    )
-    return 0 if ok else 1
+        worst = max(r["rel_diff"].values())
+        if worst > args.rtol:
+            problems.append(f"{run.key}: otdus differs from lm-eval by {worst:.2e}")
+        if r["split_mismatch"] or r["detokenizer_mismatches"]:
+            problems.append(
+                f"{run.key}: otdus's documents differ from lm-eval's (split differs: {r['split_mismatch']}, "
+                f"detokenised documents that differ: {r['detokenizer_mismatches']})"
+            )
+        if "drift" in r and max(r["drift"].values()) > args.rtol:
+            problems.append(
+                f"{run.key}: lm-eval now differs from its recorded figures by {max(r['drift'].values()):.2e}"
+            )
+    for line in problems:
+        print(f"MISMATCH {line}")
+    if not problems:
+        worst = max((x for r in measured.values() for x in r["rel_diff"].values()), default=0.0)
+        print(f"\nMATCH ({len(measured)} runs, max relative difference {worst:.2e}, tolerance {args.rtol:g})")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

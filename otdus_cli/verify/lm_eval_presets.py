@@ -170,6 +170,5 @@ def wikitext_tokenization(
         prefix_token_id=int(prefix),
         add_special_tokens=specials,
         bos_text=bos_text,
-        max_length=max_length
-        or lm_eval_max_length(config, tokenizer, text_config_first=row.text_config_first),
+        max_length=max_length,
     )
