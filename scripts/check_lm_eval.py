@@ -8,7 +8,8 @@ For each run (an lm-eval version, a number of documents, an optional ``max_lengt
    torch and transformers, plus ``accelerate``. Releases 0.4.0-0.4.1 and 0.4.5-0.4.9.2 cannot be
    imported with transformers 5 (they import ``transformers.data.metrics`` or read
    ``transformers.AutoModelForVision2Seq``, both gone in 5.0) and get transformers 4.57.6 instead
-   (``--transformers`` overrides every venv's);
+   (``--transformers`` overrides every venv's); 0.4.0-0.4.1 also import ``datasets.load_metric``
+   (gone in datasets 3) and get datasets < 3;
 2. inside it (this same file with ``--worker``, which imports nothing from otdus) builds the
    document-level WikiText-2 test split from the bundled raw file (``wiki.test.raw``, sha256-checked)
    by the rule of the Hub dataset ``EleutherAI/wikitext_document_level`` (a new document at each
@@ -69,8 +70,12 @@ METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 # keys of the stock task YAML that say where the data comes from (replaced, nothing else is)
 SOURCE_KEYS = ("dataset_path", "dataset_name", "dataset_kwargs")
 # releases that cannot be imported with transformers 5, and the transformers they get instead
-NEED_TRANSFORMERS_4 = (("0.4.0", "0.4.1"), ("0.4.5", "0.4.9.2"))
-TRANSFORMERS_4 = "4.57.6"
+# releases that cannot be imported with today's transformers or datasets, and the pins they get instead
+OLDER_DEPENDENCIES = (
+    # transformers.data.metrics and datasets.load_metric, imported with lm_eval.tasks
+    ("0.4.0", "0.4.1", ("transformers==4.57.6", "datasets<3")),
+    ("0.4.5", "0.4.9.2", ("transformers==4.57.6",)),  # transformers.AutoModelForVision2Seq
+)
 BATCH_SIZE = 16
 PACKAGES = ("lm_eval", "transformers", "tokenizers", "torch", "datasets", "accelerate")
 
@@ -191,12 +196,17 @@ def worker(args: argparse.Namespace) -> None:
     (task_dir / "wikitext_local.yaml").write_text(
         local_task_yaml((stock / "wikitext.yaml").read_text(), docs)
     )
+    if hasattr(lm_eval.tasks, "TaskManager"):
+        registry = {"task_manager": lm_eval.tasks.TaskManager()}
+    else:  # 0.4.0-0.4.1: a global registry that initialize_tasks() fills, as their command line does
+        lm_eval.tasks.initialize_tasks()
+        registry = {}
     start = time.time()
     res = lm_eval.simple_evaluate(
         model="hf",
         model_args=run.model_args(args.model),
         tasks=[TASK],
-        task_manager=lm_eval.tasks.TaskManager(),
+        **registry,
         batch_size=BATCH_SIZE,
         device="cpu",
         limit=run.max_docs,
@@ -216,23 +226,34 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # -- driver (runs in the project venv) ------------------------------------------------------------
-def transformers_for(version: str) -> str:
+def dependency_pins(version: str, transformers: str | None) -> list[str]:
+    """What goes into lm-eval ``version``'s venv besides lm_eval itself: the project's torch, and its
+    transformers unless the release needs older ones (``transformers`` overrides)."""
     from otdus_cli.verify.lm_eval_presets import parse_version
 
     release = parse_version(version)
-    if any(parse_version(first) <= release <= parse_version(last) for first, last in NEED_TRANSFORMERS_4):
-        return TRANSFORMERS_4
-    return metadata.version("transformers")
+    older = [
+        p
+        for first, last, pins in OLDER_DEPENDENCIES
+        if parse_version(first) <= release <= parse_version(last)
+        for p in pins
+    ]
+    pins = [f"torch=={metadata.version('torch').split('+')[0]}"]
+    pins += [p for p in older if not p.startswith("transformers")]
+    default = next(
+        (p for p in older if p.startswith("transformers")),
+        f"transformers=={metadata.version('transformers')}",
+    )
+    pins.append(f"transformers=={transformers}" if transformers else default)
+    return [*pins, "accelerate"]
 
 
 def ensure_venv(version: str, root: Path, fresh: bool, transformers: str | None) -> Path:
-    """A venv with lm_eval==version, the project's torch and the given transformers (created once)."""
+    """A venv with lm_eval==version and :func:`dependency_pins` (created once, kept)."""
     venv = root / version
     python = venv / "bin" / "python"
     marker = venv / ".otdus-installed"
-    torch = metadata.version("torch").split("+")[0]
-    pins = [f"lm_eval=={version}", f"torch=={torch}"]
-    pins += [f"transformers=={transformers or transformers_for(version)}", "accelerate"]
+    pins = [f"lm_eval=={version}", *dependency_pins(version, transformers)]
     wanted = " ".join(pins) + "\n"
     if fresh or not marker.is_file() or marker.read_text() != wanted:
         if venv.exists():
