@@ -50,6 +50,12 @@ def raise_interrupted(signum: int, frame: object) -> None:
 
 
 def exit_on_signals() -> None:
-    """Install raise_interrupted for SIGTERM and SIGHUP (main thread only; the CLI calls it)."""
+    """Install raise_interrupted for SIGTERM and SIGHUP (main thread only; the CLI calls it).
+
+    A signal the process was started with ignored stays ignored: `nohup otdus expand ... &` must
+    survive the log-out's SIGHUP, and a shell's background job its terminal's Ctrl-C (SIGINT, which
+    Python itself then leaves ignored).
+    """
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, raise_interrupted)
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, raise_interrupted)

@@ -3,7 +3,7 @@
 
 On a ~1 GB synthetic checkpoint (scripts/make_synthetic.py, Llama-3.2-1B shaped, a few layers),
 each run is a real `otdus expand` process, half of them `--force` onto an earlier output, killed
-after a random delay with SIGINT, SIGTERM or SIGKILL (or left to finish). After every run:
+after a random delay with SIGINT, SIGTERM, SIGHUP or SIGKILL (or left to finish). After every run:
 
 * the source is byte-identical to what it was (SHA-256 of every file): zero lost source bytes;
 * the exit code is 128 + the signal (or 0 when the run finished first; -9 for SIGKILL);
@@ -37,7 +37,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 OTDUS = str(Path(sys.executable).parent / "otdus")
 STORIES = HERE.parent / "otdus_cli" / "data" / "stories260k"
-SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL}
+SIGNALS = {
+    "SIGINT": signal.SIGINT,
+    "SIGTERM": signal.SIGTERM,
+    "SIGHUP": signal.SIGHUP,
+    "SIGKILL": signal.SIGKILL,
+}
 METHODS = (["--method", "copy", "--layers", "2"], ["--method", "llama-pro", "--layers", "2"],
            ["--method", "average", "--layers", "1"])  # fmt: skip
 
@@ -70,6 +75,15 @@ def make_source(path: Path, layers: int) -> None:
          "--tokenizer-from", str(STORIES)],
         check=True,
     )  # fmt: skip
+
+
+def default_signals() -> None:
+    """The child starts with default signal dispositions whatever this script inherited: started as a
+    shell's background job, it would ignore SIGINT (as otdus rightly keeps it), and the SIGINT runs
+    would test nothing."""
+    for sig in SIGNALS.values():
+        if sig != signal.SIGKILL:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def expand_cmd(source: Path, out: Path, method: list[str], force: bool) -> list[str]:
@@ -136,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         sig_name = rng.choice(list(SIGNALS))
         delay = rng.uniform(0, 1.1 * durations[tuple(method)])
         proc = subprocess.Popen(expand_cmd(source, out, method, force), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+                                stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)  # fmt: skip
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:

@@ -427,14 +427,6 @@ def test_ot_every_dense_family_is_an_exact_identity(tiny_models, tmp_path, model
     assert stats and all(v["variant"] == variant for v in stats.values())
 
 
-def test_ot_on_moe_is_refused_clearly(tiny_models, tmp_path):
-    from otdus_cli.errors import OtdusError
-
-    with pytest.raises(OtdusError, match="MoE"):
-        expand(str(tiny_models["mixtral"]), tmp_path / "out", ExpandOptions(method="ot"))
-    assert not (tmp_path / "out").exists()
-
-
 def test_ot_stories260k_is_deterministic_and_preserving(stories, tmp_path):
     for name in ("a", "b"):
         expand(str(stories), tmp_path / name, ExpandOptions(method="ot"))

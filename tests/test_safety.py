@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,16 @@ def test_signal_during_the_forced_swap_is_held_and_reported_truthfully(stories, 
         return real(folder, names)
 
     monkeypatch.setattr(output_dir, "remove_otdus_output", interrupted_removal)
+    # Ctrl-C as in a terminal, even when the test runner was started with SIGINT ignored (a shell's
+    # background job), which otdus would rightly leave ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_forced_swap(stories, earlier_output)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_forced_swap(stories: Path, earlier_output: Path) -> None:
     with pytest.raises(Interrupted) as info:
         expand(str(stories), earlier_output, ExpandOptions(method="copy", layers=2), force=True)
     assert "complete and in place" in str(info.value)
@@ -269,10 +280,24 @@ def test_two_real_runs_to_one_out(stories, tmp_path):
 
 
 # -- signals ---------------------------------------------------------------------------------------
-def _start_expand(stories: Path, out: Path) -> subprocess.Popen:
+def _signals_as(ignored: tuple[int, ...] = ()) -> Callable[[], None]:
+    """A preexec_fn: the child starts with default signal dispositions, but for ``ignored``.
+
+    Without it the child would inherit the test runner's (a shell's background job ignores SIGINT).
+    """
+
+    def preexec() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+
+    return preexec
+
+
+def _start_expand(stories: Path, out: Path, ignored: tuple[int, ...] = ()) -> subprocess.Popen:
     """A real `otdus expand` process (average: it builds a layer, so it runs for a few seconds)."""
     cmd = [OTDUS, "expand", str(stories), "--out", str(out), "--method", "average"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, preexec_fn=_signals_as(ignored), **pipes)
 
 
 def _wait_for_tmp(parent: Path, proc: subprocess.Popen, timeout: float = 60) -> Path:
@@ -302,6 +327,21 @@ def test_signals_leave_nothing_and_say_so(stories, tmp_path, sig):
     assert "Traceback" not in stderr
     assert not out.exists() and leftovers(tmp_path) == []
     assert tree_digest(stories) == before
+
+
+def test_signals_ignored_at_start_stay_ignored(stories, tmp_path):
+    """`nohup otdus expand ... &`: the log-out's SIGHUP (and the terminal's Ctrl-C, which a shell's
+    background job ignores) must not stop the run; it finishes with a whole output."""
+    out = tmp_path / "out"
+    proc = _start_expand(stories, out, ignored=(signal.SIGHUP, signal.SIGINT))
+    _wait_for_tmp(tmp_path, proc)
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=120)
+    stderr = proc.stderr.read()
+    assert code == 0, stderr
+    assert json.loads((out / "otdus.json").read_text())["num_hidden_layers"] == 7
+    assert leftovers(tmp_path) == []
 
 
 def test_after_sigkill_the_next_run_sweeps_the_dead_runs_folder(stories, tmp_path):

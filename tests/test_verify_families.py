@@ -11,7 +11,7 @@ import torch
 from conftest import DENSE_TYPES, MOE_TYPES
 
 from otdus_cli.expand import expand
-from otdus_cli.options import ExpandOptions
+from otdus_cli.options import ExpandOptions, LesaOptions
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.metrics import EvalPlan, Window
 
@@ -30,8 +30,8 @@ def random_plan(vocab: int = 96, seed: int = 0) -> EvalPlan:
 
 
 def zero_init_expansions(model_type: str) -> list[ExpandOptions]:
-    """Every way otdus expands a model function-preservingly: each method with zero-init (OT for the
-    dense families; OT for MoE is refused), at the placements the methods use."""
+    """Every way otdus expands a model function-preservingly: each method with zero-init, at the
+    placements the methods use (LESA: dense families only; it refuses MoE)."""
     depth = 6 if model_type == "gemma3_text" else 4
     options = [
         ExpandOptions(method="llama-pro", layers=depth // 2),
@@ -40,9 +40,10 @@ def zero_init_expansions(model_type: str) -> list[ExpandOptions]:
         ExpandOptions(method="random", layers=2, zero_init=True),
         ExpandOptions(method="interpose", layers=2, zero_init=True),
         ExpandOptions(method="stack", layers=depth, zero_init=True),
+        ExpandOptions(method="ot", layers=depth // 2),  # MoE: experts matched, then neurons (ot_moe.py)
     ]
     if model_type in DENSE_TYPES:
-        options.append(ExpandOptions(method="ot", layers=depth // 2))
+        options.append(ExpandOptions(method="lesa", layers=depth // 2, lesa=LesaOptions(epochs=2)))
     return options
 
 

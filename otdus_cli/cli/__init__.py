@@ -1,9 +1,9 @@
 """The `otdus` command line: a thin Typer + rich layer over the library.
 
 One module per group of commands (checkpoint: expand, plan, inspect; evaluation: verify, ppl;
-research: study, diagnose; about: demo, version); console.py holds what they share. Errors in the
-user's input, the parser's included, are one line on stderr and exit code 2; broken parity in
-`verify` is exit code 1.
+research: study, diagnose; widening: widen; about: demo, version); console.py holds what they
+share. Errors in the user's input, the parser's included, are one line on stderr and exit code 2;
+broken parity in `verify` is exit code 1.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from otdus_cli.cli.checkpoint import expand, inspect, plan
 from otdus_cli.cli.console import fail, fit_consoles_to_streams, stopped
 from otdus_cli.cli.evaluation import ppl, verify
 from otdus_cli.cli.research import diagnose, study
+from otdus_cli.cli.widening import widen
 from otdus_cli.errors import exit_on_signals
 
 # The parser's error class, found from the one Typer exports (Typer >= 0.20 vendors its own click).
@@ -69,7 +70,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version):
+for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version, widen):
     app.command()(command)
 
 

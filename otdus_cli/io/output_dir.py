@@ -351,7 +351,8 @@ def held_signals() -> Iterator[Callable[[], int | None]]:
     previous = {}
     try:
         for sig in HELD_SIGNALS:
-            previous[sig] = signal.signal(sig, record)
+            if signal.getsignal(sig) != signal.SIG_IGN:  # ignored (nohup, a background job): stays so
+                previous[sig] = signal.signal(sig, record)
     except ValueError:  # not the main thread
         pass
     try:

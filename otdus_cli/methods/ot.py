@@ -40,7 +40,7 @@ it honours reg. Per-module plan statistics go to ``ctx.stats["modules"]``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,11 +154,6 @@ class OTBuilder:
 
     def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
         family = ctx.family
-        if family.moe:
-            raise OtdusError(
-                f"--method ot does not support MoE models yet ({family.name}: experts have no single neuron "
-                "order to transport); use --method copy, interpose or average"
-            )
         settings = OTSettings.from_context(ctx)
         a, b = parents
         suffixes_a = a.suffixes()
@@ -167,14 +162,19 @@ class OTBuilder:
             raise OtdusError(
                 f"layers {a.index} and {b.index} differ: {missing[0]} exists only in layer {a.index}"
             )
-        layout = _Layout(family, ctx.config, suffixes_a)
-        pair = _ParentPair(_Parent(a, layout, settings.device), _Parent(b, layout, settings.device))
-        heads = Heads.from_config(ctx.config)
         stats: dict[str, Any] = {}
         ctx.stats["variant"] = settings.variant
         ctx.stats["solver"] = "pot-sinkhorn" if settings.variant == "official" else settings.solver
         ctx.stats["parents"] = [a.index, b.index]
         ctx.stats["modules"] = stats
+        if family.moe:  # experts matched first, then neurons inside each matched pair (ot_moe.py)
+            from otdus_cli.methods.ot_moe import build_moe_layer  # noqa: PLC0415
+
+            yield from build_moe_layer(a, b, ctx, settings, stats)
+            return
+        layout = _Layout(family, ctx.config, suffixes_a)
+        pair = _ParentPair(_Parent(a, layout, settings.device), _Parent(b, layout, settings.device))
+        heads = Heads.from_config(ctx.config)
         if settings.variant == "structured":
             roles = _structured(pair, heads, settings, stats)  # plain averages: offset-free
         else:
@@ -202,12 +202,20 @@ class OTBuilder:
 class _Layout:
     """Where each role's weight/bias lives in a layer, and how fused tensors split."""
 
-    def __init__(self, family, config: dict, suffixes: list[str]):
+    def __init__(
+        self,
+        family,
+        config: dict,
+        suffixes: list[str],
+        required: tuple[str, ...] = _REQUIRED,
+        roles: dict[str, str] | None = None,
+        method: str = "ot",
+    ):
         self.family = family
         self.config = config
         present = set(suffixes)
         self.where: dict[str, dict[str, str]] = {}
-        for role, path in family.roles.items():
+        for role, path in (family.roles if roles is None else roles).items():
             found = {kind: f"{path}.{kind}" for kind in ("weight", "bias") if f"{path}.{kind}" in present}
             if "weight" in found:
                 self.where[role] = found
@@ -216,11 +224,11 @@ class _Layout:
             part: fused for fused, parts in family.fused.items() if fused in self.where for part in parts
         }
         self.roles = set(self.where) | set(self.fused_in)
-        lacking = [r for r in _REQUIRED if r not in self.roles]
+        lacking = [r for r in required if r not in self.roles]
         if lacking:
             raise OtdusError(
-                f"--method ot needs the {'/'.join(lacking)} tensors, which this {family.name} layer lacks "
-                "(is the family template right?)"
+                f"--method {method} needs the {'/'.join(lacking)} tensors, which this {family.name} layer "
+                "lacks (is the family template right?)"
             )
 
     def sizes(self, fused: str, rows: int) -> list[int]:
@@ -412,15 +420,31 @@ def _paper(pair: _ParentPair, heads: Heads, s: OTSettings, offset: float, stats:
     post-attention norm and gate/up; T_D Gemma's post-feedforward norm; both go to the stats),
     but the aligned weights are not computed.
     """
+    plan_o = yield from paper_attention(pair, heads, s, offset, stats)
+    yield from _paper_mlp(pair, plan_o, s, offset, stats)
+
+
+def paper_matcher(s: OTSettings, stats: dict) -> tuple[Callable[..., TransportPlan], float | None]:
+    """match(x_A, x_B, module) for the paper/official variants (stats recorded under ``module``), and
+    the plan scale they apply (None: the plan's own n; official: 1)."""
     official = s.variant == "official"
     cost = "raw" if official else "paper"
     solver = "official" if official else s.solver
-    scale = 1.0 if official else None  # None: the plan's own n
 
     def match(xa: torch.Tensor, xb: torch.Tensor, module: str) -> TransportPlan:
         plan = match_rows(xa, xb, cost=cost, solver=solver, reg=s.reg, tol=s.tol, max_iter=s.max_iter)
         stats[module] = plan.stats()
         return plan
+
+    return match, (1.0 if official else None)
+
+
+def paper_attention(
+    pair: _ParentPair, heads: Heads, s: OTSettings, offset: float, stats: dict
+) -> Generator[tuple[str, dict[str, torch.Tensor]], None, TransportPlan]:
+    """The attention half of the paper's flow, up to the pre-MLP norm; returns T_O (the MLP's T_in)."""
+    official = s.variant == "official"
+    match, scale = paper_matcher(s, stats)
 
     def plain(role: str) -> Roles:
         if pair.has(role):
@@ -458,6 +482,12 @@ def _paper(pair: _ParentPair, heads: Heads, s: OTSettings, offset: float, stats:
     # stream is the identity path plus the attention path; s = n is Imfeld et al.'s scaling).
     ta, tb = pair.take("mlp_norm")
     yield "mlp_norm", {"weight": _norm_through(plan_o, ta["weight"], tb["weight"], offset, scale, mix=True)}
+    return plan_o
+
+
+def _paper_mlp(pair: _ParentPair, plan_o: TransportPlan, s: OTSettings, offset: float, stats: dict) -> Roles:
+    official = s.variant == "official"
+    match, scale = paper_matcher(s, stats)
     for role in ("gate", "up"):
         ta, tb = pair.take(role)
         inputs = {**ta, "weight": plan_o.cols_to_b(_f32(ta["weight"]), scale)}  # W_A T_in, T_in = s T_O
@@ -539,7 +569,11 @@ def _structured(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> 
     del ta, tb, plan
     yield "down", down
 
-    # --- Attention: head-level assignment, then V dims inside matched heads.
+    yield from structured_attention(pair, heads, s, stats)
+
+
+def structured_attention(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> Roles:
+    """Attention of the structured variant: head-level assignment, then V dims inside matched heads."""
     att = {role: pair.take(role) for role in ("q", "k", "v", "o")}
     ta = {role: {kind: _f32(t) for kind, t in att[role][0].items()} for role in att}
     tb = {role: {kind: _f32(t) for kind, t in att[role][1].items()} for role in att}

@@ -10,7 +10,8 @@ a t confidence interval.
 
 Method specs (strings): ``method[:variant][+zero|+nozero]``, e.g. ``ot`` (OT-DUS, paper variant,
 zero-init), ``ot+nozero``, ``ot:structured``, ``ot:official``, ``average`` (Avg-DeUS, no
-zero-init), ``average+zero``, ``copy``, ``random``, ``llama-pro``, ``solar``. Full expand options
+zero-init), ``average+zero``, ``copy``, ``random``, ``llama-pro``, ``solar``, ``lesa`` (LESA, pair
+variant, zero-init), ``lesa:published`` (LESA as its notebook builds it, nothing zeroed). Full expand options
 can be given instead with :class:`RunSpec` or in a YAML recipe (:func:`run_recipe`).
 """
 
@@ -53,7 +54,8 @@ __all__ = [
 ]
 
 DEFAULT_METHODS = ("ot", "average", "average+zero", "copy", "random")
-# Paper Table 6 ablation plus the review's 2x2 (OT / Average x zero-init) and the OT variants.
+# Paper Table 6 ablation plus the review's 2x2 (OT / Average x zero-init), the OT variants and LESA
+# (the paper's remaining baseline), with zero-init and as published.
 TABLE6_METHODS = (
     "ot",
     "ot+nozero",
@@ -63,6 +65,8 @@ TABLE6_METHODS = (
     "ot:official",
     "copy",
     "random",
+    "lesa",
+    "lesa:published",
 )
 
 
@@ -547,15 +551,24 @@ def run_recipe(
     only: Sequence[str] | None = None,
     overrides: dict[str, Any] | None = None,
     progress: Callable[[StudyEvent], None] | None = None,
+    runs: Sequence[str] | None = None,
 ) -> dict[str, StudyResult]:
     """Run every study of a recipe (or those named in ``only``); results under ``out_dir/<study>/``.
 
     Relative text paths are resolved against the recipe's folder. ``overrides``: study() settings
-    that win over the recipe's (e.g. ``{"steps": 10, "seeds": [0]}`` for a smoke run).
+    that win over the recipe's (e.g. ``{"steps": 10, "seeds": [0]}`` for a smoke run). ``runs``:
+    only these of the recipe's runs (by name), plus its reference, e.g. to add arms to a study
+    already run: seeds fix the batches, so the reference reproduces its earlier numbers.
     """
     path = Path(path)
     recipe = load_study_recipe(path)
     specs = recipe.run_specs()
+    if runs is not None:
+        unknown = sorted(set(runs) - {s.label for s in specs})
+        if unknown:
+            known = ", ".join(s.label for s in specs)
+            raise OtdusError(f"recipe {path}: unknown run(s) {', '.join(unknown)} (runs: {known})")
+        specs = [s for s in specs if s.label in runs or s.label == recipe.reference]
     chosen = [s for s in recipe.studies if only is None or s.name in only]
     if only is not None and len(chosen) != len(set(only)):
         known = ", ".join(s.name for s in recipe.studies)

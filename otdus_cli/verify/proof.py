@@ -33,6 +33,7 @@ from otdus_cli.io.fingerprint import SCHEME, group_fingerprint, tensor_fingerpri
 from otdus_cli.io.reader import CheckpointReader, file_sha256
 from otdus_cli.io.stack import LayerStack, read_stack
 from otdus_cli.manifest import MANIFEST
+from otdus_cli.verify.widened import is_duplicated_experts
 
 _ZERO_CHUNK = 16 * 2**20
 
@@ -194,12 +195,24 @@ def prove(base: LayerStack, expanded: LayerStack, claimed: Sequence[dict] | None
             entry = claimed[j]
             claim = "new" if entry.get("new") else f"copy of base layer {entry.get('source')}"
         in_order = consumed + 1 in matches
+        widened_note = ""
+        if not in_order and claimed is not None and claimed[j].get("widened") and consumed + 1 < base.depth:
+            # otdus widen: base layer i with its experts duplicated (verify/widened.py)
+            in_order = is_duplicated_experts(base, consumed + 1, expanded, j)
+            widened_note = (
+                "widened: its experts are exact copies of the base layer's"
+                if in_order
+                else "widened with noise: its expert copies differ from the base layer's"
+            )
+            matches = [consumed + 1] if in_order else matches
         copy_of = consumed + 1 if in_order else (matches[0] if matches else None)
         if in_order:
             consumed += 1
         identity = not in_order and _identity(expanded, j)
         note = ""
-        if claimed is not None and not claimed[j].get("new") and claimed[j].get("source") not in matches:
+        if widened_note:
+            note = widened_note
+        elif claimed is not None and not claimed[j].get("new") and claimed[j].get("source") not in matches:
             note = f"claimed a copy of base layer {claimed[j].get('source')}, but its tensors differ"
         findings.append(LayerFinding(j, copy_of, in_order, identity, claim, note))
 
@@ -226,7 +239,13 @@ def map_claims_preserving(entries: Sequence[dict], base_depth: int) -> bool:
     """A layer map describes a function-preserving expansion: base layers once each, in order, and
     every new layer zero-initialised."""
     base_order = [e.get("source") for e in entries if not e.get("new")]
-    return base_order == list(range(base_depth)) and all(e.get("zero_init") for e in entries if e.get("new"))
+    # a layer widened with noise (otdus widen) does not compute its source layer's function
+    noisy = any(e.get("widened") and e.get("noise") != 0 for e in entries)
+    return (
+        base_order == list(range(base_depth))
+        and all(e.get("zero_init") for e in entries if e.get("new"))
+        and not noisy
+    )
 
 
 def static_check(

@@ -1,0 +1,335 @@
+"""`otdus widen`: grow a mixture-of-experts model's width, E -> m E experts and top-k -> m k.
+
+Every MoE layer gets m - 1 copies of each expert: expert e + j E (j = 1 .. m-1) is a copy of
+expert e, its router row (and any per-expert router bias) is a copy of e's row, and the config's
+expert count and top-k are multiplied by m (reference.md, the MoE growth paragraph). Originals keep
+their index and their bytes; copies get Gaussian noise N(0, (alpha std(W))^2), W the tensor the
+copy is made from (an expert's matrix, the router's weight), seeded per output tensor so a run is
+reproducible whatever the order tensors are written in. With alpha = 0 the grown model computes
+the base's function: the copies of e split e's routing probability in two halves that top-(m k)
+both selects, and their outputs add up to e's (equal in exact arithmetic; the sums are taken in
+another order, so logits agree to rounding, not bit for bit).
+
+Streaming as in expand: tensors outside the MoE blocks and unperturbed copies move as bytes; a
+noisy copy or an expert-indexed tensor (router weight: [E, hidden] -> [m E, hidden]) is built alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from otdus_cli import __version__
+from otdus_cli.arch.config_rules import (
+    finish_prefetch,
+    prefetch_config_validation,
+    validate_with_transformers,
+)
+from otdus_cli.arch.experts import UNGROWABLE_ROUTING_FIELDS, ExpertLayout, expert_layout
+from otdus_cli.errors import OtdusError
+from otdus_cli.expand import SourceModel, _copy_side_files, open_source, source_record
+from otdus_cli.io.output_dir import OutputReport, staged_output
+from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
+from otdus_cli.manifest import MANIFEST, read_manifest
+
+if TYPE_CHECKING:
+    import torch
+
+ProgressFn = Callable[[int], None]
+
+
+class WidenOptions(BaseModel):
+    """Everything that decides what `otdus widen` writes (recorded in the manifest)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    factor: int = Field(2, ge=2, description="m: experts E -> m E, top-k k -> m k")
+    noise: float = Field(0.01, ge=0, allow_inf_nan=False, description="alpha: copies get N(0, (alpha std)^2)")
+    seed: int = 0
+    max_shard_size: str = "5GB"
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class _Job:
+    """How one output tensor is made from one source tensor."""
+
+    out: str
+    src: str
+    kind: str  # "copy": the source's bytes; "noisy": a perturbed copy; "tiled": m copies along dim 0
+    new: bool  # a tensor the base did not have in this form (what to train first)
+
+
+@dataclass
+class WidenPlan:
+    source: SourceModel
+    options: WidenOptions
+    layout: ExpertLayout
+    experts: int  # E of the source
+    top_k: int
+    moe_layers: list[int]
+    config: dict  # the rewritten config.json
+    jobs: list[_Job]
+    tensors: list[PlannedTensor]
+
+    @property
+    def function_preserving(self) -> bool:
+        return self.options.noise == 0
+
+    @property
+    def new_parameter_names(self) -> list[str]:
+        return [j.out for j in self.jobs if j.new]
+
+
+def check_routing(config: dict) -> None:
+    """Refuse routers whose growth by duplication is not exact (arch/experts.py says why)."""
+    groups = config.get("n_group")
+    if isinstance(groups, int) and groups > 1:
+        raise OtdusError(
+            f"config n_group={groups}: group-limited routing ranks groups by their best experts, which "
+            "duplicated experts change; widening it is not supported"
+        )
+    scoring = config.get("scoring_func")
+    if scoring not in (None, "softmax"):
+        raise OtdusError(f"config scoring_func={scoring!r}: only softmax routers can be widened exactly")
+    for name in UNGROWABLE_ROUTING_FIELDS:
+        if name in ("n_group", "scoring_func"):
+            continue
+        value = config.get(name)
+        if value not in (None, 1, 1.0):
+            raise OtdusError(f"config {name}={value}: this router cannot be widened exactly")
+
+
+def make_widen_plan(source: SourceModel, options: WidenOptions) -> WidenPlan:
+    family = source.family
+    layout = expert_layout(family.name)
+    if not family.moe:
+        raise OtdusError(
+            f"widen grows the experts of mixture-of-experts models; {family.name} is a dense model "
+            "(use `otdus expand` to grow depth)"
+        )
+    if layout is None:
+        raise OtdusError(f"widen does not know the router of {family.name} yet; nothing was written")
+    config = source.config
+    check_routing(config)
+    experts = layout.expert_count(config)
+    top_k = config.get(layout.topk_field)
+    if not isinstance(top_k, int) or top_k < 1:
+        raise OtdusError(f"config.json needs {layout.topk_field} (the router's top-k) to widen")
+    m = options.factor
+    per_expert = layout.expert_regex()
+    jobs: list[_Job] = []
+    moe_layers: list[int] = []
+    noisy = "noisy" if options.noise > 0 else "copy"
+    jobs += [_Job(n, n, "copy", False) for n in source.head]
+    for layer in source.layers:
+        copies: list[_Job] = []
+        seen: set[int] = set()
+        indexed = False
+        for suffix in layer.suffixes():
+            name = layer.name(suffix)
+            hit = per_expert.fullmatch(suffix)
+            if hit:
+                e = int(hit.group(1))
+                seen.add(e)
+                jobs.append(_Job(name, name, "copy", False))
+                for j in range(1, m):
+                    out = layer.name(f"{layout.block}experts.{e + j * experts}.{hit.group(2)}")
+                    copies.append(_Job(out, name, noisy, True))
+            elif layout.is_expert_indexed(suffix):
+                rows = layer.shape(suffix)[0] if layer.shape(suffix) else None
+                if rows != experts:
+                    raise OtdusError(
+                        f"{name} indexes {rows} experts along its first dimension; the config says {experts}"
+                    )
+                indexed = True
+                jobs.append(_Job(name, name, "tiled", True))
+            else:
+                jobs.append(_Job(name, name, "copy", False))
+        if seen and seen != set(range(experts)):
+            raise OtdusError(
+                f"layer {layer.index} holds experts {min(seen)}..{max(seen)} ({len(seen)} of them); "
+                f"the config says {experts}"
+            )
+        if seen or indexed:
+            moe_layers.append(layer.index)
+        jobs += sorted(copies, key=lambda job: job.out)
+    jobs += [_Job(n, n, "copy", False) for n in source.tail]
+    if not moe_layers:
+        raise OtdusError(f"no layer of this {family.name} checkpoint holds experts; nothing to widen")
+    new_config = copy.deepcopy(config)
+    for name in layout.count_fields:
+        if isinstance(config.get(name), int):
+            new_config[name] = experts * m
+    new_config[layout.topk_field] = top_k * m
+    tensors = [_planned(source, job, m) for job in jobs]
+    return WidenPlan(source, options, layout, experts, top_k, moe_layers, new_config, jobs, tensors)
+
+
+def _planned(source: SourceModel, job: _Job, m: int) -> PlannedTensor:
+    meta = source.reader.meta(job.src)
+    shape = (meta.shape[0] * m, *meta.shape[1:]) if job.kind == "tiled" else meta.shape
+    return PlannedTensor(job.out, meta.dtype, tuple(shape))
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """A generator of its own for each output tensor: the noise does not depend on write order."""
+    import torch  # noqa: PLC0415
+
+    digest = hashlib.sha256(f"otdus-widen/{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def _perturbed(t: torch.Tensor, alpha: float, gen: torch.Generator) -> torch.Tensor:
+    """t + N(0, (alpha std(t))^2), computed in float32, returned in t's dtype."""
+    import torch  # noqa: PLC0415
+
+    x = t.to(torch.float32, copy=True)  # never in place: t may be a block of a tiled tensor
+    std = float(x.std()) if x.numel() > 1 else 0.0
+    return x.add_(torch.randn(x.shape, generator=gen).mul_(alpha * std)).to(t.dtype)
+
+
+def _tiled(t: torch.Tensor, m: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
+    """[E, ...] -> [m E, ...]: block 0 the original, blocks 1..m-1 copies (perturbed when alpha > 0).
+
+    The noise scale is the std of the whole tensor for a router (one matrix), of each expert's slice
+    for fused 3-D expert tensors (one matrix per expert, as in the per-expert layout)."""
+    import torch  # noqa: PLC0415
+
+    blocks = [t]
+    for _ in range(1, m):
+        if alpha == 0:
+            blocks.append(t)
+        elif t.dim() >= 3:
+            blocks.append(torch.stack([_perturbed(t[e], alpha, gen) for e in range(t.shape[0])]))
+        else:
+            blocks.append(_perturbed(t, alpha, gen))
+    return torch.cat(blocks, dim=0)
+
+
+@dataclass
+class WidenResult:
+    out: Path
+    plan: WidenPlan
+    manifest: dict
+    bytes_written: int
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+
+def _write(plan: WidenPlan, folder: Path, progress: ProgressFn) -> None:
+    reader = plan.source.reader
+    writer = ShardedWriter(folder, plan.tensors, parse_size(plan.options.max_shard_size))
+    try:
+        for job in plan.jobs:
+            if job.kind == "copy":
+                raw = reader.raw(job.src)
+                n = (
+                    writer.copy_raw(job.out, raw)
+                    if raw is not None
+                    else writer.write_tensor(job.out, reader.get(job.src))
+                )
+            elif job.kind == "noisy":
+                gen = _generator(plan.options.seed, job.out)
+                n = writer.write_tensor(job.out, _perturbed(reader.get(job.src), plan.options.noise, gen))
+            else:
+                gen = _generator(plan.options.seed, job.out)
+                t = _tiled(reader.get(job.src), plan.options.factor, plan.options.noise, gen)
+                n = writer.write_tensor(job.out, t)
+                del t
+            progress(n)
+        writer.finish()
+    finally:
+        writer.close()
+
+
+def build_widen_manifest(plan: WidenPlan, side_files: list[str], config_check_skipped: str | None) -> dict:
+    src = plan.source
+    m = plan.options.factor
+    widened = set(plan.moe_layers)
+    noise = plan.options.noise
+    history = []
+    earlier = read_manifest(src.resolved.folder) if src.resolved.kind == "local" else None
+    if earlier:  # the source was itself made by otdus (e.g. expand, then widen): keep its record
+        history = [*earlier.get("history", []), {k: v for k, v in earlier.items() if k != "history"}]
+    return {
+        "otdus_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": source_record(src),
+        "method": "widen",
+        "options": plan.options.model_dump(),
+        "num_hidden_layers": src.depth,
+        # claimed: the same function up to rounding when no noise was added (verify checks it)
+        "function_preserving": plan.function_preserving,
+        "widen": {
+            "factor": m,
+            "experts": [plan.experts, plan.experts * m],
+            "top_k": [plan.top_k, plan.top_k * m],
+            "noise": noise,
+            "seed": plan.options.seed,
+            "layers": plan.moe_layers,
+            "copies": f"expert e + j*{plan.experts} (j = 1..{m - 1}) copies expert e; router rows likewise",
+            "routing": plan.layout.routing,
+        },
+        "layers": [
+            {
+                "index": i,
+                "source": i,
+                "new": False,
+                "parents": [],
+                "builder": "widen" if i in widened else "base",
+                "zero_init": False,
+                **({"widened": True, "noise": noise} if i in widened else {}),
+            }
+            for i in range(src.depth)
+        ],
+        "new_parameters": plan.new_parameter_names,
+        "transport": {},
+        "copied_files": side_files,
+        "config_checked_by_transformers": config_check_skipped is None,
+        "warnings": [config_check_skipped] if config_check_skipped else [],
+        "history": history,
+    }
+
+
+def widen(
+    model: str,
+    out: str | Path,
+    options: WidenOptions | None = None,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    on_plan: Callable[[WidenPlan], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+) -> WidenResult:
+    """Widen the MoE layers of ``model`` (folder, hub id) into ``out`` atomically."""
+    options = options or WidenOptions()
+    start = time.perf_counter()
+    source = open_source(model, options.revision)
+    plan = make_widen_plan(source, options)
+    if on_plan:
+        on_plan(plan)
+    out = Path(out)
+    report = OutputReport(notify=on_note)
+    with staged_output(out, protected=[source.resolved.folder], force=force, report=report) as tmp:
+        prefetch_config_validation(source.config.get("model_type"))
+        try:
+            _write(plan, tmp, progress or (lambda n: None))
+        finally:
+            finish_prefetch()
+        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+        side_files = _copy_side_files(source.resolved.folder, tmp)
+        skipped = validate_with_transformers(tmp, source.depth)
+        manifest = build_widen_manifest(plan, side_files, skipped)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    written = sum(t.nbytes for t in plan.tensors)
+    return WidenResult(
+        out, plan, manifest, written, time.perf_counter() - start, list(manifest["warnings"]) + report.notes
+    )

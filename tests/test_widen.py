@@ -1,0 +1,170 @@
+"""`otdus widen`: experts E -> 2E and top-k k -> 2k on every MoE family's tiny transformers model.
+
+With --noise 0 the widened model computes the base's function: its logits equal the base's to within
+rounding. Not bit for bit: the router's softmax now sums 2E terms and the expert outputs are added
+in another order, so a few ulps move (measured: max |diff| 9e-8 on logits of magnitude ~0.5 for all
+four families); ATOL allows 20 times that and is still 100 times below what the default noise does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import MOE_TYPES, load_causal_lm, logits, no_output_left, one_error_line
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from otdus_cli.bundled import STORIES260K
+from otdus_cli.cli import app
+from otdus_cli.errors import OtdusError
+from otdus_cli.expand import expand, open_source
+from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.options import ExpandOptions
+from otdus_cli.verify.compare import verify_expansion
+from otdus_cli.verify.proof import static_check
+from otdus_cli.widen import WidenOptions, make_widen_plan, widen
+from tests.test_verify_families import random_plan
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+ATOL = 2e-6
+runner = CliRunner()
+
+COUNT_FIELD = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts"}
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_noise_zero_keeps_the_function_and_noise_moves_it(tiny_models, tmp_path, model_type):
+    base_dir = tiny_models[model_type]
+    exact = widen(str(base_dir), tmp_path / "w0", WidenOptions(noise=0))
+    noisy = widen(str(base_dir), tmp_path / "w1")  # default alpha = 0.01
+    base = logits(load_causal_lm(base_dir))
+    grown = load_causal_lm(tmp_path / "w0")
+    assert grown.config.num_experts_per_tok == 4
+    config = json.loads((tmp_path / "w0" / "config.json").read_text())
+    count = (
+        config.get(COUNT_FIELD.get(model_type))
+        or config.get("num_experts")
+        or config.get("num_local_experts")
+    )
+    assert count == 8 and config["num_experts_per_tok"] == 4
+    assert (logits(grown) - base).abs().max() <= ATOL
+    assert (logits(load_causal_lm(tmp_path / "w1")) - base).abs().max() > 100 * ATOL
+    assert exact.plan.moe_layers == [0, 1, 2, 3]
+    # expert e + 4 is expert e; originals keep their bytes; router rows copied
+    b, w0, w1 = _tensors(base_dir), _tensors(tmp_path / "w0"), _tensors(tmp_path / "w1")
+    block = exact.plan.layout.block
+    down = exact.plan.layout.down
+    name = f"model.layers.1.{block}experts.%d.{down}.weight"
+    assert torch.equal(w0[name % 6], b[name % 2]) and torch.equal(w1[name % 2], b[name % 2])
+    router = f"model.layers.1.{block}gate.weight"
+    assert torch.equal(w0[router], torch.cat([b[router], b[router]]))
+    # noisy copies: relative change about alpha (std of N(0, (0.01 std)^2) over the weight's spread)
+    rel = float((w1[name % 6] - b[name % 2]).std() / b[name % 2].std())
+    assert 0.005 < rel < 0.02, rel
+    assert not torch.equal(w1[router][4:], b[router]) and torch.equal(w1[router][:4], b[router])
+    manifest = noisy.manifest
+    assert manifest["method"] == "widen" and manifest["widen"]["experts"] == [4, 8]
+    assert manifest["widen"]["top_k"] == [2, 4] and manifest["function_preserving"] is False
+    assert exact.manifest["function_preserving"] is True
+    assert name % 6 in manifest["new_parameters"] and name % 2 not in manifest["new_parameters"]
+
+
+def test_qwen2_moe_shared_expert_is_left_dense(tiny_models, tmp_path):
+    widen(str(tiny_models["qwen2_moe"]), tmp_path / "w")
+    b, w = _tensors(tiny_models["qwen2_moe"]), _tensors(tmp_path / "w")
+    for name in b:
+        if "shared_expert" in name:
+            assert torch.equal(w[name], b[name]), name
+    assert not any("shared_expert" in n and n not in b for n in w)
+
+
+def test_noise_is_seeded_and_reproducible(tiny_models, tmp_path):
+    src = str(tiny_models["mixtral"])
+    widen(src, tmp_path / "a", WidenOptions(seed=3))
+    widen(src, tmp_path / "b", WidenOptions(seed=3, max_shard_size="20KB"))  # other shards, same tensors
+    widen(src, tmp_path / "c", WidenOptions(seed=4))
+    a, c = _tensors(tmp_path / "a"), _tensors(tmp_path / "c")
+    b = CheckpointReader(tmp_path / "b")
+    assert all(torch.equal(b.get(n), t) for n, t in a.items())
+    copy = "model.layers.0.block_sparse_moe.experts.5.w1.weight"
+    assert not torch.equal(a[copy], c[copy])
+
+
+def test_factor_three(tiny_models, tmp_path):
+    result = widen(str(tiny_models["olmoe"]), tmp_path / "w", WidenOptions(factor=3, noise=0))
+    grown = load_causal_lm(tmp_path / "w")
+    assert grown.config.num_experts == 12 and grown.config.num_experts_per_tok == 6
+    assert (logits(grown) - logits(load_causal_lm(tiny_models["olmoe"]))).abs().max() <= ATOL
+    assert result.manifest["widen"]["experts"] == [4, 12]
+
+
+def test_verify_expects_parity_only_without_noise(tiny_models, tmp_path):
+    src = tiny_models["qwen3_moe"]
+    widen(str(src), tmp_path / "w0", WidenOptions(noise=0))
+    widen(str(src), tmp_path / "w1")
+    plan = random_plan()
+    exact = verify_expansion(src, tmp_path / "w0", plan)
+    assert exact.expect_parity and exact.exit_code == 0 and exact.verdict.startswith("PARITY"), exact.verdict
+    assert "widened experts" in exact.tolerance and exact.proof.preserving
+    noisy = verify_expansion(src, tmp_path / "w1", plan)
+    assert not noisy.expect_parity and noisy.exit_code == 0
+    assert noisy.verdict.startswith("no parity expected") and not noisy.proof.preserving
+    assert "unchanged" not in noisy.verdict and " -> " in noisy.verdict  # the change, however small
+    assert "differ" in noisy.proof.layers[0].note
+    assert static_check(src, tmp_path / "w0").claims_preserving is True
+    assert static_check(src, tmp_path / "w1").claims_preserving is False
+
+
+def test_expand_then_widen_records_both(tiny_models, tmp_path):
+    deeper = tmp_path / "deeper"
+    expand(str(tiny_models["mixtral"]), deeper, ExpandOptions(method="interpose", layers=2, zero_init=True))
+    result = widen(str(deeper), tmp_path / "wide", WidenOptions(noise=0))
+    assert result.manifest["num_hidden_layers"] == 6 and result.plan.moe_layers == list(range(6))
+    assert [m["method"] for m in result.manifest["history"]] == ["interpose"]
+    base = logits(load_causal_lm(tiny_models["mixtral"]))
+    assert (logits(load_causal_lm(tmp_path / "wide")) - base).abs().max() <= ATOL
+
+
+def test_dense_models_are_refused_with_one_line_and_nothing_written(tiny_models, tmp_path):
+    result = runner.invoke(app, ["widen", str(tiny_models["llama"]), "--out", str(tmp_path / "out")])
+    one_error_line(result, message="llama is a dense model")
+    no_output_left(tmp_path)
+    result = runner.invoke(
+        app, ["widen", str(tiny_models["olmoe"]), "--out", str(tmp_path / "out"), "--factor", "1"]
+    )
+    assert result.exit_code == 2
+    no_output_left(tmp_path)
+
+
+def test_group_limited_routing_is_refused(tiny_models, tmp_path):
+    folder = tmp_path / "grouped"
+    shutil.copytree(tiny_models["olmoe"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_group": 2, "topk_group": 1}))
+    result = runner.invoke(app, ["widen", str(folder), "--out", str(tmp_path / "out")])
+    one_error_line(result, message="group-limited routing")
+    no_output_left(tmp_path)
+
+
+def test_cli_json_summary(tiny_models, tmp_path):
+    result = runner.invoke(
+        app, ["widen", str(tiny_models["mixtral"]), "--out", str(tmp_path / "w"), "--noise", "0", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["experts"] == [4, 8] and summary["top_k"] == [2, 4] and summary["function_preserving"]
+
+
+def test_library_refuses_negative_noise():
+    with pytest.raises(ValueError):
+        WidenOptions(noise=-0.1)
+    with pytest.raises(OtdusError, match="dense"):
+        make_widen_plan(open_source(str(STORIES260K)), WidenOptions())
