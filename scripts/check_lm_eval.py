@@ -428,6 +428,7 @@ def main() -> int:
             f"{run.key}: {o['n_docs']} documents, {o['n_words']:,} words, {o['n_bytes']:,} bytes, "
             f"{o['n_windows']:,} windows, {o['n_tokens']:,} tokens (otdus settings {o['settings']}); "
             f"lm-eval {r['lm_eval']['seconds']:.0f} s, otdus {o['seconds']:.0f} s"
+            + (f"; lm-eval vs its recorded figures {max(r['drift'].values()):.1e}" if "drift" in r else "")
         )
         worst = max(r["rel_diff"].values())
         if worst > args.rtol:
