@@ -123,5 +123,5 @@ def test_cli_defaults_are_the_library_defaults(command):
             continue
         assert param.default == library[name], (command, name, param.default, library[name])
         compared.append(name)
-    expected = {"verify": 8, "ppl": 8, "study": 14, "diagnose": 6}[command]
+    expected = {"verify": 10, "ppl": 10, "study": 14, "diagnose": 6}[command]
     assert len(compared) == expected, compared

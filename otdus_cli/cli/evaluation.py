@@ -19,9 +19,10 @@ from otdus_cli.cli.console import (
     user_errors,
 )
 from otdus_cli.cli.flags import with_flags
-from otdus_cli.cli.values import EvalDtype, TokenMode, device_parser, model_name, text_spec
+from otdus_cli.cli.values import EvalDtype, TokenMode, device_parser, lm_eval_version, model_name, text_spec
 from otdus_cli.cli.values import Protocol as ProtocolName
 from otdus_cli.errors import OtdusError
+from otdus_cli.verify.lm_eval_presets import LM_EVAL_NEWEST
 
 Protocol = Annotated[
     ProtocolName,
@@ -56,6 +57,25 @@ MaxTokens = Annotated[
     ),
 ]
 MaxDocs = Annotated[int | None, typer.Option(help="Use at most this many documents.", min=1)]
+LmEval = Annotated[
+    str,
+    typer.Option(
+        "--lm-eval",
+        metavar="VERSION",
+        help="wikitext protocol: the figures lm-eval VERSION's stock wikitext task gives. 0.4.0-0.4.2 "
+        "(0.4.2: the paper's tables) start each document with EOS; 0.4.3-0.4.9.1 with BOS; 0.4.9.2 on "
+        "with BOS and the tokenizer's own special tokens.",
+        parser=lm_eval_version,
+    ),
+]
+MaxLength = Annotated[
+    int | None,
+    typer.Option(
+        help="wikitext protocol: window length (lm-eval's max_length model argument). "
+        "\\[default: the model's context length, as lm-eval reads it from the config]",
+        min=1,
+    ),
+]
 EvalDevice = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", parser=device_parser(True))]
 Dtype = Annotated[
     EvalDtype,
@@ -105,6 +125,8 @@ class EvalFlags:
     """The corpus, protocol and compute settings: shared by `verify` and `ppl`."""
 
     protocol: Protocol = "wikitext"
+    lm_eval: LmEval = LM_EVAL_NEWEST
+    max_length: MaxLength = None
     text: TextFile = None
     dataset: Dataset = None
     seq_len: SeqLen = 2048
@@ -142,6 +164,10 @@ def _metrics_rows(table: Table, metrics, other=None) -> None:
             theirs = other.values()[key]
             row += [f"{theirs:.6g}", f"{theirs - value:+.3g}"]
         table.add_row(*row)
+
+
+def _protocol_name(metrics) -> str:
+    return f"{metrics.protocol} protocol" + (f" of {metrics.reproduces}" if metrics.reproduces else "")
 
 
 def _local_model(model: str) -> str:
@@ -238,7 +264,7 @@ def _evaluate(
         emit_json(report.to_dict())
     else:
         table = Table(
-            title=f"{report.base.corpus}: {report.base.protocol} protocol, {report.base.n_tokens:,} tokens, "
+            title=f"{report.base.corpus}: {_protocol_name(report.base)}, {report.base.n_tokens:,} tokens, "
             f"{report.device} {report.dtype}"
         )
         for col in ("metric (* headline)", "base", "expanded", "delta"):
@@ -300,7 +326,7 @@ def _print_ppl(report, json_out: bool) -> None:
         emit_json(report.to_dict())
         return
     m = report.metrics
-    table = Table(title=f"{report.model}: {m.corpus}, {m.protocol} protocol, {m.n_tokens:,} tokens")
+    table = Table(title=f"{report.model}: {m.corpus}, {_protocol_name(m)}, {m.n_tokens:,} tokens")
     for col in ("metric (* headline)", "value"):
         table.add_column(col)
     _metrics_rows(table, m)

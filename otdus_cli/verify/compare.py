@@ -33,12 +33,12 @@ import torch
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.manifest import read_manifest
+from otdus_cli.verify.lm_eval_presets import LM_EVAL_NEWEST, wikitext_tokenization
 from otdus_cli.verify.metrics import (
     DEFAULT_SEQ_LEN,
     EvalPlan,
     PerplexityMetrics,
     Window,
-    lm_eval_max_length,
     load_tokenizer,
     metrics_from_logprobs,
     model_max_positions,
@@ -71,28 +71,23 @@ def make_plan(
     token_mode: str = "joined",
     max_docs: int | None = None,
     max_tokens: int | None = None,
-    add_special_tokens: bool = False,
+    lm_eval: str = LM_EVAL_NEWEST,
     tokenizer=None,
 ) -> EvalPlan:
     """Tokenise ``corpus`` (default: bundled WikiText-2 test) for ``protocol`` with the model's tokenizer.
 
-    protocol "wikitext": lm-eval rolling windows of ``max_length`` (default as lm-eval resolves it);
-    protocol "token": GPTQ windows of ``seq_len`` (capped by the model's max positions).
+    protocol "wikitext": lm-eval's rolling windows as release ``lm_eval`` computes them (any version
+    string; see verify/lm_eval_presets.py), of ``max_length`` tokens (lm-eval's model argument;
+    default: as that release resolves it); protocol "token": GPTQ windows of ``seq_len`` (capped by
+    the model's max positions).
     """
     reader = model_dir if isinstance(model_dir, CheckpointReader) else CheckpointReader(model_dir)
     reader_config = reader.config
     tok = tokenizer if tokenizer is not None else load_tokenizer(reader.folder)
     corpus = corpus if corpus is not None else wikitext_corpus()
     if protocol == "wikitext":
-        length = max_length or lm_eval_max_length(reader_config, tok)
-        return plan_rolling(
-            corpus,
-            tok,
-            length,
-            add_special_tokens=add_special_tokens,
-            max_docs=max_docs,
-            max_tokens=max_tokens,
-        )
+        tokenization = wikitext_tokenization(lm_eval, reader_config, tok, max_length)
+        return plan_rolling(corpus, tok, tokenization, max_docs=max_docs, max_tokens=max_tokens)
     if protocol == "token":
         cap = model_max_positions(reader_config)
         length = min(seq_len, cap) if cap else seq_len
@@ -532,6 +527,8 @@ def verify_expansion(
         change = "unchanged" if unchanged else f"{value_b:.8g} -> {value_e:.8g}"
         verdict = f"no parity expected (not function-preserving): {name} {change}"
         exit_code = 0
+    if plan.reproduces:
+        verdict += f" [wikitext figures of {plan.reproduces}]"
     return VerifyReport(
         base_model=str(base_dir),
         expanded_model=str(expanded_dir),

@@ -3,18 +3,16 @@
 Both turn a corpus into a list of :class:`Window` s (token ids to feed, tokens to score) before any
 model runs, so one plan can be scored by two models (base and expanded) window for window.
 
-lm-eval ``wikitext`` (``loglikelihood_rolling``), as in lm-eval 0.4.x's HF model:
-  * each document is tokenised without special tokens (lm-eval 0.4.2-era default for causal models,
-    ``add_bos_token=False`` in recent releases; ``add_special_tokens=True`` gives 0.4.13's default);
-  * windows of ``max_length`` tokens: the first is ``[prefix] + tokens[:L-1]`` scoring ``tokens[:L]``
-    (prefix = BOS, or EOS when the tokenizer has no BOS); each later window scores the next <= L
-    tokens, fed with the L tokens that precede each target (so every token is scored exactly once,
-    with as much left context as fits);
+lm-eval ``wikitext`` (``loglikelihood_rolling``), as lm-eval 0.4.x's HF model computes it:
+  * each document is detokenised and tokenised as the chosen lm-eval release does
+    (verify/lm_eval_presets.py: with or without the tokenizer's special tokens, which prefix token,
+    which max length);
+  * windows of ``max_length`` tokens: the first is ``[prefix] + tokens[:L-1]`` scoring ``tokens[:L]``;
+    each later window scores the next <= L tokens, fed with the L tokens that precede each target
+    (so every token is scored exactly once, with as much left context as fits);
   * word_perplexity = exp(-sum ll / words), byte_perplexity = exp(-sum ll / bytes),
     bits_per_byte = -sum ll / bytes / ln 2, words and bytes counted on the document before
     detokenisation.
-  * ``max_length`` defaults as lm-eval resolves it: config ``n_positions``, ``max_position_embeddings``
-    or ``n_ctx``, else the tokenizer's ``model_max_length``, else 2048.
 
 Token perplexity (GPTQ): the text joined with ``\\n\\n``, tokenised once with the tokenizer's special
 tokens, cut into disjoint ``seq_len`` windows (the tail that does not fill a window is dropped),
@@ -32,12 +30,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.verify.lm_eval_presets import WikitextTokenization
 from otdus_cli.verify.progress import Progress, Tick
 from otdus_cli.verify.text import Corpus, count_bytes, count_words, wikitext_detokenize
 
 DEFAULT_SEQ_LEN = 2048
-LM_EVAL_DEFAULT_MAX_LENGTH = 2048
-_TOKENIZER_INFINITY = 1000000000000000019884624838656  # transformers' "no limit" model_max_length
 
 
 @dataclass(frozen=True)
@@ -59,6 +56,7 @@ class EvalPlan:
     bytes: list[int]
     context: int  # max_length (rolling) or seq_len (token)
     settings: dict = field(default_factory=dict)
+    reproduces: str | None = None  # e.g. "lm-eval 0.4.2": whose wikitext figures these are
 
     @property
     def n_docs(self) -> int:
@@ -85,6 +83,7 @@ class PerplexityMetrics:
     byte_perplexity: float | None = None
     bits_per_byte: float | None = None
     settings: dict = field(default_factory=dict)
+    reproduces: str | None = None  # e.g. "lm-eval 0.4.2": whose wikitext figures these are
 
     def headline(self) -> tuple[str, float]:
         """The protocol's main figure: word perplexity for the lm-eval protocol, else token perplexity."""
@@ -100,7 +99,7 @@ class PerplexityMetrics:
         return asdict(self)
 
 
-# -- tokenizer and context length ----------------------------------------------------------------
+# -- tokenizer and model positions ----------------------------------------------------------------
 def load_tokenizer(folder: str | os.PathLike[str]):
     from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import
 
@@ -110,32 +109,12 @@ def load_tokenizer(folder: str | os.PathLike[str]):
         raise OtdusError(f"cannot load a tokenizer from {folder}: {exc.__class__.__name__}: {exc}") from None
 
 
-def lm_eval_max_length(config: dict, tokenizer=None) -> int:
-    """Context length the way lm-eval's HF model resolves it when ``max_length`` is not given."""
-    cfg = config.get("text_config") or config
-    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        if cfg.get(attr) is not None:
-            return int(cfg[attr])
-    mml = getattr(tokenizer, "model_max_length", None)
-    if mml is not None and mml != _TOKENIZER_INFINITY:
-        return int(mml)
-    return LM_EVAL_DEFAULT_MAX_LENGTH
-
-
 def model_max_positions(config: dict) -> int | None:
     cfg = config.get("text_config") or config
     for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
         if cfg.get(attr) is not None:
             return int(cfg[attr])
     return None
-
-
-def prefix_token_id(tokenizer) -> int:
-    """lm-eval's prefix for the first rolling window: BOS, or EOS when there is no BOS."""
-    tok = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    if tok is None:
-        raise OtdusError("the tokenizer has neither a BOS nor an EOS token to start the first window")
-    return int(tok)
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -170,14 +149,13 @@ def rolling_windows(
 def plan_rolling(
     corpus: Corpus,
     tokenizer,
-    max_length: int,
+    tokenization: WikitextTokenization,
     *,
     detokenize: bool | None = None,
-    add_special_tokens: bool = False,
     max_docs: int | None = None,
     max_tokens: int | None = None,
 ) -> EvalPlan:
-    """lm-eval ``wikitext``-style plan over whole documents.
+    """lm-eval ``wikitext``-style plan over whole documents, tokenised as ``tokenization`` says.
 
     ``detokenize`` defaults to True for WikiText. ``max_tokens`` keeps whole documents until at least
     that many tokens are scored (word/byte counts stay exact), so the plan's ``n_tokens`` can exceed
@@ -185,7 +163,7 @@ def plan_rolling(
     """
     if detokenize is None:
         detokenize = corpus.kind == "wikitext"
-    prefix = prefix_token_id(tokenizer)
+    max_length = tokenization.max_length
     docs = corpus.documents if max_docs is None else corpus.documents[: max(0, max_docs)]
     windows: list[Window] = []
     words: list[int] = []
@@ -195,20 +173,16 @@ def plan_rolling(
         if max_tokens is not None and scored >= max_tokens:
             break
         text = wikitext_detokenize(page) if detokenize else page
-        tokens = _encode(tokenizer, text, add_special_tokens)
-        for inp, tgt in rolling_windows(tokens, prefix, max_length):
+        tokens = tokenization.encode(tokenizer, text)
+        for inp, tgt in rolling_windows(tokens, tokenization.prefix_token_id, max_length):
             windows.append(Window(inp, tgt, len(inp) - len(tgt), d))
         scored += len(tokens)
         words.append(count_words(page))
         nbytes.append(count_bytes(page))
-    settings = {
-        "max_length": max_length,
-        "prefix_token_id": prefix,
-        "add_special_tokens": add_special_tokens,
-        "detokenize": detokenize,
-        "max_tokens": max_tokens,
-    }
-    return EvalPlan("wikitext", corpus.name, windows, words, nbytes, max_length, settings)
+    settings = {**tokenization.settings(), "detokenize": detokenize, "max_tokens": max_tokens}
+    return EvalPlan(
+        "wikitext", corpus.name, windows, words, nbytes, max_length, settings, tokenization.reproduces
+    )
 
 
 # -- token perplexity -------------------------------------------------------------------------------
@@ -373,6 +347,7 @@ def metrics_from_logprobs(plan: EvalPlan, logprobs: Sequence[torch.Tensor]) -> P
         loglikelihood=ll,
         token_perplexity=token_ppl,
         settings=dict(plan.settings),
+        reproduces=plan.reproduces,
     )
     if plan.protocol == "wikitext":
         words, nbytes = sum(plan.words), sum(plan.bytes)
