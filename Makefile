@@ -13,9 +13,10 @@ OLDEST_TRANSFORMERS ?= transformers==4.57.6
 # the slowest test)
 COMPAT_TESTS := tests/test_verify_streaming.py tests/test_verify_compare.py tests/test_verify_cli.py \
 	tests/test_verify_families.py tests/test_verify_self_check.py tests/test_verify_static.py \
+	tests/test_arch_breadth.py tests/test_wrappers.py \
 	--deselect tests/test_verify_cli.py::test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint
 
-.PHONY: setup setup-compat demo test test-main test-compat lint bench faults clean
+.PHONY: setup setup-compat demo test test-main test-compat lint bench faults coverage clean
 
 setup: $(VENV)/.installed
 
@@ -59,6 +60,11 @@ bench: setup
 # kill expansions at random moments (SIGINT, SIGTERM, SIGKILL) on a ~1 GB checkpoint: no data lost
 faults: setup
 	$(PY) scripts/fault_inject.py --runs 50
+
+# every causal LM of the installed transformers: tiny model, expand, reload; writes docs/compatibility.md
+# (minutes; tests/test_arch_breadth.py and tests/test_derived.py hold a fast subset)
+coverage: setup
+	$(PY) scripts/coverage.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) demo-out

@@ -38,6 +38,7 @@ from otdus_cli.options import ExpandOptions, ignored_options
 from otdus_cli.plan.layer_map import OutputLayer, is_function_preserving
 from otdus_cli.source import SIDE_FILE_PATTERNS, ResolvedSource, resolve_source
 
+SCRATCH = ".otdus-scratch"  # inside the staging folder; never part of an output
 _NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", MANIFEST}
 
 ProgressFn = Callable[[int], None]
@@ -83,8 +84,19 @@ class Plan:
 
 def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
     method = get_method(options.method)
-    if source.family.name == "generic" and method.builder != "copy":
-        raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+    if source.family.copy_only and method.builder != "copy":
+        if source.family.name == "generic":
+            raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+        raise OtdusError(
+            f"{source.family.name} has no exact template (its layers were read off transformers' class): "
+            f"copy-type methods only, not {method.name}"
+        )
+    refusal = source.family.refuses.get(method.builder)
+    if refusal:
+        raise OtdusError(
+            f"--method {method.name} cannot build {source.family.name} layers ({refusal}); "
+            "use copy, interpose, average or random"
+        )
     layer_map = plan_layers(
         source.depth,
         method,
@@ -92,11 +104,16 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
         options.layers,
         options.ratio,
         options.after,
-        options.zero_init,
+        method.zero_init_for(options.method_variant()) if options.zero_init is None else options.zero_init,
     )
-    if source.family.name == "generic" and any(lay.zero_init for lay in layer_map):
-        raise OtdusError("zero-init needs a known architecture (which tensors to zero); add --no-zero-init")
-    config = rewrite_config(source.config, layer_map, source.family.derives_layer_types)
+    if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
+        raise OtdusError(
+            f"zero-init needs an exact template (which tensors to zero), which {source.family.name} is not; "
+            "add --no-zero-init"
+        )
+    config = rewrite_config(
+        source.config, layer_map, source.family.derives_layer_types, source.family.per_layer_fields
+    )
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
     return Plan(
@@ -124,6 +141,7 @@ def _planned_tensors(source: SourceModel, layer_map: list[OutputLayer], dtype: s
         src = source.layers[lay.source]
         prefix = source.family.layer_prefix.format(i=lay.index)
         out += [planned(src.name(s), prefix + s) for s in src.suffixes()]
+    out += [planned(n, source.after_stack_name(n, len(layer_map))) for n in source.after_stack]
     out += [planned(n, n) for n in source.tail]
     return out
 
@@ -163,6 +181,9 @@ class _Engine:
         self.writer = ShardedWriter(folder, plan.tensors, parse_size(plan.options.max_shard_size))
         self.progress = progress or (lambda n: None)
         self.stats: dict[int, dict] = {}
+        # builders that need the whole source first (LESA) predict into this folder, removed after
+        self.scratch = folder / SCRATCH
+        self.reports: dict[str, dict] = {}  # builder name -> what its pre-pass reports (manifest)
 
     def _copy(self, src_name: str, out_name: str) -> None:
         raw = self.src.reader.raw(src_name)
@@ -184,6 +205,37 @@ class _Engine:
         named = self.plan.options.device
         device = resolve_device(named) if builders or named != "auto" else None
         prefetch_config_validation(self.src.config.get("model_type"))
+        try:
+            self._prepare(builders, device)
+            self._write(builders, device)
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _prepare(self, builders: dict, device: torch.device | None) -> None:
+        """Run the pre-pass of every builder that has one (over all source layers)."""
+        for name, builder in builders.items():
+            prepare = getattr(builder, "prepare", None)
+            if prepare is None:
+                continue
+            new = [lay for lay in self.plan.layer_map if lay.builder == name]
+            ctx = self._context(name, new[0].zero_init, device)
+            self.reports[name] = prepare(self.src.layers, new, ctx, self.scratch)
+
+    def _context(self, builder: str, zero_init: bool, device, output_index: int = 0) -> BuildContext:
+        own = getattr(self.plan.options, builder, None)  # the option group named after the builder (ot, lesa)
+        options = (
+            {**own.model_dump(), "zero_init": zero_init, "dtype": self.plan.options.dtype} if own else {}
+        )
+        return BuildContext(
+            family=self.src.family,
+            config=self.src.text_config,
+            device=device,
+            options=options,
+            seed=self.plan.options.seed,
+            output_index=output_index,
+        )
+
+    def _write(self, builders: dict, device: torch.device | None) -> None:
         for name in self.src.head:
             self._copy(name, name)
         for lay in self.plan.layer_map:
@@ -191,6 +243,8 @@ class _Engine:
                 self._copy_layer(lay)
             else:
                 self._build_layer(lay, builders[lay.builder], device)
+        for name in self.src.after_stack:
+            self._copy(name, self.src.after_stack_name(name, len(self.plan.layer_map)))
         for name in self.src.tail:
             self._copy(name, name)
 
@@ -210,16 +264,7 @@ class _Engine:
         parents = [self.src.layers[i] for i in lay.parents]
         if len(parents) != builder.parents_needed:
             raise OtdusError(f"layer {lay.index}: {lay.builder} needs {builder.parents_needed} parent layers")
-        ctx = BuildContext(
-            family=self.src.family,
-            config=self.src.config,
-            device=device,
-            options={**self.plan.options.ot.model_dump(), "zero_init": lay.zero_init}
-            if lay.builder == "ot"
-            else {},
-            seed=self.plan.options.seed,
-            output_index=lay.index,
-        )
+        ctx = self._context(lay.builder, lay.zero_init, device, lay.index)
         expected = set(parents[0].suffixes())
         for suffix, tensor in builder.build(parents, ctx):
             if suffix not in expected:
@@ -265,7 +310,11 @@ def source_record(src: SourceModel) -> dict:
 
 
 def build_manifest(
-    plan: Plan, stats: dict[int, dict], side_files: list[str], config_check_skipped: str | None = None
+    plan: Plan,
+    stats: dict[int, dict],
+    side_files: list[str],
+    config_check_skipped: str | None = None,
+    reports: dict[str, dict] | None = None,
 ) -> dict:
     return {
         "otdus_version": __version__,
@@ -280,6 +329,7 @@ def build_manifest(
         "new_parameters": plan.new_parameter_names,
         "transport": {str(k): v for k, v in sorted(stats.items())},
         **_ot_choices(plan),
+        **(reports or {}),  # e.g. "lesa": the pre-pass's report (leave-one-out check)
         "copied_files": side_files,
         "config_checked_by_transformers": config_check_skipped is None,
         "warnings": [config_check_skipped] if config_check_skipped else [],
@@ -323,7 +373,7 @@ def expand(
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
         side_files = _copy_side_files(source.resolved.folder, tmp)
         skipped = validate_with_transformers(tmp, len(plan.layer_map))
-        manifest = build_manifest(plan, engine.stats, side_files, skipped)
+        manifest = build_manifest(plan, engine.stats, side_files, skipped, engine.reports)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
     seconds = time.perf_counter() - start

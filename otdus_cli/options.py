@@ -14,6 +14,7 @@ from otdus_cli.errors import OtdusError
 # The closed sets of values, shared with the CLI (which offers them as choices and completions).
 OTVariant = Literal["paper", "official", "structured"]
 OTSolver = Literal["sinkhorn", "emd"]
+LesaVariant = Literal["pair", "published"]
 Position = Literal["top", "bottom", "mid", "top-bottom", "uniform"]
 OutputDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -39,6 +40,24 @@ class OTOptions(BaseModel):
         return self
 
 
+class LesaOptions(BaseModel):
+    """Options of `--method lesa` (methods/lesa.py). The predictor's defaults are the published ones
+    (the LESA authors' notebook: MLP 2d -> 256 -> 256 -> d, AdamW lr 1e-3, 10 epochs, batch 64,
+    norm-term weight 0.0005)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    variant: LesaVariant = "pair"
+    hidden: int = Field(256, ge=1, description="hidden width of the predictor MLP")
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's (torch's default)")
+    norm_weight: float = Field(0.0005, ge=0, le=1, description="lambda of the norm term in the loss")
+    rank: int | None = Field(None, ge=1, description="keep the top-k singular directions (default all)")
+    loo: int = Field(1, ge=0, description="layers held out, one at a time, for the leave-one-out check")
+
+
 class ExpandOptions(BaseModel):
     """Everything that decides what `otdus expand` writes (recorded in the manifest)."""
 
@@ -57,6 +76,7 @@ class ExpandOptions(BaseModel):
     revision: str | None = None
     allow_unknown_arch: bool = False
     ot: OTOptions = Field(default_factory=OTOptions)
+    lesa: LesaOptions = Field(default_factory=LesaOptions)
 
     @field_validator("method")
     @classmethod
@@ -66,20 +86,32 @@ class ExpandOptions(BaseModel):
         get_method(value)
         return value
 
+    def method_variant(self) -> str | None:
+        """The variant of the chosen method (``ot.variant`` for ot, ``lesa.variant`` for lesa)."""
+        own = getattr(self, self.method, None)
+        return getattr(own, "variant", None)
+
 
 def ignored_options(options: ExpandOptions) -> dict[str, str]:
     """Options that have no effect on this expansion, each with the reason (recorded in the manifest)."""
-    ot_fields = [f"ot.{name}" for name in OTOptions.model_fields]
+    ignored: dict[str, str] = {}
+    if options.method != "lesa":
+        lesa_fields = [f"lesa.{name}" for name in LesaOptions.model_fields]
+        ignored |= dict.fromkeys(lesa_fields, f"only --method lesa uses LESA options, not {options.method}")
     if options.method != "ot":
-        return dict.fromkeys(ot_fields, f"only --method ot uses OT options, not {options.method}")
+        ot_fields = [f"ot.{name}" for name in OTOptions.model_fields]
+        return dict.fromkeys(ot_fields, f"only --method ot uses OT options, not {options.method}") | ignored
     if options.ot.variant == "official":
         return {
             "ot.tol": "the official variant pins the released code's stopThr 1e-9",
             "ot.max_iter": "the official variant pins the released code's 10000 iterations",
-        }
+        } | ignored
     if options.ot.solver == "emd":
-        return dict.fromkeys(("ot.reg", "ot.tol", "ot.max_iter"), "--solver emd is exact (no Sinkhorn)")
-    return {}
+        return (
+            dict.fromkeys(("ot.reg", "ot.tol", "ot.max_iter"), "--solver emd is exact (no Sinkhorn)")
+            | ignored
+        )
+    return ignored
 
 
 def method_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> ExpandOptions:
@@ -101,11 +133,12 @@ def method_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> E
     if zero is not None:
         data["zero_init"] = zero
     if variant:
-        if method != "ot":
+        if method not in ("ot", "lesa"):
             raise OtdusError(
-                f"method spec {spec!r}: only ot has variants (ot:paper, ot:structured, ot:official)"
+                f"method spec {spec!r}: only ot and lesa have variants (ot:paper, ot:structured, "
+                "ot:official, lesa:pair, lesa:published)"
             )
-        data.setdefault("ot", {})["variant"] = variant
+        data.setdefault(method, {})["variant"] = variant
     try:
         return ExpandOptions.model_validate(data)
     except ValidationError as exc:

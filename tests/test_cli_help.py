@@ -83,7 +83,10 @@ def test_shown_expand_defaults_are_the_real_defaults(command):
             checked += 1
     assert checked == (11 if command == "expand" else 2)
     zero_on = [m.name for m in METHODS.values() if m.zero_init_default]
-    assert _shown(params["zero_init"]) == f"on for {' and '.join(zero_on)}, off otherwise"
+    variants_off = [f"{m.name} {v}" for m in METHODS.values() for v in m.zero_init_off_for]
+    assert zero_on == ["ot", "lesa", "llama-pro"] and variants_off == ["lesa published"]
+    shown = _shown(params["zero_init"])
+    assert shown == "on for ot, lesa and llama-pro (off for lesa published), off otherwise"
     assert _shown(params["layers"]).startswith("half the base depth")
 
 

@@ -100,11 +100,14 @@ def test_official_variant_warns_with_what_applies_and_marks_ignored_options(tmp_
         result.stderr
     )
     manifest = json.loads((out / "otdus.json").read_text())
-    assert set(manifest["ignored_options"]) == {"ot.tol", "ot.max_iter"}
+    lesa = {"variant", "hidden", "epochs", "batch_size", "lr", "weight_decay", "norm_weight", "rank", "loo"}
+    assert set(manifest["ignored_options"]) == {"ot.tol", "ot.max_iter"} | {f"lesa.{name}" for name in lesa}
     copied = run_cli("expand", "bundled:stories260k", "--out", tmp_path / "copy", "--method", "copy")
     assert copied.exit_code == 0, copied.output
     ignored = json.loads((tmp_path / "copy" / "otdus.json").read_text())["ignored_options"]
-    assert set(ignored) == {"ot.variant", "ot.solver", "ot.reg", "ot.tol", "ot.max_iter"}
+    assert set(ignored) == {"ot.variant", "ot.solver", "ot.reg", "ot.tol", "ot.max_iter"} | {
+        f"lesa.{name}" for name in lesa
+    }
 
 
 # -- parser errors: one line that names the real flag, a hint, exit 2 -------------------------------

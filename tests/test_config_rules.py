@@ -73,11 +73,11 @@ def test_sparse_step_keeps_moe_slots():
         rewrite_config(cfg, layer_map(4, after=[0]))  # sources 0 0 1 ...: MoE layer 1 lands on dense slot 2
 
 
-def test_mtp_layers_are_refused():
-    with pytest.raises(OtdusError, match="num_nextn_predict_layers"):
-        rewrite_config(
-            {"model_type": "llama", "num_hidden_layers": 4, "num_nextn_predict_layers": 1}, layer_map(4)
-        )
+def test_mtp_layer_count_is_kept():
+    """The multi-token prediction layers stay after the stack (io/stack.py): their count is unchanged."""
+    cfg = {"model_type": "llama", "num_hidden_layers": 4, "num_nextn_predict_layers": 1}
+    out = rewrite_config(cfg, layer_map(4))
+    assert out["num_nextn_predict_layers"] == 1 and out["num_hidden_layers"] == 6
 
 
 def test_families_that_skip_transformers_at_plan_time_really_have_no_derived_layer_types():

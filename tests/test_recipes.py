@@ -21,6 +21,8 @@ EXPECTED = {
     "solar-10.7b-style.yaml": (32, 48),
     "llama-pro-8b.yaml": (32, 40),
     "stories260k-ablation-average-zero.yaml": (5, 7),
+    "llama-3.1-8b-lesa.yaml": (32, 48),
+    "stories260k-lesa.yaml": (5, 7),
     "mixtral-8x7b-otdus-top.yaml": (32, 48),
     "qwen3-30b-a3b-otdus-top.yaml": (48, 72),
 }
@@ -51,3 +53,23 @@ def test_recipe_runs_and_flags_override(tmp_path):
     summary = json.loads(result.stdout)
     assert summary["num_hidden_layers"] == 6 and summary["function_preserving"]
     assert summary["options"]["method"] == "average" and summary["options"]["zero_init"] is True
+
+
+def test_lesa_recipes_hold_the_published_setting_and_flags_override(tmp_path):
+    import json
+
+    published = load_recipe(Path(__file__).parent.parent / "recipes" / "llama-3.1-8b-lesa.yaml").expand
+    assert (
+        published.method == "lesa" and published.lesa.variant == "published" and published.zero_init is None
+    )
+    # the LESA notebook's new layers: between base layers (15, 16) ... (30, 31)
+    layer_map = plan_layers(32, get_method("lesa"), published.position, published.layers, None, None, None)
+    assert [lay.parents for lay in layer_map if lay.new] == [(i, i + 1) for i in range(15, 31)]
+    recipe = Path(__file__).parent.parent / "recipes" / "stories260k-lesa.yaml"
+    args = ["expand", "--recipe", str(recipe), "--out", str(tmp_path / "o"), "--json"]
+    result = CliRunner().invoke(app, [*args, "--lesa-epochs", "1", "--lesa-variant", "published"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["options"]["lesa"] | {"epochs": 1} == summary["options"]["lesa"]  # the flag won
+    assert summary["lesa"]["variant"] == "published" and not summary["function_preserving"]
+    assert summary["lesa"]["projections"]["q"]["loo"]["held_out"] == [1, 2, 3]  # the recipe's loo: 3

@@ -183,6 +183,16 @@ def test_signal_during_the_forced_swap_is_held_and_reported_truthfully(stories, 
         return real(folder, names)
 
     monkeypatch.setattr(output_dir, "remove_otdus_output", interrupted_removal)
+    # Ctrl-C as in a terminal, even when the test runner was started with SIGINT ignored (a shell's
+    # background job), which otdus would rightly leave ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_forced_swap(stories, earlier_output)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_forced_swap(stories: Path, earlier_output: Path) -> None:
     with pytest.raises(Interrupted) as info:
         expand(str(stories), earlier_output, ExpandOptions(method="copy", layers=2), force=True)
     assert "complete and in place" in str(info.value)

@@ -10,7 +10,7 @@ import pytest
 from otdus_cli.errors import OtdusError
 from otdus_cli.study.data import Documents, load_documents, split_documents
 from otdus_cli.study.report import study_markdown, study_table
-from otdus_cli.study.runner import StudyResult, load_study_recipe, parse_method, study
+from otdus_cli.study.runner import TABLE6_METHODS, StudyResult, load_study_recipe, parse_method, study
 
 RECIPE = Path(__file__).parent.parent / "recipes" / "study-table6.yaml"
 SMALL = dict(
@@ -146,6 +146,8 @@ def test_shipped_recipe_validates():
     assert labels[:4] == ["ot", "ot+nozero", "average+zero", "average"]
     by = {s.label: s.options for s in recipe.run_specs()}
     assert by["ot+nozero"].zero_init is False and by["ot:official"].ot.variant == "official"
+    assert by["lesa"].lesa.variant == "pair" and by["lesa:published"].lesa.variant == "published"
+    assert labels == list(TABLE6_METHODS)  # the recipe runs the Table 6 arms, in their order
     assert all(o.layers == 2 and o.position == "top" for o in by.values())
     assert [s.name for s in recipe.studies] == ["in-domain", "new-domain"]
     # the evidence recipe: 5 seeds and 128 shared evaluation windows, so that both error sources can be
@@ -180,3 +182,23 @@ def test_evaluation_windows_spread_over_the_held_out_text():
     assert n > 8 and torch.equal(spread, every[[0, n // 4, n // 2, 3 * n // 4]])
     assert torch.equal(tokenize_windows(tokenizer, docs, 32, 4), every[:4])
     assert torch.equal(tokenize_windows(tokenizer, docs, 32, n + 5, spread=True), every)
+
+
+def test_recipe_runs_subset_keeps_the_reference_and_lesa_starts_at_base(tmp_path):
+    from otdus_cli.study import run_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "base: bundled:stories260k\nreference: average+zero\nexpand: {layers: 1}\n"
+        "runs:\n  - {name: average+zero, expand: {method: average, zero_init: true}}\n"
+        "  - {name: copy, expand: {method: copy}}\n"
+        "  - {name: lesa, expand: {method: lesa, lesa: {epochs: 1}}}\n"
+        "studies: [{name: s, train_text: bundled:tinystories-sample}]\n"
+    )
+    small = {k: v for k, v in SMALL.items() if k != "expand_options"}
+    (result,) = run_recipe(recipe, runs=["lesa"], overrides=small).values()
+    assert [m.label for m in result.methods] == ["average+zero", "lesa"]
+    lesa = result.summary("lesa")
+    assert lesa.function_preserving and lesa.initial_equals_base  # zero-init LESA: exactly the base
+    with pytest.raises(OtdusError, match="unknown run"):
+        run_recipe(recipe, runs=["lesa:paper"])

@@ -11,7 +11,7 @@ import torch
 from conftest import DENSE_TYPES, MOE_TYPES
 
 from otdus_cli.expand import expand
-from otdus_cli.options import ExpandOptions
+from otdus_cli.options import ExpandOptions, LesaOptions
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.metrics import EvalPlan, Window
 
@@ -31,7 +31,7 @@ def random_plan(vocab: int = 96, seed: int = 0) -> EvalPlan:
 
 def zero_init_expansions(model_type: str) -> list[ExpandOptions]:
     """Every way otdus expands a model function-preservingly: each method with zero-init, at the
-    placements the methods use."""
+    placements the methods use (LESA: dense families only; it refuses MoE)."""
     depth = 6 if model_type == "gemma3_text" else 4
     options = [
         ExpandOptions(method="llama-pro", layers=depth // 2),
@@ -42,6 +42,8 @@ def zero_init_expansions(model_type: str) -> list[ExpandOptions]:
         ExpandOptions(method="stack", layers=depth, zero_init=True),
         ExpandOptions(method="ot", layers=depth // 2),  # MoE: experts matched, then neurons (ot_moe.py)
     ]
+    if model_type in DENSE_TYPES:
+        options.append(ExpandOptions(method="lesa", layers=depth // 2, lesa=LesaOptions(epochs=2)))
     return options
 
 

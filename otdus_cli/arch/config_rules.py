@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 from otdus_cli.arch.families import DEPTH_FIELDS
+from otdus_cli.arch.wrappers import depth_parts, text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import read_json_object
 from otdus_cli.plan.layer_map import OutputLayer
@@ -36,12 +37,31 @@ def derived_layer_types(config: dict) -> list[str] | None:
     return list(types) if isinstance(types, list) else None
 
 
-def rewrite_config(config: dict, layer_map: list[OutputLayer], derives_layer_types: bool = True) -> dict:
-    """A copy of `config` describing the expanded stack.
+def rewrite_config(
+    config: dict,
+    layer_map: list[OutputLayer],
+    derives_layer_types: bool = True,
+    per_layer_fields: tuple[str, ...] = (),
+) -> dict:
+    """A copy of `config` describing the expanded stack: where it states the depth (a multimodal
+    wrapper's text_config, the top level, or both), the depth fields are rewritten.
 
     ``derives_layer_types``: whether transformers may derive layer_types for this family (see
     Family.derives_layer_types); if not, only an explicit layer_types list is carried over.
+    ``per_layer_fields``: more fields with one entry per layer (Family.per_layer_fields).
     """
+    out = copy.deepcopy(config)
+    for key in depth_parts(config):
+        if key is None:
+            out = {**out, **_rewrite_stack_config(config, layer_map, derives_layer_types, per_layer_fields)}
+        else:
+            out[key] = _rewrite_stack_config(config[key], layer_map, derives_layer_types, per_layer_fields)
+    return out
+
+
+def _rewrite_stack_config(
+    config: dict, layer_map: list[OutputLayer], derives_layer_types: bool, per_layer_fields: tuple[str, ...]
+) -> dict:
     base_layers = int(config["num_hidden_layers"])
     sources = [lay.source for lay in layer_map]
     out = copy.deepcopy(config)
@@ -54,7 +74,7 @@ def rewrite_config(config: dict, layer_map: list[OutputLayer], derives_layer_typ
         if len(types) != base_layers:
             raise OtdusError(f"config layer_types has {len(types)} entries for {base_layers} layers")
         out["layer_types"] = [types[i] for i in sources]
-    for name, kind in DEPTH_FIELDS.items():
+    for name, kind in {**DEPTH_FIELDS, **dict.fromkeys(per_layer_fields, "per_layer")}.items():
         value = config.get(name)
         if value is None or name == "layer_types":
             continue
@@ -154,7 +174,7 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> str | None
     written = read_json_object(folder / "config.json")
     model_type = written.get("model_type")
     if model_type not in CONFIG_MAPPING:
-        _check_depth(written, expected_layers)
+        _check_depth(text_config(written), expected_layers)
         return (
             f"transformers {transformers.__version__} does not know model_type={model_type!r}: "
             "the rewritten config.json was not load-checked"
@@ -165,8 +185,9 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> str | None
             loaded = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as exc:
         raise OtdusError(f"transformers rejects the rewritten config: {exc}") from None
+    text = loaded.get_text_config()  # a multimodal wrapper's text config; the config itself otherwise
     _check_depth(
-        {"num_hidden_layers": loaded.num_hidden_layers, "layer_types": getattr(loaded, "layer_types", None)},
+        {"num_hidden_layers": text.num_hidden_layers, "layer_types": getattr(text, "layer_types", None)},
         expected_layers,
     )
     return None

@@ -24,7 +24,8 @@ from otdus_cli.cli.console import (
 from otdus_cli.cli.flags import with_flags
 from otdus_cli.cli.values import MethodName, device_parser, model_name
 from otdus_cli.errors import OtdusError
-from otdus_cli.options import OTSolver, OTVariant, OutputDtype
+from otdus_cli.methods.registry import METHODS
+from otdus_cli.options import LesaVariant, OTSolver, OTVariant, OutputDtype
 from otdus_cli.options import Position as PositionName
 
 Model = Annotated[
@@ -52,12 +53,23 @@ After = Annotated[
     str | None,
     typer.Option(help="Explicit base indices to insert after, e.g. '3,7,11' (overrides --position)."),
 ]
+
+
+def _zero_init_default() -> str:
+    """The zero-init defaults in words, from the method registry: "on for ot, lesa and llama-pro (off
+    for lesa published), off otherwise"."""
+    on = [m.name for m in METHODS.values() if m.zero_init_default]
+    text = "on for " + (f"{', '.join(on[:-1])} and {on[-1]}" if len(on) > 1 else on[0])
+    off = [f"{m.name} {v}" for m in METHODS.values() for v in m.zero_init_off_for]
+    return text + (f" (off for {', '.join(off)})" if off else "") + ", off otherwise"
+
+
 ZeroInit = Annotated[
     bool | None,
     typer.Option(
         "--zero-init/--no-zero-init",
         help="Zero o_proj and down_proj (and MoE expert downs) of new layers, making them exact identities. "
-        "\\[default: on for ot and llama-pro, off otherwise]",
+        f"\\[default: {_zero_init_default()}]",
         show_default=False,
     ),
 ]
@@ -89,10 +101,36 @@ Tol = Annotated[
 MaxIter = Annotated[
     int | None, typer.Option(help="Sinkhorn iteration cap (official pins 10000). \\[default: 2000]")
 ]
+LesaVariantFlag = Annotated[
+    LesaVariant | None,
+    typer.Option(
+        help="LESA variant. pair (ours): the tensors LESA does not predict (norms, biases) from the pair; "
+        "with zero-init, its default, the output is function-preserving. published: the LESA notebook's "
+        "output: those tensors are base layer 0's and nothing is zeroed, so the new layers change the "
+        "model's function (verify reports the change instead of expecting parity; add --zero-init to "
+        "preserve it). README: LESA. \\[default: pair]"
+    ),
+]
+LesaEpochs = Annotated[int | None, typer.Option(help="LESA predictor training epochs. \\[default: 10]")]
+LesaRank = Annotated[
+    int | None,
+    typer.Option(
+        help="Keep only the top-k singular directions per projection type (less memory and time; "
+        "new weights of rank <= k). \\[default: all, as published]"
+    ),
+]
+LesaLoo = Annotated[
+    int | None,
+    typer.Option(
+        help="Layers held out (one at a time, one extra training each) for LESA's leave-one-out "
+        "check; 0 skips it. \\[default: 1]"
+    ),
+]
 Device = Annotated[
     str | None,
     typer.Option(
-        help="Device for transport: auto, cpu, cuda, cuda:N. \\[default: auto]", parser=device_parser(True)
+        help="Device for OT and LESA computations: auto, cpu, cuda, cuda:N. \\[default: auto]",
+        parser=device_parser(True),
     ),
 ]
 Dtype = Annotated[
@@ -101,12 +139,19 @@ Dtype = Annotated[
 ShardSize = Annotated[
     str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. \\[default: 5GB]")
 ]
-Seed = Annotated[int | None, typer.Option(help="Seed for random initialisation. \\[default: 0]")]
+Seed = Annotated[
+    int | None,
+    typer.Option(help="Seed for random initialisation and for LESA's predictor training. \\[default: 0]"),
+]
 Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
 AllowUnknown = Annotated[
     bool,
     typer.Option(help="Copy layers generically for an unknown architecture (copy-type methods only)."),
 ]
+
+
+# the LESA options with a flag (the others are set in a recipe's expand.lesa)
+LESA_FLAGS = ("lesa_variant", "lesa_epochs", "lesa_rank", "lesa_loo")
 
 
 @dataclass
@@ -140,6 +185,7 @@ def _options(model: str | None, layout: LayoutFlags, **flags: Any):
     flags["allow_unknown_arch"] = flags["allow_unknown_arch"] or None
     after = flags.pop("after")
     ot_flags = {k: flags.pop(k, None) for k in ("variant", "solver", "reg", "tol", "max_iter")}
+    lesa_flags = {k.removeprefix("lesa_"): flags.pop(k, None) for k in LESA_FLAGS}
     updates = {k: v for k, v in flags.items() if v is not None}
     if after is not None:
         try:
@@ -150,7 +196,10 @@ def _options(model: str | None, layout: LayoutFlags, **flags: Any):
         ot = OTOptions.model_validate(
             {**options.ot.model_dump(), **{k: v for k, v in ot_flags.items() if v is not None}}
         )
-        merged = ExpandOptions.model_validate({**options.model_dump(), **updates, "ot": ot.model_dump()})
+        lesa = {**options.lesa.model_dump(), **{k: v for k, v in lesa_flags.items() if v is not None}}
+        merged = ExpandOptions.model_validate(
+            {**options.model_dump(), **updates, "ot": ot.model_dump(), "lesa": lesa}
+        )
     except ValidationError as exc:
         err = exc.errors()[0]
         message = err["msg"].removeprefix("Value error, ")
@@ -161,9 +210,13 @@ def _options(model: str | None, layout: LayoutFlags, **flags: Any):
 
 
 def _flag(loc: tuple) -> str:
-    """The command-line flag of an ExpandOptions field: ('ot', 'variant') -> --ot-variant."""
-    name = "ot_variant" if tuple(loc) == ("ot", "variant") else str(loc[-1])
-    return "--" + name.replace("_", "-")
+    """The command-line flag of an ExpandOptions field: ('ot', 'variant') -> --ot-variant, ('ot', 'reg')
+    -> --reg, ('lesa', 'rank') -> --lesa-rank (LESA options without a flag are named as in recipes)."""
+    if loc[0] == "lesa":
+        name = "_".join(map(str, loc)) if f"lesa_{loc[-1]}" in LESA_FLAGS else f"lesa.{loc[-1]}"
+    else:
+        name = "ot_variant" if tuple(loc) == ("ot", "variant") else str(loc[-1])
+    return "--" + name.replace("_", "-") if "." not in name else name
 
 
 def _layer_table(plan) -> Table:
@@ -206,6 +259,10 @@ def expand(
     reg: Reg = None,
     tol: Tol = None,
     max_iter: MaxIter = None,
+    lesa_variant: LesaVariantFlag = None,
+    lesa_epochs: LesaEpochs = None,
+    lesa_rank: LesaRank = None,
+    lesa_loo: LesaLoo = None,
     device: Device = None,
     dtype: Dtype = None,
     max_shard_size: ShardSize = None,
@@ -231,6 +288,10 @@ def expand(
             reg=reg,
             tol=tol,
             max_iter=max_iter,
+            lesa_variant=lesa_variant,
+            lesa_epochs=lesa_epochs,
+            lesa_rank=lesa_rank,
+            lesa_loo=lesa_loo,
             device=device,
             dtype=dtype,
             max_shard_size=max_shard_size,
@@ -263,6 +324,10 @@ def expand(
         "ot.reg": reg,
         "ot.tol": tol,
         "ot.max_iter": max_iter,
+        "lesa.variant": lesa_variant,
+        "lesa.epochs": lesa_epochs,
+        "lesa.rank": lesa_rank,
+        "lesa.loo": lesa_loo,
     }
     for option, why in result.manifest.get("ignored_options", {}).items():
         if given.get(option) is not None:
@@ -279,15 +344,37 @@ def expand(
         "seconds": round(result.seconds, 3),
         "new_parameters": len(result.manifest["new_parameters"]),
     }
+    if "lesa" in result.manifest:
+        summary["lesa"] = result.manifest["lesa"]
     if json_out:
         emit_json(summary)
         return
+    if "lesa" in result.manifest:
+        for line in lesa_check_lines(result.manifest["lesa"]):
+            out_console.print(line, highlight=False, soft_wrap=True)
     preserved = "function-preserving" if result.plan.function_preserving else "not function-preserving"
     out_console.print(
         f"[bold green]wrote[/] {result.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} "
         f"layers with {summary['method']} ({preserved}), {human_bytes(result.bytes_written)} "
         f"in {result.seconds:.1f} s"
     )
+
+
+def lesa_check_lines(report: dict) -> list[str]:
+    """LESA's leave-one-out check in words: per projection type, the held-out error next to the
+    plain average's (the predictor is worth its training where it is lower)."""
+    if "loo_skipped" in report:
+        return [f"LESA leave-one-out check skipped: {report['loo_skipped']}"]
+    lines = []
+    for role, info in report["projections"].items():
+        loo = info["loo"]
+        better = "better" if loo["error"] < loo["average_error"] else "NOT better"
+        lines.append(
+            f"LESA {role}: held-out relative error {loo['error']:.3f} on layer(s) "
+            f"{','.join(map(str, loo['held_out']))} ({better} than the plain neighbour average's "
+            f"{loo['average_error']:.3f}; {loo['fit_error']:.3f} when trained on it)"
+        )
+    return lines
 
 
 def _warn(line: str) -> None:
@@ -411,7 +498,20 @@ def inspect(
         new = [str(lay["index"]) for lay in manifest["layers"] if lay["new"]]
         table.add_row("new layers", ", ".join(new))
         table.add_row("new parameters", f"{len(manifest['new_parameters'])} tensors")
+        if "lesa" in manifest:
+            table.add_row("LESA", lesa_summary(manifest["lesa"]))
     out_console.print(table)
+
+
+def lesa_summary(report: dict) -> str:
+    """One line: the variant and, per projection type, held-out error (plain average's)."""
+    errors = [
+        f"{role} {info['loo']['error']:.3f} ({info['loo']['average_error']:.3f})"
+        for role, info in report["projections"].items()
+        if "loo" in info
+    ]
+    check = "held-out error (plain average's): " + ", ".join(errors) if errors else "no leave-one-out check"
+    return f"variant {report['variant']}; {check}"
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -14,7 +14,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from otdus_cli.arch.families import Family
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
+
+    from otdus_cli.plan.layer_map import OutputLayer
 
 
 def _cpu() -> torch.device:
@@ -63,3 +67,18 @@ class LayerBuilder(Protocol):
     def build(
         self, parents: Sequence[ParentLayer], ctx: BuildContext
     ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class PreparedBuilder(LayerBuilder, Protocol):
+    """A builder that needs every source layer before it can build any new one (LESA: one SVD per
+    projection type across the whole stack). The engine calls ``prepare`` once, before writing; it
+    may keep intermediate results in ``scratch`` (inside the staging folder, removed afterwards) and
+    returns a report recorded in the manifest under the builder's name."""
+
+    def prepare(
+        self,
+        layers: Sequence[ParentLayer],
+        new_layers: Sequence[OutputLayer],
+        ctx: BuildContext,
+        scratch: Path,
+    ) -> dict[str, Any]: ...

@@ -209,6 +209,7 @@ class _Layout:
         suffixes: list[str],
         required: tuple[str, ...] = _REQUIRED,
         roles: dict[str, str] | None = None,
+        method: str = "ot",
     ):
         self.family = family
         self.config = config
@@ -226,8 +227,8 @@ class _Layout:
         lacking = [r for r in required if r not in self.roles]
         if lacking:
             raise OtdusError(
-                f"--method ot needs the {'/'.join(lacking)} tensors, which this {family.name} layer lacks "
-                "(is the family template right?)"
+                f"--method {method} needs the {'/'.join(lacking)} tensors, which this {family.name} layer "
+                "lacks (is the family template right?)"
             )
 
     def sizes(self, fused: str, rows: int) -> list[int]:

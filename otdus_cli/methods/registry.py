@@ -26,12 +26,18 @@ class Method:
     # "placed": new layers go after insertion points (position / --after); "uniform": fixed LLaMA PRO
     # placement; "solar" / "stack": the whole output stack is a list of base layers.
     layout: str
-    builder: str  # "copy" (byte copy of the parent), "average", "random", "ot"
+    builder: str  # "copy" (byte copy of the parent), "average", "random", "ot", "lesa"
     pair: bool = False  # built from (f_i, f_{i+1})
+    # variants whose published recipe zeroes nothing: zero-init is off by default for them
+    zero_init_off_for: tuple[str, ...] = ()
 
     @property
     def function_preserving_by_default(self) -> bool:
         return self.zero_init_default
+
+    def zero_init_for(self, variant: str | None) -> bool:
+        """The zero-init default of this method in ``variant``."""
+        return self.zero_init_default and variant not in self.zero_init_off_for
 
 
 METHODS: dict[str, Method] = {
@@ -44,6 +50,15 @@ METHODS: dict[str, Method] = {
             "placed",
             "ot",
             pair=True,
+        ),
+        Method(
+            "lesa",
+            "LESA: per projection, an MLP predicts f_i+1/2's SVD coefficients from f_i and f_{i+1}",
+            True,
+            "placed",
+            "lesa",
+            pair=True,
+            zero_init_off_for=("published",),
         ),
         Method(
             "average",
@@ -126,4 +141,8 @@ def make_builder(name: str) -> LayerBuilder:
         from otdus_cli.methods.ot import OTBuilder
 
         factories["ot"] = OTBuilder
+    if name == "lesa":
+        from otdus_cli.methods.lesa import LesaBuilder
+
+        factories["lesa"] = LesaBuilder
     return factories[name]()

@@ -13,7 +13,8 @@ ranked against each other.
 
 Method specs (strings): ``method[:variant][+zero|+nozero]``, e.g. ``ot`` (OT-DUS, paper variant,
 zero-init), ``ot+nozero``, ``ot:structured``, ``ot:official``, ``average`` (Avg-DeUS, no
-zero-init), ``average+zero``, ``copy``, ``random``, ``llama-pro``, ``solar``. Full expand options
+zero-init), ``average+zero``, ``copy``, ``random``, ``llama-pro``, ``solar``, ``lesa`` (LESA, pair
+variant, zero-init), ``lesa:published`` (LESA as its notebook builds it, nothing zeroed). Full expand options
 can be given instead with :class:`RunSpec` or in a YAML recipe (:func:`run_recipe`).
 """
 
@@ -57,7 +58,8 @@ __all__ = [
 ]
 
 DEFAULT_METHODS = ("ot", "average", "average+zero", "copy", "random")
-# Paper Table 6 ablation plus the review's 2x2 (OT / Average x zero-init) and the OT variants.
+# Paper Table 6 ablation plus the review's 2x2 (OT / Average x zero-init), the OT variants and LESA
+# (the paper's remaining baseline), with zero-init and as published.
 TABLE6_METHODS = (
     "ot",
     "ot+nozero",
@@ -67,6 +69,8 @@ TABLE6_METHODS = (
     "ot:official",
     "copy",
     "random",
+    "lesa",
+    "lesa:published",
 )
 
 
@@ -642,13 +646,16 @@ def run_recipe(
     progress: Callable[[StudyEvent], None] | None = None,
     reference: str | None = None,
     expand_overrides: dict[str, Any] | None = None,
+    runs: Sequence[str] | None = None,
 ) -> dict[str, StudyResult]:
     """Run every study of a recipe (or those named in ``only``); results under ``out_dir/<study>/``.
 
     Relative text paths are resolved against the recipe's folder. ``overrides``: study() settings
     that win over the recipe's (e.g. ``{"steps": 10, "seeds": [0]}`` for a smoke run);
     ``reference``: instead of the recipe's; ``expand_overrides``: ExpandOptions fields that win over
-    every run's (e.g. ``{"layers": 1}``).
+    every run's (e.g. ``{"layers": 1}``); ``runs``: only these of the recipe's runs (by name), plus
+    the reference, e.g. to add arms to a study already run (seeds fix the batches, so the reference
+    reproduces its earlier numbers).
     """
     path = Path(path)
     recipe = load_study_recipe(path)
@@ -656,6 +663,13 @@ def run_recipe(
     if unknown:
         raise OtdusError(f"unknown setting(s) {', '.join(unknown)}")
     specs = recipe.run_specs(expand_overrides)
+    ref = recipe.reference if reference is None else reference
+    if runs is not None:
+        unknown = sorted(set(runs) - {s.label for s in specs})
+        if unknown:
+            known = ", ".join(s.label for s in specs)
+            raise OtdusError(f"recipe {path}: unknown run(s) {', '.join(unknown)} (runs: {known})")
+        specs = [s for s in specs if s.label in runs or s.label == ref]
     chosen = [s for s in recipe.studies if only is None or s.name in only]
     if only is not None and len(chosen) != len(set(only)):
         known = ", ".join(s.name for s in recipe.studies)
@@ -668,7 +682,7 @@ def run_recipe(
             _resolve_text(s.train_text, path.parent),
             _resolve_text(s.eval_text, path.parent),
             methods=specs,
-            reference=recipe.reference if reference is None else reference,
+            reference=ref,
             out_dir=None if out_dir is None else Path(out_dir) / s.name,
             progress=progress,
             **settings,
