@@ -165,25 +165,6 @@ def test_bad_recipe_setting_refused(tmp_path):
         load_study_recipe(bad)
 
 
-def test_evaluation_windows_spread_over_the_held_out_text():
-    """The evaluation windows are evenly spaced over the whole held-out stream (windows from the
-    first article or two alone are not a sample of the text); without spread, the first ones."""
-    import torch
-
-    from otdus_cli.bundled import STORIES260K
-    from otdus_cli.study.data import tokenize_windows
-    from otdus_cli.verify.metrics import load_tokenizer
-
-    tokenizer = load_tokenizer(str(STORIES260K))
-    docs = load_documents("bundled:tinystories-sample")
-    every = tokenize_windows(tokenizer, docs, 32)
-    spread = tokenize_windows(tokenizer, docs, 32, 4, spread=True)
-    n = every.shape[0]
-    assert n > 8 and torch.equal(spread, every[[0, n // 4, n // 2, 3 * n // 4]])
-    assert torch.equal(tokenize_windows(tokenizer, docs, 32, 4), every[:4])
-    assert torch.equal(tokenize_windows(tokenizer, docs, 32, n + 5, spread=True), every)
-
-
 def test_recipe_runs_subset_keeps_the_reference_and_lesa_starts_at_base(tmp_path):
     from otdus_cli.study import run_recipe
 
@@ -202,3 +183,22 @@ def test_recipe_runs_subset_keeps_the_reference_and_lesa_starts_at_base(tmp_path
     assert lesa.function_preserving and lesa.initial_equals_base  # zero-init LESA: exactly the base
     with pytest.raises(OtdusError, match="unknown run"):
         run_recipe(recipe, runs=["lesa:paper"])
+
+
+def test_evaluation_windows_spread_over_the_held_out_text():
+    """The evaluation windows are evenly spaced over the whole held-out stream (windows from the
+    first article or two alone are not a sample of the text); without spread, the first ones."""
+    import torch
+
+    from otdus_cli.bundled import STORIES260K
+    from otdus_cli.study.data import tokenize_windows
+    from otdus_cli.verify.metrics import load_tokenizer
+
+    tokenizer = load_tokenizer(str(STORIES260K))
+    docs = load_documents("bundled:tinystories-sample")
+    every = tokenize_windows(tokenizer, docs, 32)
+    spread = tokenize_windows(tokenizer, docs, 32, 4, spread=True)
+    n = every.shape[0]
+    assert n > 8 and torch.equal(spread, every[[0, n // 4, n // 2, 3 * n // 4]])
+    assert torch.equal(tokenize_windows(tokenizer, docs, 32, 4), every[:4])
+    assert torch.equal(tokenize_windows(tokenizer, docs, 32, n + 5, spread=True), every)

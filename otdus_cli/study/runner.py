@@ -695,9 +695,9 @@ def run_recipe(
     only: Sequence[str] | None = None,
     overrides: dict[str, Any] | None = None,
     progress: Callable[[StudyEvent], None] | None = None,
+    runs: Sequence[str] | None = None,
     reference: str | None = None,
     expand_overrides: dict[str, Any] | None = None,
-    runs: Sequence[str] | None = None,
 ) -> dict[str, StudyResult]:
     """Run every study of a recipe (or those named in ``only``); results under ``out_dir/<study>/``.
 
