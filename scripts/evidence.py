@@ -3,6 +3,7 @@
 
     python scripts/evidence.py study                    # both studies of recipes/study-table6.yaml
     python scripts/evidence.py study --only in-domain   # one of them (two processes: one per core)
+    python scripts/evidence.py study --only in-domain --runs lesa   # add an arm to a stored study
     python scripts/evidence.py diagnose                 # stories260K and the two planted controls
     python scripts/evidence.py render                   # docs/evidence.md's generated blocks
 
@@ -51,8 +52,12 @@ def _log(name: str, seconds: float, load_before: float, command: str) -> None:
     path.write_text(json.dumps(dict(sorted(runs.items())), indent=2) + "\n")
 
 
-def run_studies(only: list[str] | None) -> None:
-    from otdus_cli.study import run_recipe  # noqa: PLC0415
+def run_studies(only: list[str] | None, runs: list[str] | None = None) -> None:
+    """Run the recipe's studies into docs/evidence/table6/NAME/; with ``runs``, only those arms
+    (and the reference), added to the stored study (StudyResult.with_arms checks that the
+    reference's runs reproduce the stored ones)."""
+    from otdus_cli.study import StudyResult, run_recipe  # noqa: PLC0415
+    from otdus_cli.study.runner import load_study_recipe  # noqa: PLC0415
 
     def progress(event) -> None:
         if event.kind in ("run", "data"):
@@ -60,15 +65,24 @@ def run_studies(only: list[str] | None) -> None:
             when = time.strftime("%H:%M:%S")
             print(f"[{when}] {event.run}/{event.runs} {event.label} seed {event.seed}: {tail}", flush=True)
 
-    from otdus_cli.study.runner import load_study_recipe  # noqa: PLC0415
-
-    names = only or [s.name for s in load_study_recipe(RECIPE).studies]
-    for name in names:
+    recipe = load_study_recipe(RECIPE)
+    for name in only or [s.name for s in recipe.studies]:
         t0, load = time.perf_counter(), _load()
-        run_recipe(RECIPE, EVIDENCE / "table6", only=[name], progress=progress)
-        _log(
-            f"study/{name}", time.perf_counter() - t0, load, f"python scripts/evidence.py study --only {name}"
-        )
+        command = f"python scripts/evidence.py study --only {name}"
+        if runs is None:
+            run_recipe(RECIPE, EVIDENCE / "table6", only=[name], progress=progress)
+            key = f"study/{name}"
+        else:
+            (later,) = run_recipe(RECIPE, None, only=[name], progress=progress, runs=runs).values()
+            kept = later.save(Path(tempfile.gettempdir()) / f"otdus-evidence-{name}-added", plot=False)
+            print(f"the added arms' runs: {kept[0]}", flush=True)  # kept should the merge refuse them
+            stored = StudyResult.load(EVIDENCE / "table6" / name)
+            wanted = {m.label for m in stored.methods} | set(runs)
+            order = [r.name for r in recipe.runs if r.name in wanted]
+            stored.with_arms(later, order=order).save(EVIDENCE / "table6" / name)
+            command += f" --runs {','.join(runs)}"
+            key = f"study/{name} +{','.join(runs)}"
+        _log(key, time.perf_counter() - t0, load, command)
 
 
 def run_diagnoses() -> None:
@@ -128,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     st = sub.add_parser("study", help="run the recipe's studies (docs/evidence/table6/NAME/)")
     st.add_argument("--only", action="append", help="a study of the recipe (repeatable)")
+    st.add_argument("--runs", help="comma-separated arms to add to the stored study (with the reference)")
     sub.add_parser("diagnose", help="stories260K and the planted controls (docs/evidence/diagnose/)")
     sub.add_parser("render", help="docs/evidence.md's generated blocks from the stored results")
     args = parser.parse_args(argv)
     if args.what == "study":
-        run_studies(args.only)
+        run_studies(args.only, args.runs.split(",") if args.runs else None)
     elif args.what == "diagnose":
         run_diagnoses()
     else:

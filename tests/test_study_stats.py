@@ -9,6 +9,7 @@ import pytest
 from conftest import study_from_window_losses
 from scipy import stats
 
+from otdus_cli.errors import OtdusError
 from otdus_cli.study.report import study_markdown
 from otdus_cli.study.runner import StudyResult
 from otdus_cli.study.stats import crossed_mean_ci, holm, sign_flip_p, t_quantile
@@ -177,3 +178,25 @@ def test_recompute_from_stored_runs_without_window_losses():
     assert again.reference == "b" and vs["error"] == "seeds" and vs["reference"] == "b"
     assert vs["p"] == pytest.approx(stats.ttest_1samp([0.9 - 1.5, 1.05 - 1.6, 1.1 - 1.6], 0.0).pvalue)
     assert again.summary("b").vs_reference is None and again.summary("ref").vs_reference["comparisons"] == 2
+
+
+def test_arms_added_from_a_later_run_are_compared_as_if_run_together():
+    """Arms added from a later run of the same study (its reference runs identical) give the same
+    comparisons, Holm over every arm, as one study with all of them; a later run whose reference
+    does not reproduce the stored one is refused."""
+    rng = np.random.default_rng(12)
+    ref = [list(rng.normal(1.0, 0.1, 16)) for _ in range(3)]
+    a = [[x + 0.01 + rng.normal(0, 0.005) for x in seed] for seed in ref]
+    b = [[x - 0.02 + rng.normal(0, 0.005) for x in seed] for seed in ref]
+    together = study_from_window_losses({"ref": ref, "a": a, "b": b})
+    first = study_from_window_losses({"ref": ref, "a": a})
+    merged = first.with_arms(study_from_window_losses({"ref": ref, "b": b}), order=["ref", "b", "a"])
+    assert [m.label for m in merged.methods] == ["ref", "b", "a"]
+    for label in ("a", "b"):
+        assert merged.summary(label).vs_reference == together.summary(label).vs_reference
+    assert (
+        merged.summary("a").vs_reference["comparisons"] == 2 and "added from a later run" in merged.notes[-1]
+    )
+    drifted = [[x + 1e-4 for x in seed] for seed in ref]
+    with pytest.raises(OtdusError, match="differ by up to"):
+        first.with_arms(study_from_window_losses({"ref": drifted, "b": b}))

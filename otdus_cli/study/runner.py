@@ -191,6 +191,57 @@ class StudyResult:
         _compare(out.methods, [int(s) for s in out.config["seeds"]], out.runs, ref or None)
         return out
 
+    def with_arms(
+        self, other: StudyResult, order: Sequence[str] | None = None, tol: float = 1e-6
+    ) -> StudyResult:
+        """This study with ``other``'s arms added (a later run of the same study with more methods,
+        e.g. ``run_recipe(..., runs=[...])``), comparisons re-derived over all of them.
+
+        Both must share the base, the data, the settings and the seeds; every (method, seed) run in
+        both must agree window by window to ``tol`` (the shared arms, at least the reference, show
+        that the later run reproduces the earlier one), and this study's copy of it is kept.
+        ``order``: the methods' order in the result (default: this study's, then the new ones).
+        """
+        mine = {k: v for k, v in self.config.items() if k not in ("methods", "threads")}
+        theirs = {k: v for k, v in other.config.items() if k not in ("methods", "threads")}
+        if self.base != other.base or self.data != other.data or mine != theirs:
+            diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            raise OtdusError(
+                f"not the same study (base, data or settings differ: {', '.join(diff) or 'base/data'})"
+            )
+        by = {(r.label, r.seed): r for r in self.runs}
+        shared = [r for r in other.runs if (r.label, r.seed) in by]
+        if not shared:
+            raise OtdusError("the studies share no run to check that the later one reproduces the earlier")
+        worst = max(
+            max(
+                abs(x - y)
+                for x, y in zip(r.final_window_loss, by[r.label, r.seed].final_window_loss, strict=True)
+            )
+            for r in shared
+        )
+        if not worst <= tol:
+            raise OtdusError(f"the shared runs differ by up to {worst:.3g} per window (more than {tol:g})")
+        out = StudyResult.from_dict(self.to_dict())
+        known = {m.label for m in out.methods}
+        added = StudyResult.from_dict(other.to_dict())
+        out.methods += [m for m in added.methods if m.label not in known]
+        out.runs += [r for r in added.runs if r.label not in known]
+        labels = [m.label for m in out.methods]
+        if order is not None:
+            if sorted(order) != sorted(labels):
+                raise OtdusError(f"order must list exactly the methods ({', '.join(labels)})")
+            out.methods.sort(key=lambda m: list(order).index(m.label))
+            out.runs.sort(key=lambda r: list(order).index(r.label))
+        out.config["methods"] = [m.label for m in out.methods]
+        out.seconds = self.seconds + other.seconds
+        out.notes = list(dict.fromkeys(self.notes + other.notes))
+        new = ", ".join(sorted(set(labels) - known))
+        out.notes.append(
+            f"arms {new} added from a later run (its runs shared with this one agree to {worst:.2g})"
+        )
+        return out.recompute()
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StudyResult:
         data = {k: v for k, v in data.items() if k != "base_ppl"}
@@ -654,8 +705,8 @@ def run_recipe(
     that win over the recipe's (e.g. ``{"steps": 10, "seeds": [0]}`` for a smoke run);
     ``reference``: instead of the recipe's; ``expand_overrides``: ExpandOptions fields that win over
     every run's (e.g. ``{"layers": 1}``); ``runs``: only these of the recipe's runs (by name), plus
-    its reference, e.g. to add arms to a study already run: seeds fix the batches, so the reference
-    reproduces its earlier numbers.
+    the reference, e.g. to add arms to a study already run (seeds fix the batches, so the reference
+    reproduces its earlier numbers; :meth:`StudyResult.with_arms` merges the two).
     """
     path = Path(path)
     recipe = load_study_recipe(path)
@@ -663,13 +714,13 @@ def run_recipe(
     if unknown:
         raise OtdusError(f"unknown setting(s) {', '.join(unknown)}")
     specs = recipe.run_specs(expand_overrides)
+    ref = recipe.reference if reference is None else reference
     if runs is not None:
         unknown = sorted(set(runs) - {s.label for s in specs})
         if unknown:
             known = ", ".join(s.label for s in specs)
             raise OtdusError(f"recipe {path}: unknown run(s) {', '.join(unknown)} (runs: {known})")
-        kept = reference or recipe.reference
-        specs = [s for s in specs if s.label in runs or s.label == kept]
+        specs = [s for s in specs if s.label in runs or s.label == ref]
     chosen = [s for s in recipe.studies if only is None or s.name in only]
     if only is not None and len(chosen) != len(set(only)):
         known = ", ".join(s.name for s in recipe.studies)
@@ -682,7 +733,7 @@ def run_recipe(
             _resolve_text(s.train_text, path.parent),
             _resolve_text(s.eval_text, path.parent),
             methods=specs,
-            reference=recipe.reference if reference is None else reference,
+            reference=ref,
             out_dir=None if out_dir is None else Path(out_dir) / s.name,
             progress=progress,
             **settings,
