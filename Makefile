@@ -13,9 +13,11 @@ OLDEST_TRANSFORMERS ?= transformers==4.57.6
 # the slowest test)
 COMPAT_TESTS := tests/test_verify_streaming.py tests/test_verify_compare.py tests/test_verify_cli.py \
 	tests/test_verify_families.py tests/test_verify_self_check.py tests/test_verify_static.py \
+	tests/test_arch_breadth.py tests/test_wrappers.py tests/test_verify_lm_eval_reference.py \
 	--deselect tests/test_verify_cli.py::test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint
 
-.PHONY: setup setup-compat demo test test-main test-compat lint bench faults clean
+.PHONY: setup setup-compat demo test test-main test-compat lint bench bench-copy bench-8b-copy faults coverage \
+	lm-eval-check lm-eval-record clean
 
 setup: $(VENV)/.installed
 
@@ -53,12 +55,41 @@ lint: setup
 	$(VENV)/bin/ruff check otdus_cli tests scripts
 	$(VENV)/bin/ruff format --check otdus_cli tests scripts
 
+# the 1B-shaped table (every method, memory, OT, verify), the paired warm/cold copy runs against
+# `cp -r && sync` and mergekit side by side; then the copy runs at Llama-3.1-8B width (8 layers: ~15 GB
+# of disk at the peak). Each prints its figures with their targets; docs/benchmarks.md gets them.
 bench: setup
-	$(PY) scripts/bench.py
+	$(PY) scripts/bench.py --against mergekit
+	$(MAKE) bench-8b-copy
+
+# only the copy figures (warm and cold against cp, both shapes) and the mergekit table: about an hour on
+# these 2 cores
+bench-copy: setup
+	$(PY) scripts/bench.py --no-table --methods solar,llama-pro,stack --against mergekit
+	$(MAKE) bench-8b-copy
+
+bench-8b-copy: setup
+	$(PY) scripts/bench.py --model llama-3.1-8b --layers 8 --no-table --methods solar,llama-pro,stack \
+		--note "8B-wide layers, 8 of the 32 (paired copy runs only; the 16-layer entry has the per-command table)"
 
 # kill expansions at random moments (SIGINT, SIGTERM, SIGKILL) on a ~1 GB checkpoint: no data lost
 faults: setup
 	$(PY) scripts/fault_inject.py --runs 50
+
+# every causal LM of the installed transformers: tiny model, expand, reload; writes docs/compatibility.md
+# (minutes; tests/test_arch_breadth.py and tests/test_derived.py hold a fast subset)
+coverage: setup
+	$(PY) scripts/coverage.py
+
+# real lm-eval releases (each pip-installed into its own venv under /tmp/otdus-lm-eval) against
+# `otdus ppl --lm-eval` on stories260K, and against the figures the tests pin; LM_EVAL_ARGS=--quick
+# leaves out the three whole-split runs (scripts/check_lm_eval.py --help)
+lm-eval-check: setup
+	$(PY) scripts/check_lm_eval.py $(LM_EVAL_ARGS)
+
+# the same runs, their lm-eval figures written to the file the tests read
+lm-eval-record: setup
+	$(PY) scripts/check_lm_eval.py --record tests/data/lm_eval_reference.json $(LM_EVAL_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) demo-out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,8 +18,7 @@ from typing import TYPE_CHECKING
 
 from otdus_cli import __version__
 from otdus_cli.arch.config_rules import (
-    finish_prefetch,
-    prefetch_config_validation,
+    check_depth_rules,
     rewrite_config,
     validate_with_transformers,
 )
@@ -84,8 +84,19 @@ class Plan:
 
 def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
     method = get_method(options.method)
-    if source.family.name == "generic" and method.builder != "copy":
-        raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+    if source.family.copy_only and method.builder != "copy":
+        if source.family.name == "generic":
+            raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+        raise OtdusError(
+            f"{source.family.name} has no exact template (its layers were read off transformers' class): "
+            f"copy-type methods only, not {method.name}"
+        )
+    refusal = source.family.refuses.get(method.builder)
+    if refusal:
+        raise OtdusError(
+            f"--method {method.name} cannot build {source.family.name} layers ({refusal}); "
+            "use copy, interpose, average or random"
+        )
     layer_map = plan_layers(
         source.depth,
         method,
@@ -95,9 +106,14 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
         options.after,
         method.zero_init_for(options.method_variant()) if options.zero_init is None else options.zero_init,
     )
-    if source.family.name == "generic" and any(lay.zero_init for lay in layer_map):
-        raise OtdusError("zero-init needs a known architecture (which tensors to zero); add --no-zero-init")
-    config = rewrite_config(source.config, layer_map, source.family.derives_layer_types)
+    if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
+        raise OtdusError(
+            f"zero-init needs an exact template (which tensors to zero), which {source.family.name} is not; "
+            "add --no-zero-init"
+        )
+    config = rewrite_config(
+        source.config, layer_map, source.family.derives_layer_types, source.family.per_layer_fields
+    )
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
     return Plan(
@@ -125,6 +141,7 @@ def _planned_tensors(source: SourceModel, layer_map: list[OutputLayer], dtype: s
         src = source.layers[lay.source]
         prefix = source.family.layer_prefix.format(i=lay.index)
         out += [planned(src.name(s), prefix + s) for s in src.suffixes()]
+    out += [planned(n, source.after_stack_name(n, len(layer_map))) for n in source.after_stack]
     out += [planned(n, n) for n in source.tail]
     return out
 
@@ -139,6 +156,8 @@ class ExpandResult:
     stats: dict = field(default_factory=dict)
     # what the user should know: the manifest's warnings, stale temporary folders removed or found
     warnings: list[str] = field(default_factory=list)
+    # where the time went (seconds; "first_byte_at" is a time.time() stamp): see expand()
+    timings: dict = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -167,6 +186,8 @@ class _Engine:
         # builders that need the whole source first (LESA) predict into this folder, removed after
         self.scratch = folder / SCRATCH
         self.reports: dict[str, dict] = {}  # builder name -> what its pre-pass reports (manifest)
+        self.first_byte_at: float | None = None  # time.time() when the work proper started
+        self.first_byte_cpu_s: float | None = None  # this process's CPU seconds (all threads) by then
 
     def _copy(self, src_name: str, out_name: str) -> None:
         raw = self.src.reader.raw(src_name)
@@ -178,7 +199,6 @@ class _Engine:
         self.progress(n)
 
     def run(self) -> None:
-        # builders first: their imports (torch, POT, SciPy) are done before the config prefetch starts
         builders = {
             lay.builder: make_builder(lay.builder)
             for lay in self.plan.layer_map
@@ -187,7 +207,9 @@ class _Engine:
         # copy-type plans move bytes only: no torch (seconds of import) unless a device was named
         named = self.plan.options.device
         device = resolve_device(named) if builders or named != "auto" else None
-        prefetch_config_validation(self.src.config.get("model_type"))
+        # start-up ends here: for copy-type methods the next thing is the first tensor byte moving
+        self.first_byte_at = time.time()
+        self.first_byte_cpu_s = time.process_time()
         try:
             self._prepare(builders, device)
             self._write(builders, device)
@@ -211,7 +233,7 @@ class _Engine:
         )
         return BuildContext(
             family=self.src.family,
-            config=self.src.config,
+            config=self.src.text_config,
             device=device,
             options=options,
             seed=self.plan.options.seed,
@@ -226,6 +248,8 @@ class _Engine:
                 self._copy_layer(lay)
             else:
                 self._build_layer(lay, builders[lay.builder], device)
+        for name in self.src.after_stack:
+            self._copy(name, self.src.after_stack_name(name, len(self.plan.layer_map)))
         for name in self.src.tail:
             self._copy(name, name)
 
@@ -296,6 +320,7 @@ def build_manifest(
     side_files: list[str],
     config_check_skipped: str | None = None,
     reports: dict[str, dict] | None = None,
+    config_check: str = "transformers",
 ) -> dict:
     return {
         "otdus_version": __version__,
@@ -312,7 +337,8 @@ def build_manifest(
         **_ot_choices(plan),
         **(reports or {}),  # e.g. "lesa": the pre-pass's report (leave-one-out check)
         "copied_files": side_files,
-        "config_checked_by_transformers": config_check_skipped is None,
+        "config_checked_by_transformers": config_check == "transformers" and config_check_skipped is None,
+        "config_check": config_check,  # "transformers" or "otdus depth rules" (see expand())
         "warnings": [config_check_skipped] if config_check_skipped else [],
     }
 
@@ -343,20 +369,39 @@ def expand(
         on_plan(plan)
     out = Path(out)
     report = OutputReport(notify=on_note)
+    timings: dict = {"plan_s": time.perf_counter() - start}
+    # otdus's own depth rules first (pure Python), so a wrong rewrite fails before any output exists
+    check_depth_rules(plan.config, source.config, len(plan.layer_map), source.family.per_layer_fields)
     with staged_output(out, protected=[source.resolved.folder], force=force, report=report) as tmp:
         engine = _Engine(plan, tmp, progress)
         try:
+            t = time.perf_counter()
             engine.run()
             engine.writer.finish()
+            timings["copy_s"] = time.perf_counter() - t
         finally:
             engine.writer.close()
-            finish_prefetch()
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
         side_files = _copy_side_files(source.resolved.folder, tmp)
-        skipped = validate_with_transformers(tmp, len(plan.layer_map))
-        manifest = build_manifest(plan, engine.stats, side_files, skipped, engine.reports)
+        t = time.perf_counter()
+        config_check, skipped = "otdus depth rules", None
+        # transformers loads the written config when it derives fields of this family from the depth
+        # (or knows nothing of an unknown one), or is imported already; otherwise otdus's depth rules
+        # are the whole check, and copies never pay transformers' import (seconds, torch included)
+        if source.family.derives_layer_types or "transformers" in sys.modules:
+            config_check, skipped = "transformers", validate_with_transformers(tmp, len(plan.layer_map))
+        timings["config_check_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        manifest = build_manifest(plan, engine.stats, side_files, skipped, engine.reports, config_check)
+        timings["manifest_s"] = time.perf_counter() - t  # mostly the source's tensor fingerprints
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    timings.update(
+        first_byte_at=engine.first_byte_at,
+        startup_cpu_s=engine.first_byte_cpu_s,
+        sync_s=engine.writer.sync_s,
+        config_check=config_check,
+    )
     written = sum(t.nbytes for t in plan.tensors)
     seconds = time.perf_counter() - start
     notes = list(manifest["warnings"]) + report.notes
-    return ExpandResult(out, plan, manifest, written, seconds, engine.stats, notes)
+    return ExpandResult(out, plan, manifest, written, seconds, engine.stats, notes, timings)

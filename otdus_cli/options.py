@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from otdus_cli.errors import OtdusError
@@ -158,6 +157,8 @@ class Recipe(BaseModel):
 
 
 def load_recipe(path: Path) -> Recipe:
+    import yaml  # noqa: PLC0415 - only recipes need it; every command imports this module
+
     try:
         data = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:

@@ -42,6 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+import bench_copy  # noqa: E402
+import bench_mergekit  # noqa: E402
 import make_synthetic  # noqa: E402
 
 METHODS = ("copy", "llama-pro", "solar", "interpose", "stack", "average", "random", "ot")
@@ -489,11 +491,40 @@ def versions(otdus: list[str] | None) -> dict:
         head = subprocess.run(
             ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         )
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain"], capture_output=True, text=True)
+        # changes to the code measured (not to the docs, such as the report this script rewrites)
+        dirty = subprocess.run(
+            ["git", "-C", ROOT, "status", "--porcelain", "--", "otdus_cli", "scripts", "pyproject.toml"],
+            capture_output=True,
+            text=True,
+        )
         v["git"] = head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
     except OSError:
         pass
     return v
+
+
+def conditions(otdus: list[str] | None, workdir: str) -> dict:
+    """When and with what a section was measured, kept with the section: a section rerun alone
+    (--no-table) keeps the earlier table's header, so it carries its own."""
+    return {
+        "date": dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": machine_info(workdir),
+        "versions": versions(otdus),
+        "load_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def render_conditions(c: dict | None) -> str:
+    if not c:
+        return ""
+    m = c["machine"]
+    return (
+        f"Measured {c['date']} on {m['cpu']}, {m['cores']} cores, {m['ram_gb']} GB RAM, kernel "
+        f"{m.get('kernel', '?')}; disk {m['disk']}; load average at the start "
+        f"{'/'.join(str(x) for x in c['load_at_start'])} (1/5/15 min). Versions: "
+        + ", ".join(f"{k} {v}" for k, v in c["versions"].items())
+        + "."
+    )
 
 
 def checkpoint_facts(src: str) -> dict:
@@ -582,7 +613,7 @@ def render_entry(e: dict) -> str:
     ]  # fmt: skip
     if has_gpu:
         head.append("GPU peak GiB")
-    lines += ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    lines += ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)] if res else []
     for r in res:
         if r.status == "skipped" or r.wall_s is None:
             lines.append(f"| `{r.label}` | {r.status}: {r.reason} |" + " |" * (len(head) - 2))
@@ -610,7 +641,7 @@ def render_entry(e: dict) -> str:
         if has_gpu:
             cells.append("" if r.gpu_peak_mib is None else f"{r.gpu_peak_mib / 1024:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [
+    footnote = [
         "",
         (
             f"cp reference: the median of {len(cps)} runs ({', '.join(f'{r.durable_s:.1f}' for r in cps)} s "
@@ -629,6 +660,7 @@ def render_entry(e: dict) -> str:
         + (" GPU peak: nvidia-smi memory.used during the command minus just before it." if has_gpu else ""),
         "",
     ]
+    lines += footnote if res else []  # a section rerun alone (--no-table) has no table to explain
     checks = []
     budget = None
     if plan and plan.peak_tree_anon_bytes is not None:
@@ -664,6 +696,15 @@ def render_entry(e: dict) -> str:
         lines += ["Targets:", "", *checks, ""]
     if e.get("transport"):
         lines += [*render_transport(e["transport"]), ""]
+    if e.get("copy"):
+        lines += [*bench_copy.render_copy(e["copy"], render_conditions(e["copy"].get("conditions"))), ""]
+    if e.get("mergekit"):
+        lines += [
+            *bench_mergekit.render_mergekit(
+                e["mergekit"], render_conditions(e["mergekit"].get("conditions"))
+            ),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -840,6 +881,16 @@ def expected_out_bytes(src_bytes: int, facts: dict, method: str) -> int:
     return src_bytes + extra * facts["largest_layer_bytes"]
 
 
+def run_verify_speed(args) -> None:
+    """verify's throughput against a plain forward (scripts/bench_verify.py), into the same docs."""
+    if not args.verify_speed:
+        return
+    import bench_verify  # noqa: PLC0415
+
+    argv = ["--sections", args.verify_speed, "--workdir", args.workdir, "--md", args.md]
+    bench_verify.main(argv + (["--no-report"] if args.no_report else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.2-1b", help="synthetic shape (make_synthetic.py --list)")
@@ -907,6 +958,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--json-out", default=os.path.join(ROOT, "docs", "benchmarks.json"))
     ap.add_argument("--no-report", action="store_true", help="print results only; do not touch docs/")
+    ap.add_argument(
+        "--copy-reps",
+        type=int,
+        default=3,
+        help="paired repetitions of cp -r and each copy-type expansion per cache mode (0 skips them)",
+    )
+    ap.add_argument("--copy-modes", default="warm,cold", help="page-cache states of the paired copy runs")
+    ap.add_argument(
+        "--no-table",
+        action="store_true",
+        help="skip the per-command table: run only the paired copy runs and --against, and put them "
+        "into this model's existing report entry",
+    )
+    ap.add_argument(
+        "--against",
+        default="",
+        choices=("", "mergekit"),
+        help="also run the same expansions with another tool (mergekit: passthrough merges, in its own "
+        "virtual environment, see scripts/bench_mergekit.py) and compare time, memory and bytes",
+    )
+    ap.add_argument(
+        "--mergekit-venv",
+        default=os.path.join(ROOT, "bench-out", "mergekit-venv"),
+        help="virtual environment holding mergekit (created with pip if missing)",
+    )
+    ap.add_argument(
+        "--verify-speed",
+        default="demo,llama-1b",
+        help="sections of scripts/bench_verify.py (verify against a plain transformers forward) run "
+        "after the expansions: demo, llama-1b ('' for none)",
+    )
     args = ap.parse_args(argv)
 
     os.makedirs(args.workdir, exist_ok=True)
@@ -1030,6 +1112,8 @@ def main(argv: list[str] | None = None) -> int:
         log(gpu.error)
     results: list[Result] = list(skipped)
     out_dir = None
+    if args.no_table:
+        runs = []
     for label, kind, m, argv_t, out_t in runs:
         if kind == "skip":
             results.append(Result(label, "verify", m, [], "skipped", out_t or ""))
@@ -1074,7 +1158,59 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(scratch, ignore_errors=True)
     if out_dir and not args.keep:
         shutil.rmtree(out_dir, ignore_errors=True)
+    copy_section = None
+    copy_methods = [m for m in methods if m in COPY_TYPE]
+    if otdus and args.copy_reps > 0 and copy_methods:
+        modes = [m.strip() for m in args.copy_modes.split(",") if m.strip()]
+        if "cold" in modes and cache != "cold":
+            log("paired copy runs: no cold mode here (the page cache cannot be dropped)")
+            modes.remove("cold")
+        commands = []
+        for m in copy_methods:
+            flags = ["--method", m] + (["--position", args.position] if m in PAIR_METHODS else [])
+            flags += ["--layers", str(facts["num_hidden_layers"])] if m == "stack" else []
+            commands.append(
+                (
+                    "otdus expand " + " ".join(flags),
+                    m,
+                    [*otdus, "expand", src, "--out", "{out}", *flags, "--json"],
+                )
+            )
+        log(f"paired copy runs: {', '.join(modes)} x {args.copy_reps}")
+        started = conditions(otdus, args.workdir)
+        copy_section = bench_copy.run_copy_bench(
+            src,
+            commands,
+            modes=modes,
+            reps=args.copy_reps,
+            workdir=os.path.abspath(args.workdir),
+            run_measured=run_measured,
+            prepare_cache=lambda mode, path: prepare_cache(mode, path, warmup),
+            timeout=args.timeout,
+            poll_s=args.poll_ms / 1000,
+            log=log,
+            rmtree=lambda p: shutil.rmtree(p, ignore_errors=True),
+        )
+        copy_section["conditions"] = started
+    mergekit_section = None
+    if args.against == "mergekit" and otdus:
+        started = conditions(otdus, args.workdir)
+        mergekit_section = bench_mergekit.run_mergekit_bench(
+            [(model_name, src), ("stories260k (bundled)", BUNDLED_TOKENIZER)],
+            methods=[m for m in methods if m in bench_mergekit.EXPRESSIBLE]
+            or list(bench_mergekit.EXPRESSIBLE),
+            otdus=otdus,
+            venv=args.mergekit_venv,
+            workdir=os.path.abspath(args.workdir),
+            run_measured=run_measured,
+            poll_s=args.poll_ms / 1000,
+            timeout=args.timeout,
+            log=log,
+        )
+        mergekit_section["conditions"] = started
     transport = None
+    if args.no_table:
+        args.transport_budget = 0
     if args.transport_budget > 0:
         transport = run_transport_bench(src, args)
     if made_src and not args.keep_src:
@@ -1100,7 +1236,13 @@ def main(argv: list[str] | None = None) -> int:
         "results": [asdict(r) for r in results],
         "transport": transport,
     }
+    entry["copy"] = copy_section
+    entry["mergekit"] = mergekit_section
+    old = next((e for e in _load_entries(args.json_out) if e.get("key") == entry["key"]), None)
+    if args.no_table and old:  # keep the earlier table and sections; replace what was rerun
+        entry = {**old, **{k: v for k, v in (("copy", copy_section), ("mergekit", mergekit_section)) if v}}
     print(render_entry(entry))
+    run_verify_speed(args)
     if args.no_report:
         return 0
     entries = [e for e in _load_entries(args.json_out) if e.get("key") != entry["key"]] + [entry]

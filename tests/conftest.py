@@ -48,9 +48,49 @@ TINY_CONFIGS: dict[str, dict] = {
     },
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    **{
+        # architecture breadth (issue 17): tests/test_arch_breadth.py
+        "olmo2": {},
+        "olmo3": {"sliding_window": 16},
+        "exaone4": {"head_dim": 8, "sliding_window": 16},
+        "granite": {"residual_multiplier": 0.5, "embedding_multiplier": 2.0, "logits_scaling": 2.0},
+        "smollm3": {"pad_token_id": 0},
+        "ministral": {"head_dim": 8, "sliding_window": 16},
+        "cohere": {"use_qk_norm": True},
+        "cohere2": {"sliding_window": 16},
+        "glm4": {"pad_token_id": 0, "head_dim": 8},
+        "starcoder2": {"sliding_window": 16},
+        "gpt_oss": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
+        "deepseek_v3": {
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "v_head_dim": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 16,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    },
 }
 DENSE_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 MOE_TYPES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+BREADTH_DENSE_TYPES = [
+    "olmo2",
+    "olmo3",
+    "exaone4",
+    "granite",
+    "smollm3",
+    "ministral",
+    "cohere",
+    "cohere2",
+    "glm4",
+    "starcoder2",
+]
+BREADTH_MOE_TYPES = ["gpt_oss", "deepseek_v3"]
 
 
 def build_tiny(model_type: str, folder: Path, max_shard_size: str | None = None, seed: int = 0) -> Path:
@@ -129,3 +169,26 @@ def no_output_left(parent: Path, out_name: str = "out") -> None:
     """Neither the output nor anything of otdus's life cycle (temporary folders, lock) beside it."""
     assert not (parent / out_name).exists()
     assert not [p.name for p in parent.iterdir() if "otdus-" in p.name]
+
+
+def study_from_window_losses(per_window: dict[str, list[list[float]]], reference: str = "ref"):
+    """A StudyResult made from given per-seed, per-window final losses (no training), compared with
+    ``reference`` as study() compares."""
+    import math  # noqa: PLC0415
+
+    from otdus_cli.study.runner import MethodSummary, RunResult, StudyResult  # noqa: PLC0415
+
+    seeds = list(range(len(next(iter(per_window.values())))))
+    runs, methods = [], []
+    for label, table in per_window.items():
+        for seed, losses in zip(seeds, table, strict=True):
+            final = math.fsum(losses) / len(losses)
+            runs.append(
+                RunResult(label, seed, [0], [final], [], final, final, True, True, 1, 1, 0.0, list(losses))
+            )
+        finals = [math.fsum(t) / len(t) for t in table]
+        methods.append(
+            MethodSummary(label, {}, seeds, True, 0.0, True, math.fsum(finals) / len(finals), 0.0, 1.0, 1, 1)
+        )
+    result = StudyResult("b", "", {"seeds": seeds, "steps": 1}, {}, 0.0, methods, runs, 0.0)
+    return result.recompute(reference)

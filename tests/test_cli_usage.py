@@ -121,6 +121,7 @@ def test_official_variant_warns_with_what_applies_and_marks_ignored_options(tmp_
             ["'--ot-variant'", "'paper', 'official', 'structured'", "otdus expand --help"],
         ),
         (["verify"], ["Missing argument", "otdus verify --help"]),
+        (["ppl", "bundled:stories260k", "--lm-eval", "0.3.0"], ["'--lm-eval'", "0.4.0 and later"]),
         (["exapnd"], ["No such command 'exapnd'", "otdus --help"]),
     ],
 )
@@ -151,6 +152,8 @@ def test_bad_option_values_are_refused_before_torch_or_transformers_is_imported(
         ["verify", "bundled:stories260k", "--text", str(tmp_path / "missing.txt")],
         ["verify", str(tmp_path / "no-model")],
         ["ppl", "bundled:stories260k", "--max-tokens", "0"],
+        ["ppl", "bundled:stories260k", "--lm-eval", "latest"],
+        ["verify", "bundled:stories260k", "--max-length", "0"],
         ["ppl", "bundled:stories260k", "--text", "bundled:nope"],
         ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--methods", "ot,avg"],
         ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--seeds", "0,x"],
@@ -201,6 +204,11 @@ def test_piped_output_is_never_wrapped_and_sizes_are_in_human_units(tmp_path):
     warnings = [w for w in warned.stderr.splitlines() if w.strip()]
     assert warnings and all(w.startswith("warning: layer ") for w in warnings), warned.stderr
     assert all(w.endswith("raise --max-iter or --reg") for w in warnings)
+    # where the time went: start-up to the first byte, the copy, the config check (a llama: otdus's
+    # depth rules, transformers never imported for it)
+    timings = json.loads(warned.stdout)["timings"]
+    assert 0 < timings["startup_s"] < 300 and timings["copy_s"] > 0, timings
+    assert timings["config_check"] == "otdus depth rules", timings
     # the README's pipeline: otdus expand ... --json | jq -r .out | xargs otdus verify
     verified = otdus("verify", json.loads(warned.stdout)["out"], "--max-tokens", "500", "--device", "cpu")
     assert verified.returncode == 0, verified.stderr

@@ -73,11 +73,11 @@ def test_sparse_step_keeps_moe_slots():
         rewrite_config(cfg, layer_map(4, after=[0]))  # sources 0 0 1 ...: MoE layer 1 lands on dense slot 2
 
 
-def test_mtp_layers_are_refused():
-    with pytest.raises(OtdusError, match="num_nextn_predict_layers"):
-        rewrite_config(
-            {"model_type": "llama", "num_hidden_layers": 4, "num_nextn_predict_layers": 1}, layer_map(4)
-        )
+def test_mtp_layer_count_is_kept():
+    """The multi-token prediction layers stay after the stack (io/stack.py): their count is unchanged."""
+    cfg = {"model_type": "llama", "num_hidden_layers": 4, "num_nextn_predict_layers": 1}
+    out = rewrite_config(cfg, layer_map(4))
+    assert out["num_nextn_predict_layers"] == 1 and out["num_hidden_layers"] == 6
 
 
 def test_families_that_skip_transformers_at_plan_time_really_have_no_derived_layer_types():
@@ -100,3 +100,53 @@ def test_families_that_skip_transformers_at_plan_time_really_have_no_derived_lay
             types = getattr(config, "layer_types", None)
             if not family.derives_layer_types:
                 assert types is None or len(set(types)) == 1, (model_type, types)
+
+
+# -- otdus's depth rules: the config check that needs no transformers ------------------------------
+def test_depth_rules_accept_a_rewrite_and_refuse_what_a_rewrite_must_not_do():
+    from otdus_cli.arch.config_rules import check_depth_rules
+
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "hidden_size": 16,
+        "vocab_size": 10,
+        "layer_types": ["full_attention", "sliding_attention"] * 2,
+        "mlp_only_layers": [1],
+    }
+    out = rewrite_config(cfg, layer_map(4, "solar", layers=2))
+    check_depth_rules(out, cfg, 6)
+    for bad, message in (
+        ({**out, "num_hidden_layers": 5}, "loads with 5 layers, expected 6"),
+        ({**out, "layer_types": out["layer_types"][:5]}, "has 5 layer_types for 6 layers"),
+        ({**out, "mlp_only_layers": [6]}, "mlp_only_layers lists layer 6 of 6"),
+        ({**out, "max_window_layers": 7}, "max_window_layers=7 exceeds the 6 layers"),
+        ({**out, "hidden_size": 8}, "changed hidden_size, which does not depend on depth"),
+        ({k: v for k, v in out.items() if k != "vocab_size"}, "changed vocab_size"),
+    ):
+        with pytest.raises(OtdusError, match=message):
+            check_depth_rules(bad, cfg, 6)
+
+
+def test_depth_rules_follow_a_wrappers_text_config():
+    """A multimodal wrapper states the depth in text_config: the rules check it there, and anything
+    else (the vision settings, the wrapper's own fields) must come out as the source's."""
+    from otdus_cli.arch.config_rules import check_depth_rules
+
+    cfg = {
+        "model_type": "llava",
+        "vision_config": {"hidden_size": 32, "num_hidden_layers": 2},
+        "text_config": {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 16},
+    }
+    out = rewrite_config(cfg, layer_map(4, "solar", layers=2))
+    assert out["text_config"]["num_hidden_layers"] == 6 and out["vision_config"] == cfg["vision_config"]
+    check_depth_rules(out, cfg, 6)
+    text = out["text_config"]
+    for bad, message in (
+        ({**out, "text_config": {**text, "num_hidden_layers": 4}}, "loads with 4 layers, expected 6"),
+        ({**out, "text_config": {**text, "hidden_size": 8}}, "changed text_config.hidden_size"),
+        ({**out, "vision_config": {"hidden_size": 32, "num_hidden_layers": 6}}, "changed vision_config"),
+        ({k: v for k, v in out.items() if k != "text_config"}, "lost its text_config"),
+    ):
+        with pytest.raises(OtdusError, match=message):
+            check_depth_rules(bad, cfg, 6)

@@ -309,6 +309,32 @@ def test_multi_shard_round_trip(sharded_llama, tmp_path):
     assert torch.equal(logits(load_causal_lm(sharded_llama)), logits(load_causal_lm(out)))
 
 
+def test_early_writeback_keeps_every_byte(sharded_llama, tmp_path, monkeypatch):
+    """The writer has a helper thread start the disk writes of its shards while it copies
+    (sync_file_range); with a step of one byte it is asked after every tensor, and every byte of
+    the multi-shard output is still the source's."""
+    import threading
+
+    from otdus_cli.io import writer
+
+    started: list[tuple[int, str]] = []
+    real = writer._start_writeback
+
+    def spy(fd: int) -> None:
+        started.append((fd, threading.current_thread().name))
+        real(fd)
+
+    monkeypatch.setattr(writer, "WRITEBACK_STEP", 1)
+    monkeypatch.setattr(writer, "_start_writeback", spy)
+    out = tmp_path / "out"
+    options = ExpandOptions(method="llama-pro", layers=2, max_shard_size="30KB")
+    result = expand(str(sharded_llama), out, options)
+    assert any(name == "otdus-writeback" for _, name in started), started  # the helper thread ran
+    assert len({fd for fd, _ in started}) > 2  # and every shard was flushed before the fsyncs
+    assert not any(t.name == "otdus-writeback" for t in threading.enumerate())  # joined
+    assert_layers_match_sources(sharded_llama, out, result.manifest)
+
+
 def assert_values_converted(src: Path, out: Path, manifest: dict, dtype: torch.dtype) -> None:
     """Every output tensor is its source tensor rounded to `dtype` (for copy-type layers)."""
     a, b = CheckpointReader(src), CheckpointReader(out)
@@ -484,6 +510,101 @@ def test_planning_does_not_import_torch(stories):
         "assert 'torch' not in sys.modules, 'planning imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+_RUN_OTDUS_AND_LIST_IMPORTS = """
+import atexit, json, sys
+heavy = ("torch", "transformers", "numpy", "safetensors", "accelerate")
+atexit.register(lambda: print(json.dumps(sorted(m for m in heavy if m in sys.modules))))
+sys.argv = ["otdus", *sys.argv[1:]]
+from otdus_cli.entry import main
+main()
+"""
+
+
+def test_a_copy_expansion_imports_neither_transformers_nor_torch(stories, tmp_path):
+    """`otdus expand --method solar` of a llama (transformers derives nothing from its depth), run as
+    the console script runs it: otdus's depth rules check the config, and the process never imports
+    torch, transformers or numpy (seconds of start-up), neither before the first byte moves nor
+    after; every byte is the source's, and the output loads with transformers at the new depth."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    argv = ["expand", str(stories), "--out", str(out), "--method", "solar", "--layers", "3", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_OTDUS_AND_LIST_IMPORTS, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    *report, imported = done.stdout.strip().splitlines()
+    assert json.loads(imported) == []
+    timings = json.loads("\n".join(report))["timings"]
+    assert timings["config_check"] == "otdus depth rules"
+    assert 0 < timings["startup_cpu_s"] <= timings["startup_s"] * 2 + 0.1, timings  # <= 2 cores busy
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert manifest["config_check"] == "otdus depth rules" and manifest["warnings"] == []
+    assert_layers_match_sources(stories, out, manifest)
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(out).num_hidden_layers == 8
+    assert len(load_causal_lm(out).model.layers) == 8
+
+
+def test_a_built_expansion_still_imports_torch(stories, tmp_path):
+    """The counterpart that keeps the test above honest: the same harness sees torch imported when
+    a method computes tensors (average)."""
+    import subprocess
+    import sys
+
+    argv = ["expand", str(stories), "--out", str(tmp_path / "out"), "--method", "average", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_OTDUS_AND_LIST_IMPORTS, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch" in json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_zero_init_tensors_are_allocated_not_written(stories, tmp_path, monkeypatch):
+    """LLaMA-Pro's zeroed o_proj/down_proj: the writer allocates the never-written range
+    (posix_fallocate) instead of writing zeros: the process writes that many fewer bytes, the file
+    is not sparse (its blocks cover its size) and the tensors read as zeros. Where the filesystem
+    refuses, zeros are written as before, and the files are byte for byte the same."""
+    import errno
+    import os
+
+    def written_by_this_process() -> int:  # bytes passed to write calls (/proc/self/io wchar)
+        return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["wchar"])
+
+    options = ExpandOptions(method="llama-pro", layers=5)
+    expand(str(stories), tmp_path / "first", options)  # what a first run writes once (caches) is not counted
+    before = written_by_this_process()
+    result = expand(str(stories), tmp_path / "out", options)
+    allocated_run = written_by_this_process() - before
+    shard = tmp_path / "out" / "model.safetensors"
+    assert shard.stat().st_blocks * 512 >= shard.stat().st_size
+    assert_layers_match_sources(stories, tmp_path / "out", result.manifest)
+
+    def refuse(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    before = written_by_this_process()
+    expand(str(stories), tmp_path / "again", options)
+    written_run = written_by_this_process() - before
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == shard.read_bytes()
+    reader = CheckpointReader(tmp_path / "out")
+    zero_bytes = sum(
+        reader.nbytes(n)
+        for n in reader.names
+        if n.endswith(("o_proj.weight", "down_proj.weight")) and not reader.get(n).view(torch.uint8).any()
+    )
+    assert zero_bytes > 0 and written_run - allocated_run >= zero_bytes, (written_run, allocated_run)
 
 
 def test_unknown_architecture_expands_by_copy_when_allowed(stories, tmp_path):

@@ -168,7 +168,7 @@ def test_failed_forced_run_keeps_the_earlier_output(stories, earlier_output, mon
     def fail(*args, **kwargs):
         raise failure
 
-    monkeypatch.setattr(engine, "validate_with_transformers", fail)
+    monkeypatch.setattr(engine, "stack_fingerprints", fail)  # late in the run, before the swap
     with pytest.raises(type(failure)):
         expand(str(stories), earlier_output, ExpandOptions(method="average", layers=2), force=True)
     assert tree_digest(earlier_output) == before
@@ -183,6 +183,16 @@ def test_signal_during_the_forced_swap_is_held_and_reported_truthfully(stories, 
         return real(folder, names)
 
     monkeypatch.setattr(output_dir, "remove_otdus_output", interrupted_removal)
+    # Ctrl-C as in a terminal, even when the test runner was started with SIGINT ignored (a shell's
+    # background job), which otdus would rightly leave ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_forced_swap(stories, earlier_output)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_forced_swap(stories: Path, earlier_output: Path) -> None:
     with pytest.raises(Interrupted) as info:
         expand(str(stories), earlier_output, ExpandOptions(method="copy", layers=2), force=True)
     assert "complete and in place" in str(info.value)
@@ -196,14 +206,14 @@ def test_a_folder_appearing_during_the_run_is_never_replaced(stories, tmp_path, 
     import otdus_cli.expand as engine
 
     out = tmp_path / "out"
-    real = engine.validate_with_transformers
+    real = engine.stack_fingerprints
 
-    def someone_else_writes(folder, layers):
+    def someone_else_writes(source):
         out.mkdir()
         (out / "their.bin").write_text("theirs")
-        return real(folder, layers)
+        return real(source)
 
-    monkeypatch.setattr(engine, "validate_with_transformers", someone_else_writes)
+    monkeypatch.setattr(engine, "stack_fingerprints", someone_else_writes)
     with pytest.raises(OtdusError, match="appeared while this run was writing"):
         expand(str(stories), out, ExpandOptions(method="copy"))
     assert (out / "their.bin").read_text() == "theirs"
@@ -215,13 +225,13 @@ def test_an_empty_folder_appearing_during_the_run_is_not_replaced_either(stories
     import otdus_cli.expand as engine
 
     out = tmp_path / "out"
-    real = engine.validate_with_transformers
+    real = engine.stack_fingerprints
 
-    def someone_else_claims(folder, layers):
+    def someone_else_claims(source):
         out.mkdir()  # os.rename would silently replace an empty folder
-        return real(folder, layers)
+        return real(source)
 
-    monkeypatch.setattr(engine, "validate_with_transformers", someone_else_claims)
+    monkeypatch.setattr(engine, "stack_fingerprints", someone_else_claims)
     with pytest.raises(OtdusError, match="appeared"):
         expand(str(stories), out, ExpandOptions(method="copy"))
     assert out.is_dir() and list(out.iterdir()) == []

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -60,6 +61,23 @@ def test_one_non_zero_in_a_new_o_proj_static_and_run_agree(llama_pro):
     run = json_of(run_cli("verify", llama_pro, *SMALL, "--json"), 1)
     assert run["verdict"].startswith("BROKEN") and not run["logits_equal"]
     assert run["first_divergence"]["expanded_layer"] == 5
+
+
+def test_negative_zeros_count_as_zeros(stories, llama_pro):
+    """mergekit's LLaMA-Pro (`scale: 0.0`) writes -0.0 where a weight was negative: still an identity
+    (this failed when zeros were compared byte for byte); a -0.0 next to a real non-zero is not."""
+    (llama_pro / "otdus.json").unlink()
+    f = llama_pro / "model.safetensors"
+    tensors = load_file(str(f))
+    for name in ("model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        tensors[name] = tensors["model.layers.0." + name.split(".", 3)[3]] * -0.0  # -0.0 and +0.0 mixed
+        assert torch.signbit(tensors[name]).any() and not tensors[name].any()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    proof = json_of(run_cli("verify", llama_pro, "--base", stories, "--static", "--json"), 0)
+    assert proof["preserving"] and proof["layers"][1]["identity"]
+    _set_one(llama_pro, "model.layers.1.self_attn.o_proj.weight", -1e-3)
+    proof = json_of(run_cli("verify", llama_pro, "--base", stories, "--static", "--json"), 0)  # no claim
+    assert not proof["preserving"] and not proof["layers"][1]["identity"]
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 from otdus_cli.arch.families import DEPTH_FIELDS
+from otdus_cli.arch.wrappers import depth_parts, text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import read_json_object
 from otdus_cli.plan.layer_map import OutputLayer
@@ -36,12 +37,31 @@ def derived_layer_types(config: dict) -> list[str] | None:
     return list(types) if isinstance(types, list) else None
 
 
-def rewrite_config(config: dict, layer_map: list[OutputLayer], derives_layer_types: bool = True) -> dict:
-    """A copy of `config` describing the expanded stack.
+def rewrite_config(
+    config: dict,
+    layer_map: list[OutputLayer],
+    derives_layer_types: bool = True,
+    per_layer_fields: tuple[str, ...] = (),
+) -> dict:
+    """A copy of `config` describing the expanded stack: where it states the depth (a multimodal
+    wrapper's text_config, the top level, or both), the depth fields are rewritten.
 
     ``derives_layer_types``: whether transformers may derive layer_types for this family (see
     Family.derives_layer_types); if not, only an explicit layer_types list is carried over.
+    ``per_layer_fields``: more fields with one entry per layer (Family.per_layer_fields).
     """
+    out = copy.deepcopy(config)
+    for key in depth_parts(config):
+        if key is None:
+            out = {**out, **_rewrite_stack_config(config, layer_map, derives_layer_types, per_layer_fields)}
+        else:
+            out[key] = _rewrite_stack_config(config[key], layer_map, derives_layer_types, per_layer_fields)
+    return out
+
+
+def _rewrite_stack_config(
+    config: dict, layer_map: list[OutputLayer], derives_layer_types: bool, per_layer_fields: tuple[str, ...]
+) -> dict:
     base_layers = int(config["num_hidden_layers"])
     sources = [lay.source for lay in layer_map]
     out = copy.deepcopy(config)
@@ -54,7 +74,7 @@ def rewrite_config(config: dict, layer_map: list[OutputLayer], derives_layer_typ
         if len(types) != base_layers:
             raise OtdusError(f"config layer_types has {len(types)} entries for {base_layers} layers")
         out["layer_types"] = [types[i] for i in sources]
-    for name, kind in DEPTH_FIELDS.items():
+    for name, kind in {**DEPTH_FIELDS, **dict.fromkeys(per_layer_fields, "per_layer")}.items():
         value = config.get(name)
         if value is None or name == "layer_types":
             continue
@@ -121,7 +141,8 @@ def _import_autoconfig(model_type: str | None) -> None:
 
 def prefetch_config_validation(model_type: str | None = None) -> None:
     """Import transformers' config machinery (seconds of CPU) on a thread while the caller does I/O,
-    so ``validate_with_transformers`` at the end of an expansion does not add it to the wall time.
+    so ``validate_with_transformers`` at the end does not add it to the wall time (widen uses it; a
+    copy-type expand of a family otdus's depth rules cover never imports transformers at all).
     Call it after the caller's own imports are done (two threads importing at once can deadlock on
     module locks when their imports are circular)."""
     global _prefetch
@@ -154,7 +175,7 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> str | None
     written = read_json_object(folder / "config.json")
     model_type = written.get("model_type")
     if model_type not in CONFIG_MAPPING:
-        _check_depth(written, expected_layers)
+        _check_depth(text_config(written), expected_layers)
         return (
             f"transformers {transformers.__version__} does not know model_type={model_type!r}: "
             "the rewritten config.json was not load-checked"
@@ -165,8 +186,9 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> str | None
             loaded = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as exc:
         raise OtdusError(f"transformers rejects the rewritten config: {exc}") from None
+    text = loaded.get_text_config()  # a multimodal wrapper's text config; the config itself otherwise
     _check_depth(
-        {"num_hidden_layers": loaded.num_hidden_layers, "layer_types": getattr(loaded, "layer_types", None)},
+        {"num_hidden_layers": text.num_hidden_layers, "layer_types": getattr(text, "layer_types", None)},
         expected_layers,
     )
     return None
@@ -179,3 +201,57 @@ def _check_depth(config: dict, expected_layers: int) -> None:
     types = config.get("layer_types")
     if isinstance(types, list) and len(types) != expected_layers:
         raise OtdusError(f"rewritten config has {len(types)} layer_types for {expected_layers} layers")
+
+
+# Fields rewrite_config may change in a stack's settings; anything else must stay the source's.
+_REWRITTEN = {"num_hidden_layers", "torch_dtype", "dtype", *DEPTH_FIELDS}
+
+
+def check_depth_rules(
+    written: dict, source: dict, expected_layers: int, per_layer_fields: tuple[str, ...] = ()
+) -> None:
+    """The written config describes ``expected_layers`` layers by otdus's own depth rules: wherever
+    the source states the depth (the top level, a wrapper's text config, or both), every depth field
+    (DEPTH_FIELDS, ``per_layer_fields``) agrees with the new depth; nothing else differs from the
+    source (the output dtype aside).
+
+    This is the whole check for families whose config transformers derives nothing from the depth
+    (Family.derives_layer_types false: llama, mistral, phi3, mixtral ...): it needs
+    no transformers import (seconds of CPU, torch included). The tests load every family's outputs
+    with transformers, and validate_with_transformers adds transformers' own check whenever it is
+    imported anyway.
+    """
+    parts = depth_parts(source)
+    for key in parts:
+        stack = written if key is None else written.get(key)
+        if not isinstance(stack, dict):
+            raise OtdusError(f"rewritten config lost its {key}")
+        _check_stack_rules(stack, expected_layers, per_layer_fields)
+        if key is not None:
+            _check_unchanged(stack, source[key], _REWRITTEN | set(per_layer_fields), f"{key}.")
+    top_may_change = {"torch_dtype", "dtype", *(k for k in parts if k)}
+    if None in parts:
+        top_may_change |= _REWRITTEN | set(per_layer_fields)
+    _check_unchanged(written, source, top_may_change, "")
+
+
+def _check_stack_rules(config: dict, expected_layers: int, per_layer_fields: tuple[str, ...]) -> None:
+    _check_depth(config, expected_layers)
+    for name, kind in {**DEPTH_FIELDS, **dict.fromkeys(per_layer_fields, "per_layer")}.items():
+        value = config.get(name)
+        if kind == "per_layer" and isinstance(value, list) and len(value) != expected_layers:
+            raise OtdusError(f"rewritten config has {len(value)} {name} for {expected_layers} layers")
+        if kind == "index_list" and isinstance(value, list):
+            bad = [i for i in value if not isinstance(i, int) or not 0 <= i < expected_layers]
+            if bad:
+                raise OtdusError(f"rewritten config {name} lists layer {bad[0]} of {expected_layers}")
+        if kind == "threshold" and isinstance(value, int) and not 0 <= value <= expected_layers:
+            raise OtdusError(f"rewritten config {name}={value} exceeds the {expected_layers} layers")
+
+
+def _check_unchanged(written: dict, source: dict, may_change: set, where: str) -> None:
+    changed = sorted(
+        k for k in set(written) | set(source) if k not in may_change and written.get(k) != source.get(k)
+    )
+    if changed:
+        raise OtdusError(f"rewritten config changed {where}{changed[0]}, which does not depend on depth")

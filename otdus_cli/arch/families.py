@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from otdus_cli.arch.wrappers import TEXT_FAMILY_ALIASES, text_config
 from otdus_cli.errors import OtdusError
 
 # Role names shared by every family. Values in a template are the tensor path inside a layer,
@@ -73,6 +74,12 @@ class Family:
     derives_layer_types: bool = False
     # which layers must hold identical tensors (names, dtypes, shapes): those of the same kind
     layer_kind: Callable[[dict, int], str] = uniform_layers
+    # builder name -> why this family's layers cannot be built that way (refused at plan time)
+    refuses: dict[str, str] = field(default_factory=dict)
+    # a template without roles (generic, or derived from transformers): copy-type methods only
+    copy_only: bool = False
+    # config fields with one entry per layer besides DEPTH_FIELDS' (found by a derived template)
+    per_layer_fields: tuple[str, ...] = ()
 
     def is_zero_target(self, suffix: str) -> bool:
         return any(re.fullmatch(p, suffix) for p in self.zero_init)
@@ -80,6 +87,96 @@ class Family:
     def layer_regex(self) -> re.Pattern[str]:
         return re.compile(re.escape(self.layer_prefix).replace(r"\{i\}", r"(\d+)") + r"(.+)")
 
+
+# --- Families added for architecture breadth (issue 17). Each was checked on a tiny model built by
+# transformers itself (tests/test_arch_breadth.py): copies, zero-init identity, config rules, loading.
+
+# Post-norm blocks (OLMo 2/3, EXAONE 4): no norm before attention or the MLP; each sublayer's output is
+# normed before the residual add, and a norm of zeros is zero, so zeroed o/down still add nothing.
+POST_NORM_ROLES = {
+    **{role: path for role, path in LLAMA_ROLES.items() if role not in ("attn_norm", "mlp_norm")},
+    "attn_out_norm": "post_attention_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+}
+_OT_POST_NORM = (
+    "post-norm layers (no norm before attention or the MLP): the OT-DUS flow is defined for pre-norm ones"
+)
+_OT_PARALLEL = (
+    "attention and MLP run in parallel from one norm: the OT-DUS flow is defined for sequential blocks"
+)
+
+
+def first_k_dense_layers(config: dict, index: int) -> str:
+    """DeepSeek-V3: the first first_k_dense_replace layers hold a dense MLP, the others experts."""
+    return "dense" if index < int(config.get("first_k_dense_replace") or 0) else "sparse"
+
+
+BREADTH_FAMILIES: tuple[Family, ...] = (
+    Family(
+        "olmo2", ("olmo2", "olmo3"), POST_NORM_ROLES, derives_layer_types=True, refuses={"ot": _OT_POST_NORM}
+    ),
+    Family("exaone4", ("exaone4",), POST_NORM_ROLES, derives_layer_types=True, refuses={"ot": _OT_POST_NORM}),
+    # Granite's multipliers (embedding, residual, attention, logits) scale whole sublayer outputs
+    Family("granite", ("granite",), LLAMA_ROLES),
+    Family("smollm3", ("smollm3",), LLAMA_ROLES, derives_layer_types=True),
+    Family("ministral", ("ministral",), LLAMA_ROLES, derives_layer_types=True),
+    Family(
+        "cohere",
+        ("cohere", "cohere2"),
+        {
+            "attn_norm": "input_layernorm",
+            **{r: LLAMA_ROLES[r] for r in ("q", "k", "v", "o", "gate", "up", "down")},
+        },
+        derives_layer_types=True,
+        refuses={"ot": _OT_PARALLEL},
+    ),
+    Family(
+        "glm4",
+        ("glm4",),
+        {
+            **{role: path for role, path in LLAMA_ROLES.items() if role not in ("gate", "up")},
+            "attn_out_norm": "post_self_attn_layernorm",
+            "mlp_out_norm": "post_mlp_layernorm",
+            "gate_up": "mlp.gate_up_proj",
+        },
+        fused={"gate_up": ("gate", "up")},
+    ),
+    Family(
+        "starcoder2",
+        ("starcoder2",),
+        {
+            **{r: LLAMA_ROLES[r] for r in ("attn_norm", "q", "k", "v", "o", "mlp_norm")},
+            "up": "mlp.c_fc",
+            "down": "mlp.c_proj",
+        },
+        zero_init=(r"self_attn\.o_proj\.(weight|bias)", r"mlp\.c_proj\.(weight|bias)"),
+        refuses={
+            "ot": "non-gated MLP (c_fc, c_proj): the OT-DUS flow aligns a gated MLP's gate and up together",
+            "lesa": "non-gated MLP (c_fc, c_proj): LESA predicts a gated MLP's gate, up and down projections",
+        },
+    ),
+    # attention sinks (self_attn.sinks) only reweight the softmax, whose output o_proj zeroes
+    Family(
+        "gpt_oss",
+        ("gpt_oss",),
+        {},
+        zero_init=(r"self_attn\.o_proj\.(weight|bias)", r"mlp\.experts\.down_proj(_bias)?"),
+        moe=True,
+        derives_layer_types=True,
+        refuses={"ot": "fused experts with biases: OT knows no expert layout for them (arch/experts.py)"},
+    ),
+    Family(
+        "deepseek_v3",
+        ("deepseek_v3",),
+        {},
+        zero_init=MOE_ZERO,
+        moe=True,
+        layer_kind=first_k_dense_layers,
+        refuses={"ot": "multi-head latent attention has no q/k/v projections for the OT-DUS flow"},
+    ),
+)
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), LLAMA_ROLES),
@@ -142,10 +239,29 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("qwen3_moe", ("qwen3_moe",), {}, zero_init=MOE_ZERO, moe=True, layer_kind=qwen_moe_layers),
     Family("olmoe", ("olmoe",), {}, zero_init=MOE_ZERO, moe=True),
+    *BREADTH_FAMILIES,
 )
 
 # Used only with --allow-unknown-arch, for methods that copy layers whole.
-GENERIC = Family("generic", (), {}, zero_init=(), derives_layer_types=True)
+GENERIC = Family("generic", (), {}, zero_init=(), derives_layer_types=True, copy_only=True)
+
+
+def derived_family(config: dict) -> Family:
+    """The template transformers' own class gives a model_type without an exact one (arch/derived.py)."""
+    from otdus_cli.arch.derived import derive_template
+
+    found = derive_template(config)
+    return Family(
+        f"derived:{found['model_type']}",
+        (found["model_type"],),
+        {},
+        zero_init=(),
+        derives_layer_types=found["derives_layer_types"],
+        layer_prefix=found["layer_list"] + ".{i}.",  # on disk as in memory, or a wrapper's (io/stack.py)
+        copy_only=True,
+        per_layer_fields=tuple(found["per_layer_fields"]),
+    )
+
 
 _BY_MODEL_TYPE = {mt: fam for fam in FAMILIES for mt in fam.model_types}
 
@@ -155,22 +271,29 @@ def supported_model_types() -> list[str]:
 
 
 def family_for(config: dict, allow_unknown: bool = False) -> Family:
-    """Pick the template for a config, refusing quantized or unknown checkpoints."""
+    """Pick the template for a config's decoder stack (a wrapper's: its text config's), refusing
+    quantized or unknown checkpoints."""
     quantization = config.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         raise OtdusError(
             f"quantized checkpoints are not supported (quant_method={method}); use the unquantized model"
         )
-    model_type = config.get("model_type")
+    model_type = text_config(config).get("model_type", config.get("model_type"))
     if not isinstance(model_type, str):
         raise OtdusError(f"config.json: model_type must be a string, got {json.dumps(model_type)[:60]}")
+    model_type = TEXT_FAMILY_ALIASES.get(model_type, model_type)
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]
+    from otdus_cli.arch.derived import derivable
+
+    if derivable(config.get("model_type", "")):
+        return derived_family(config)
     if allow_unknown:
         return GENERIC
     raise OtdusError(
-        f"unknown architecture model_type={model_type!r}; supported: {', '.join(supported_model_types())} "
+        f"unknown architecture model_type={model_type!r}: neither an exact template "
+        f"({', '.join(supported_model_types())}) nor a causal LM of the installed transformers "
         "(--allow-unknown-arch copies layers generically for copy-type methods)"
     )
 
@@ -180,6 +303,8 @@ def family_for(config: dict, allow_unknown: bool = False) -> Family:
 #   index_list: a list of layer indices; an output layer is listed if its source layer was.
 #   threshold: "the first t layers"; becomes the number of output layers whose source is below t.
 #   refuse: a field we cannot rewrite faithfully; refuse the expansion if present and non-trivial.
+#   trailing: the number of layers stored after the stack (DeepSeek-V3's multi-token prediction
+#     module, model.layers.{L}...): unchanged; io/stack.py keeps them after the new last layer.
 DEPTH_FIELDS: dict[str, str] = {
     "layer_types": "per_layer",
     "no_rope_layers": "per_layer",
@@ -187,5 +312,5 @@ DEPTH_FIELDS: dict[str, str] = {
     "moe_layers": "index_list",
     "max_window_layers": "threshold",
     "first_k_dense_replace": "threshold",
-    "num_nextn_predict_layers": "refuse",
+    "num_nextn_predict_layers": "trailing",
 }

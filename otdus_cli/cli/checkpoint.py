@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -343,6 +345,7 @@ def expand(
         "bytes_written": result.bytes_written,
         "seconds": round(result.seconds, 3),
         "new_parameters": len(result.manifest["new_parameters"]),
+        "timings": _timings_json(result.timings),
     }
     if "lesa" in result.manifest:
         summary["lesa"] = result.manifest["lesa"]
@@ -358,6 +361,30 @@ def expand(
         f"layers with {summary['method']} ({preserved}), {human_bytes(result.bytes_written)} "
         f"in {result.seconds:.1f} s"
     )
+
+
+def _process_started_at() -> float | None:
+    """time.time() when this process started (Linux /proc, 10 ms resolution), else None."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def _timings_json(timings: dict) -> dict:
+    """Seconds, rounded; ``startup_s``: from the process's start to the start of the work proper
+    (imports, reading headers, planning; for copy-type methods, until the first tensor byte moves),
+    the wait a user sees before the copy itself;
+    ``startup_cpu_s``: the CPU time spent by then, which, unlike the wait, a busy machine does not
+    stretch."""
+    out = {k: round(v, 3) if isinstance(v, float) else v for k, v in timings.items() if k != "first_byte_at"}
+    started, first = _process_started_at(), timings.get("first_byte_at")
+    out["startup_s"] = round(first - started, 2) if started and first else None
+    return out
 
 
 def lesa_check_lines(report: dict) -> list[str]:

@@ -8,10 +8,11 @@ same tensors with the same dtypes and shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from otdus_cli.arch.families import Family
+from otdus_cli.arch.families import DEPTH_FIELDS, Family
+from otdus_cli.arch.wrappers import text_config, text_model_prefix
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 
@@ -60,10 +61,24 @@ class LayerStack:
     layers: list[SourceLayer]
     head: list[str]  # embeddings and anything else outside the stack, written first
     tail: list[str]  # final norm, lm_head ...
+    # layers stored after the decoder stack (DeepSeek-V3's multi-token prediction module): not decoder
+    # layers; written after the new last layer, renumbered (after_stack_name)
+    after_stack: list[str]
 
     @property
     def config(self) -> dict:
         return self.reader.config
+
+    @property
+    def text_config(self) -> dict:
+        """The decoder stack's settings (a multimodal wrapper's text config)."""
+        return text_config(self.reader.config)
+
+    def after_stack_name(self, name: str, new_depth: int) -> str:
+        """``name`` of a layer stored after the stack, renumbered to follow a stack of ``new_depth``."""
+        m = self.family.layer_regex().fullmatch(name)
+        assert m is not None and int(m.group(1)) >= self.depth, name
+        return self.family.layer_prefix.format(i=int(m.group(1)) - self.depth + new_depth) + m.group(2)
 
     @property
     def depth(self) -> int:
@@ -71,9 +86,14 @@ class LayerStack:
 
 
 def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
-    depth = reader.config.get("num_hidden_layers")
+    config = text_config(reader.config)
+    depth = config.get("num_hidden_layers")
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-        raise OtdusError("config.json has no valid num_hidden_layers (multimodal wrappers are not supported)")
+        raise OtdusError("config.json has no valid num_hidden_layers (nor a text_config that has one)")
+    # a multimodal wrapper keeps its text model under another prefix; the rest is copied as is
+    found = text_model_prefix(reader.names)
+    if found is not None and found + "layers.{i}." != family.layer_prefix:
+        family = replace(family, layer_prefix=found + "layers.{i}.")
     pattern = family.layer_regex()
     by_layer: dict[int, list[str]] = {}
     others: list[str] = []
@@ -83,23 +103,34 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
             by_layer.setdefault(int(m.group(1)), []).append(m.group(2))
         else:
             others.append(name)
-    if depth > len(by_layer):
-        first_missing = next(i for i in range(len(by_layer) + 1) if i not in by_layer)
+    missing = next((i for i in range(depth) if i not in by_layer), None)
+    if missing is not None:
+        held = sum(1 for i in by_layer if i < depth)
         raise OtdusError(
-            f"config.json says {depth} layers but the checkpoint holds tensors for {len(by_layer)} "
-            f"(none for layer {first_missing})"
+            f"config.json says {depth} layers but the checkpoint holds tensors for {held} "
+            f"(none for layer {missing})"
         )
-    extra = sorted(i for i in by_layer if i >= depth)
+    trailing = sum(int(config.get(name) or 0) for name, kind in DEPTH_FIELDS.items() if kind == "trailing")
+    after_stack = sorted(
+        family.layer_prefix.format(i=i) + s
+        for i in by_layer
+        if depth <= i < depth + trailing
+        for s in by_layer[i]
+    )
+    extra = sorted(i for i in by_layer if i >= depth + trailing)
     if extra:
-        raise OtdusError(f"checkpoint has tensors for layer {extra[0]} but config says {depth} layers")
+        raise OtdusError(
+            f"checkpoint has tensors for layer {extra[0]} but config says {depth} layers"
+            + (f" (and {trailing} stored after them)" if trailing else "")
+        )
     layers = [
         SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i])) for i in range(depth)
     ]
-    check_layers_alike(layers, family, reader.config)
+    check_layers_alike(layers, family, config)
     others.sort()
     head = [n for n in others if "embed" in n]
     tail = [n for n in others if "embed" not in n]
-    return LayerStack(reader, family, layers, head, tail)
+    return LayerStack(reader, family, layers, head, tail, after_stack)
 
 
 def check_layers_alike(layers: list[SourceLayer], family: Family, config: dict) -> None:

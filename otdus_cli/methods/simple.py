@@ -37,7 +37,7 @@ class RandomBuilder:
             shape = _shape(a, suffix)
             if len(shape) >= 2:
                 yield suffix, torch.randn(shape, generator=gen) * std
-            elif "norm" in suffix:
+            elif "norm" in suffix and not suffix.endswith(".bias"):  # a LayerNorm's bias is a shift: 0
                 yield suffix, torch.full(shape, 1.0 - ctx.family.norm_offset)
             else:
                 yield suffix, torch.zeros(shape)

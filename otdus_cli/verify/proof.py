@@ -31,6 +31,7 @@ from otdus_cli.arch.families import family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import SCHEME, group_fingerprint, tensor_fingerprint
 from otdus_cli.io.reader import CheckpointReader, file_sha256
+from otdus_cli.io.safetensors_format import itemsize
 from otdus_cli.io.stack import LayerStack, read_stack
 from otdus_cli.manifest import MANIFEST
 from otdus_cli.verify.widened import is_duplicated_experts
@@ -164,10 +165,21 @@ class StaticProof:
         return out
 
 
+# maps each byte to itself but for the sign bit: -0.0 (another tool's `w * 0.0`) is a zero too
+_SIGN_CLEARED = bytes(b & 0x7F for b in range(256))
+
+
 def _all_zero(reader: CheckpointReader, name: str) -> bool:
+    """Every element of ``name`` is zero: +0, or for floats -0.0 (little-endian: the sign bit is the
+    top bit of each element's last byte)."""
+    meta = reader.meta(name)
+    width = itemsize(meta.dtype) if meta.dtype.startswith(("F", "BF")) else 0
     nbytes = reader.nbytes(name)
-    for offset in range(0, nbytes, _ZERO_CHUNK):
-        if any(reader.read_bytes(name, offset, _ZERO_CHUNK)):
+    for offset in range(0, nbytes, _ZERO_CHUNK):  # a multiple of every width: elements stay whole
+        chunk = bytearray(reader.read_bytes(name, offset, _ZERO_CHUNK))
+        if width:
+            chunk[width - 1 :: width] = chunk[width - 1 :: width].translate(_SIGN_CLEARED)
+        if chunk.strip(b"\0"):
             return False
     return True
 

@@ -1,0 +1,93 @@
+"""Templates derived from transformers for model_types without an exact one (issue 17, arch/derived.py).
+
+Copy-type methods work, reloading in transformers with every copied byte in place; methods that need
+roles, and zero-init (which tensors to zero is not known for certain), are refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import COMMON, one_error_line
+
+from otdus_cli.expand import expand
+from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.options import ExpandOptions
+
+
+def build(model_type: str, folder: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("derived")
+    return {mt: build(mt, root / mt) for mt in ("gemma", "opt", "gpt2")}
+
+
+# gemma: model.layers like the exact families; opt: its layers at model.decoder.layers
+@pytest.mark.parametrize(
+    ("model_type", "prefix"), [("gemma", "model.layers."), ("opt", "model.decoder.layers.")]
+)
+def test_copy_methods_on_a_derived_template(models, tmp_path, model_type, prefix):
+    from conftest import load_causal_lm
+
+    result = expand(str(models[model_type]), tmp_path / "out", ExpandOptions(method="interpose", layers=2))
+    assert result.manifest["source"]["family"] == f"derived:{model_type}"
+    sources = [lay["source"] for lay in result.manifest["layers"]]
+    a, b = CheckpointReader(models[model_type]), CheckpointReader(tmp_path / "out")
+    for name in a.names:
+        if name.startswith(prefix):
+            index, rest = name[len(prefix) :].split(".", 1)
+            copies = [j for j, i in enumerate(sources) if i == int(index)]
+            assert copies
+            for j in copies:
+                assert torch.equal(
+                    a.get(name).view(torch.uint8), b.get(f"{prefix}{j}.{rest}").view(torch.uint8)
+                )
+        else:
+            assert torch.equal(a.get(name).view(torch.uint8), b.get(name).view(torch.uint8)), name
+    assert len(b.names) == len(a.names) + 2 * len([n for n in a.names if n.startswith(prefix + "0.")])
+    assert load_causal_lm(tmp_path / "out").config.num_hidden_layers == len(sources)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "args", "message"),
+    [
+        ("gemma", ["--method", "copy", "--zero-init"], "zero-init needs an exact template"),
+        ("gemma", ["--method", "average"], "copy-type methods only"),
+        ("gpt2", ["--method", "copy"], "another field than num_hidden_layers"),
+    ],
+)
+def test_derived_template_refusals(models, tmp_path, model_type, args, message):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["expand", str(models[model_type]), "--out", str(out), *args])
+    one_error_line(result, message=message)
+    assert not out.exists()
+
+
+def test_no_remote_code_model_type_is_derived(models, tmp_path):
+    """A model_type transformers does not ship is never derived (that would need remote code)."""
+    from otdus_cli.arch.families import family_for
+    from otdus_cli.errors import OtdusError
+
+    config = json.loads((models["gemma"] / "config.json").read_text())
+    config["model_type"] = "gemma_custom"
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    with pytest.raises(OtdusError, match="unknown architecture"):
+        family_for(config)

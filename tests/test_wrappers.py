@@ -1,0 +1,190 @@
+"""Multimodal wrappers (issue 17): only the text stack grows; every other tensor keeps its bytes.
+
+Tiny wrappers are built by transformers itself and saved with save_pretrained (which writes Gemma 3,
+LLaVA and Mistral 3 as language_model.model.layers.N and Qwen2.5-VL as model.layers.N with its
+text settings in text_config); the transformers 5 naming (model.language_model.layers.N) is made
+from the Gemma 3 save by renaming its tensors as transformers 5 does when loading it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import COMMON, TINY_CONFIGS, one_error_line
+
+from otdus_cli.expand import expand
+from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.options import ExpandOptions
+
+_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+WRAPPERS: dict[str, dict] = {
+    "gemma3": dict(
+        text_config={**COMMON, **TINY_CONFIGS["gemma3_text"], "model_type": "gemma3_text"},
+        vision_config=dict(_VISION, image_size=28, patch_size=14),
+        mm_tokens_per_image=4,
+        image_token_index=90,
+        boi_token_index=91,
+        eoi_token_index=92,
+    ),
+    "qwen2_5_vl": dict(
+        text_config={
+            **COMMON,
+            "model_type": "qwen2_5_vl_text",
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        },
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            out_hidden_size=32,
+            num_heads=2,
+            intermediate_size=32,
+            fullatt_block_indexes=[0],
+        ),
+        image_token_id=90,
+        video_token_id=91,
+        vision_start_token_id=92,
+    ),
+    "llava": dict(
+        text_config={**COMMON, "model_type": "llama"},
+        vision_config=dict(
+            _VISION, model_type="clip_vision_model", image_size=28, patch_size=14, projection_dim=16
+        ),
+        image_token_index=90,
+    ),
+    "mistral3": dict(
+        text_config={**COMMON, "model_type": "mistral", "head_dim": 8},
+        vision_config=dict(_VISION, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
+        image_token_index=90,
+        spatial_merge_size=1,
+    ),
+}
+
+
+def build_wrapper(model_type: str, folder: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForImageTextToText.from_config(
+            AutoConfig.for_model(model_type, **WRAPPERS[model_type])
+        )
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+def load_wrapper(folder: Path):
+    from transformers import AutoModelForImageTextToText
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def text_logits(model) -> torch.Tensor:
+    ids = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(0))  # no image tokens
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def digests(folder: Path, skip: str) -> dict[str, str]:
+    """sha256 of every tensor's bytes whose name does not contain ``skip``."""
+    r = CheckpointReader(folder)
+    return {
+        n: hashlib.sha256(r.get(n).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n in r.names
+        if skip not in n
+    }
+
+
+@pytest.fixture(scope="module")
+def wrappers(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("wrappers")
+    return {mt: build_wrapper(mt, root / mt) for mt in WRAPPERS}
+
+
+def to_transformers5_names(src: Path, out: Path) -> Path:
+    """The Gemma 3 save with transformers 5's own names (what it writes for newer wrappers)."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for path in src.iterdir():
+        if path.name != "model.safetensors":
+            (out / path.name).write_bytes(path.read_bytes())
+    renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."))
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        new = next((name.replace(a, b, 1) for a, b in renames if name.startswith(a)), None)
+        tensors[new or "model." + name] = t
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("model_type", list(WRAPPERS) + ["gemma3-v5-names"])
+def test_wrapper_text_stack_grows_and_the_rest_keeps_its_bytes(wrappers, tmp_path, model_type, single_thread):
+    if model_type == "gemma3-v5-names":
+        src = to_transformers5_names(wrappers["gemma3"], tmp_path / "src")
+    else:
+        src = wrappers[model_type]
+    names = CheckpointReader(src).names
+    prefix = next(
+        p
+        for p in ("model.language_model.", "language_model.model.", "model.")
+        if p + "layers.0." in "".join(names)
+    )
+    base_config = json.loads((src / "config.json").read_text())
+    depth = base_config["text_config"]["num_hidden_layers"] + 2
+    result = expand(str(src), tmp_path / "out", ExpandOptions(method="copy", layers=2, zero_init=True))
+    assert result.plan.function_preserving and result.manifest["num_hidden_layers"] == depth
+
+    # every tensor outside the text stack: the same bytes under the same name
+    stack = prefix + "layers."
+    assert digests(tmp_path / "out", stack) == digests(src, stack)
+    assert any("visual" in n or "vision" in n for n in digests(src, stack))
+    out_layers = {
+        n.split(".")[len(stack.split(".")) - 1]
+        for n in CheckpointReader(tmp_path / "out").names
+        if n.startswith(stack)
+    }
+    assert out_layers == {str(i) for i in range(depth)}
+
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["text_config"]["num_hidden_layers"] == depth
+    assert config["vision_config"] == base_config["vision_config"]
+    sources = [lay["source"] for lay in result.manifest["layers"]]
+    if "layer_types" in base_config["text_config"]:
+        assert config["text_config"]["layer_types"] == [
+            base_config["text_config"]["layer_types"][i] for i in sources
+        ]
+
+    base, grown = load_wrapper(src), load_wrapper(tmp_path / "out")
+    assert grown.config.get_text_config().num_hidden_layers == depth
+    assert torch.equal(text_logits(base), text_logits(grown))
+
+
+def test_wrapper_with_layers_under_two_prefixes_is_refused(wrappers, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in wrappers["llava"].iterdir():
+        (src / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(32, 48)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["expand", str(src), "--out", str(out), "--method", "copy"])
+    one_error_line(result, message="both model. and language_model.model.")
+    assert not out.exists()
