@@ -92,6 +92,14 @@ class Family:
 # transformers itself (tests/test_arch_breadth.py): copies, zero-init identity, config rules, loading.
 
 # Post-norm blocks (OLMo 2/3, EXAONE 4): no norm before attention or the MLP; each sublayer's output is
+# MoE layers: attention and norms by role (q_norm/k_norm where Qwen3-MoE and OLMoE have them); the
+# expert block is read through arch/experts.py's ExpertLayout
+MOE_ROLES = {
+    **{role: LLAMA_ROLES[role] for role in ("attn_norm", "q", "k", "v", "o", "mlp_norm")},
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+}
+
 # normed before the residual add, and a norm of zeros is zero, so zeroed o/down still add nothing.
 POST_NORM_ROLES = {
     **{role: path for role, path in LLAMA_ROLES.items() if role not in ("attn_norm", "mlp_norm")},
@@ -227,18 +235,18 @@ FAMILIES: tuple[Family, ...] = (
         },
         fused={"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")},
     ),
-    Family("mixtral", ("mixtral",), {}, zero_init=MOE_ZERO, moe=True),
+    Family("mixtral", ("mixtral",), MOE_ROLES, zero_init=MOE_ZERO, moe=True),
     Family(
         "qwen2_moe",
         ("qwen2_moe",),
-        {},
+        MOE_ROLES,
         zero_init=MOE_ZERO,
         moe=True,
         derives_layer_types=True,
         layer_kind=qwen_moe_layers,
     ),
-    Family("qwen3_moe", ("qwen3_moe",), {}, zero_init=MOE_ZERO, moe=True, layer_kind=qwen_moe_layers),
-    Family("olmoe", ("olmoe",), {}, zero_init=MOE_ZERO, moe=True),
+    Family("qwen3_moe", ("qwen3_moe",), MOE_ROLES, zero_init=MOE_ZERO, moe=True, layer_kind=qwen_moe_layers),
+    Family("olmoe", ("olmoe",), MOE_ROLES, zero_init=MOE_ZERO, moe=True),
     *BREADTH_FAMILIES,
 )
 

@@ -62,17 +62,6 @@ from otdus_cli.transport.cost import paper_cost
 from otdus_cli.transport.plan import TransportPlan
 from otdus_cli.transport.solve import match_parts
 
-# attention and norm roles of every MoE family (the MoE block is read through its ExpertLayout)
-ATTENTION_ROLES = {
-    "attn_norm": "input_layernorm",
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "mlp_norm": "post_attention_layernorm",
-    "q_norm": "self_attn.q_norm",
-    "k_norm": "self_attn.k_norm",
-}
 _ATTENTION_REQUIRED = ("q", "k", "v", "o", "mlp_norm")
 
 Out = Iterator[tuple[str, torch.Tensor]]
@@ -91,7 +80,7 @@ def build_moe_layer(
         raise OtdusError(
             "--method ot reads experts stored one matrix per expert; this checkpoint stores them fused"
         )
-    attention = _Layout(family, ctx.config, suffixes, required=_ATTENTION_REQUIRED, roles=ATTENTION_ROLES)
+    attention = _Layout(family, ctx.config, suffixes, required=_ATTENTION_REQUIRED)  # family.roles
     pair = _ParentPair(_Parent(a, attention, s.device), _Parent(b, attention, s.device))
     heads = Heads.from_config(ctx.config)
     outputs = _Outputs(attention)
