@@ -287,7 +287,7 @@ class _Engine:
             self.stats[lay.index] = ctx.stats
 
 
-def _copy_side_files(source_folder: Path, folder: Path) -> list[str]:
+def copy_side_files(source_folder: Path, folder: Path) -> list[str]:
     copied = []
     for path in sorted(source_folder.iterdir()):
         if not path.is_file() or path.name in _NOT_SIDE_FILES:
@@ -382,7 +382,7 @@ def expand(
         finally:
             engine.writer.close()
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-        side_files = _copy_side_files(source.resolved.folder, tmp)
+        side_files = copy_side_files(source.resolved.folder, tmp)
         t = time.perf_counter()
         config_check, skipped = "otdus depth rules", None
         # transformers loads the written config when it derives fields of this family from the depth

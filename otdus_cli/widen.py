@@ -35,7 +35,7 @@ from otdus_cli.arch.config_rules import (
 )
 from otdus_cli.arch.experts import UNGROWABLE_ROUTING_FIELDS, ExpertLayout, expert_layout
 from otdus_cli.errors import OtdusError
-from otdus_cli.expand import SourceModel, _copy_side_files, open_source, source_record
+from otdus_cli.expand import SourceModel, copy_side_files, open_source, source_record
 from otdus_cli.io.output_dir import OutputReport, staged_output
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
 from otdus_cli.manifest import MANIFEST, read_manifest
@@ -325,7 +325,7 @@ def widen(
         finally:
             finish_prefetch()
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-        side_files = _copy_side_files(source.resolved.folder, tmp)
+        side_files = copy_side_files(source.resolved.folder, tmp)
         skipped = validate_with_transformers(tmp, source.depth)
         manifest = build_widen_manifest(plan, side_files, skipped)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -143,7 +143,7 @@ def check(model_type: str, root: Path) -> tuple[str, str, str]:
         "exact",
         family.name,
         "copy-type methods; zero-init bit-identical"
-        + ("; OT" if "ot" not in family.refuses and (family.roles or family.moe) else ""),
+        + ("; OT" if "ot" not in family.refuses and family.roles else ""),
     )
 
 

@@ -432,7 +432,7 @@ def test_gemma_offset_is_aligned_on_the_scale_1_plus_w():
 
 
 def test_every_dense_family_template_has_the_roles_ot_needs():
-    from otdus_cli.methods.ot import _REQUIRED, _Layout
+    from otdus_cli.methods.ot import _REQUIRED, RoleLayout
 
     # the families OT is offered for (the others refuse it at plan time: Family.refuses)
     dense = [fam for fam in FAMILIES if not fam.moe and "ot" not in fam.refuses]
@@ -440,7 +440,7 @@ def test_every_dense_family_template_has_the_roles_ot_needs():
     config = {"num_attention_heads": 4, "hidden_size": 16}
     for fam in dense:
         suffixes = [f"{path}.weight" for path in fam.roles.values()]
-        layout = _Layout(fam, config, suffixes)
+        layout = RoleLayout(fam, config, suffixes)
         assert set(_REQUIRED) <= layout.roles, fam.name
         # each role is stored in a tensor of the layer, itself or inside a fused one (Phi-3)
         for role in _REQUIRED:
@@ -449,7 +449,7 @@ def test_every_dense_family_template_has_the_roles_ot_needs():
         # and a layer lacking one of them is refused, naming it
         lacking = [s for s in suffixes if s != layout.where[layout.fused_in.get("down", "down")]["weight"]]
         with pytest.raises(OtdusError, match="down"):
-            _Layout(fam, config, lacking)
+            RoleLayout(fam, config, lacking)
 
 
 # ------------------------------------------------------------------ streaming

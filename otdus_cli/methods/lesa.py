@@ -71,7 +71,7 @@ import torch
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
-from otdus_cli.methods.ot import _Layout, _Parent
+from otdus_cli.methods.ot import ParentRoles, RoleLayout
 from otdus_cli.plan.layer_map import OutputLayer
 
 __all__ = ["LesaBuilder", "LesaSettings", "PROJECTIONS", "generator_seed", "held_out_layers"]
@@ -149,12 +149,12 @@ class Basis:
         return float(((inside + outside) / self.sq_norms[layer]).sqrt())
 
 
-def _read(layer: ParentLayer, layout: _Layout, role: str, device: torch.device) -> torch.Tensor:
-    # a fresh _Parent per read: the other parts of a fused tensor are not kept waiting
-    return _Parent(layer, layout, device).take(role)["weight"]
+def _read(layer: ParentLayer, layout: RoleLayout, role: str, device: torch.device) -> torch.Tensor:
+    # a fresh ParentRoles per read: the other parts of a fused tensor are not kept waiting
+    return ParentRoles(layer, layout, device).take(role)["weight"]
 
 
-def decompose(layers: Sequence[ParentLayer], layout: _Layout, role: str, s: LesaSettings) -> Basis:
+def decompose(layers: Sequence[ParentLayer], layout: RoleLayout, role: str, s: LesaSettings) -> Basis:
     """The SVD of [W_0 ... W_{L-1}] through its Gram matrix, streamed one layer at a time."""
     dev = s.device
     first = _read(layers[0], layout, role, dev)
@@ -311,7 +311,7 @@ class LesaBuilder:
 
     def __init__(self) -> None:
         self._settings: LesaSettings | None = None
-        self._layout: _Layout | None = None
+        self._layout: RoleLayout | None = None
         self._layer0: ParentLayer | None = None
         self._predicted: dict[tuple[int, int], dict[str, Path]] = {}
 
@@ -335,7 +335,7 @@ class LesaBuilder:
                 "--method lesa trains on (l-1, l+1) -> l triples and needs at least 3 base layers, "
                 f"not {len(layers)}"
             )
-        layout = _Layout(family, ctx.config, layers[0].suffixes(), method="lesa")
+        layout = RoleLayout(family, ctx.config, layers[0].suffixes(), method="lesa")
         self._settings, self._layout, self._layer0 = s, layout, layers[0]
         pairs = sorted({(lay.parents[0], lay.parents[1]) for lay in new_layers})
         held = held_out_layers(len(layers), pairs, s.loo)

@@ -172,8 +172,8 @@ class OTBuilder:
 
             yield from build_moe_layer(a, b, ctx, settings, stats)
             return
-        layout = _Layout(family, ctx.config, suffixes_a)
-        pair = _ParentPair(_Parent(a, layout, settings.device), _Parent(b, layout, settings.device))
+        layout = RoleLayout(family, ctx.config, suffixes_a)
+        pair = _ParentPair(ParentRoles(a, layout, settings.device), ParentRoles(b, layout, settings.device))
         heads = Heads.from_config(ctx.config)
         if settings.variant == "structured":
             roles = _structured(pair, heads, settings, stats)  # plain averages: offset-free
@@ -199,7 +199,7 @@ class OTBuilder:
 # Tensor layout: roles <-> suffixes, fused tensors split and re-fused.
 
 
-class _Layout:
+class RoleLayout:
     """Where each role's weight/bias lives in a layer, and how fused tensors split."""
 
     def __init__(
@@ -245,13 +245,13 @@ class _Layout:
         return sizes
 
 
-class _Parent:
+class ParentRoles:
     """One parent layer's roles, each read when first asked for (storage dtype, compute device).
 
     A fused tensor is read once; its parts not asked for yet wait here until they are.
     """
 
-    def __init__(self, layer: ParentLayer, layout: _Layout, device: torch.device):
+    def __init__(self, layer: ParentLayer, layout: RoleLayout, device: torch.device):
         self.layer = layer
         self.layout = layout
         self.device = device
@@ -276,8 +276,8 @@ class _Parent:
 
 @dataclass
 class _ParentPair:
-    a: _Parent
-    b: _Parent
+    a: ParentRoles
+    b: ParentRoles
 
     def has(self, role: str) -> bool:
         return role in self.a.layout.roles
@@ -296,7 +296,7 @@ class _ParentPair:
 class _Outputs:
     """Finished roles -> (suffix, tensor); the parts of a fused tensor wait for each other."""
 
-    def __init__(self, layout: _Layout):
+    def __init__(self, layout: RoleLayout):
         self.layout = layout
         self._parts: dict[str, Tensors] = {}
 

@@ -44,13 +44,13 @@ from otdus_cli.methods.ot import (
     _NORMS,
     Heads,
     OTSettings,
+    ParentRoles,
+    RoleLayout,
     _aligned_role,
     _avg,
     _avg_role,
     _f32,
-    _Layout,
     _Outputs,
-    _Parent,
     _ParentPair,
     _zeros_like_role,
     paper_attention,
@@ -80,8 +80,8 @@ def build_moe_layer(
         raise OtdusError(
             "--method ot reads experts stored one matrix per expert; this checkpoint stores them fused"
         )
-    attention = _Layout(family, ctx.config, suffixes, required=_ATTENTION_REQUIRED)  # family.roles
-    pair = _ParentPair(_Parent(a, attention, s.device), _Parent(b, attention, s.device))
+    attention = RoleLayout(family, ctx.config, suffixes, required=_ATTENTION_REQUIRED)  # family.roles
+    pair = _ParentPair(ParentRoles(a, attention, s.device), ParentRoles(b, attention, s.device))
     heads = Heads.from_config(ctx.config)
     outputs = _Outputs(attention)
     done: set[str] = set()
