@@ -97,8 +97,9 @@ def verify(out: Path, full: bool) -> tuple[bool, str]:
     if proc.returncode != 0:
         return False, proc.stderr.strip() or proc.stdout[-300:]
     report = json.loads(proc.stdout)
+    # a method that does not preserve the function (average) is whole when verify runs it and says so
     ok = (
-        report["verdict"].startswith("PARITY")
+        report["verdict"].startswith("PARITY" if report["expect_parity"] else "no parity expected")
         if full
         else report["preserving"] or not report["claims_preserving"]
     )
