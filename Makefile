@@ -13,10 +13,11 @@ OLDEST_TRANSFORMERS ?= transformers==4.57.6
 # the slowest test)
 COMPAT_TESTS := tests/test_verify_streaming.py tests/test_verify_compare.py tests/test_verify_cli.py \
 	tests/test_verify_families.py tests/test_verify_self_check.py tests/test_verify_static.py \
-	tests/test_arch_breadth.py tests/test_wrappers.py \
+	tests/test_arch_breadth.py tests/test_wrappers.py tests/test_verify_lm_eval_reference.py \
 	--deselect tests/test_verify_cli.py::test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint
 
-.PHONY: setup setup-compat demo test test-main test-compat lint bench bench-copy bench-8b-copy faults coverage clean
+.PHONY: setup setup-compat demo test test-main test-compat lint bench bench-copy bench-8b-copy faults coverage \
+	lm-eval-check lm-eval-record clean
 
 setup: $(VENV)/.installed
 
@@ -79,6 +80,16 @@ faults: setup
 # (minutes; tests/test_arch_breadth.py and tests/test_derived.py hold a fast subset)
 coverage: setup
 	$(PY) scripts/coverage.py
+
+# real lm-eval releases (each pip-installed into its own venv under /tmp/otdus-lm-eval) against
+# `otdus ppl --lm-eval` on stories260K, and against the figures the tests pin; LM_EVAL_ARGS=--quick
+# leaves out the three whole-split runs (scripts/check_lm_eval.py --help)
+lm-eval-check: setup
+	$(PY) scripts/check_lm_eval.py $(LM_EVAL_ARGS)
+
+# the same runs, their lm-eval figures written to the file the tests read
+lm-eval-record: setup
+	$(PY) scripts/check_lm_eval.py --record tests/data/lm_eval_reference.json $(LM_EVAL_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) demo-out

@@ -881,6 +881,16 @@ def expected_out_bytes(src_bytes: int, facts: dict, method: str) -> int:
     return src_bytes + extra * facts["largest_layer_bytes"]
 
 
+def run_verify_speed(args) -> None:
+    """verify's throughput against a plain forward (scripts/bench_verify.py), into the same docs."""
+    if not args.verify_speed:
+        return
+    import bench_verify  # noqa: PLC0415
+
+    argv = ["--sections", args.verify_speed, "--workdir", args.workdir, "--md", args.md]
+    bench_verify.main(argv + (["--no-report"] if args.no_report else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.2-1b", help="synthetic shape (make_synthetic.py --list)")
@@ -972,6 +982,12 @@ def main(argv: list[str] | None = None) -> int:
         "--mergekit-venv",
         default=os.path.join(ROOT, "bench-out", "mergekit-venv"),
         help="virtual environment holding mergekit (created with pip if missing)",
+    )
+    ap.add_argument(
+        "--verify-speed",
+        default="demo,llama-1b",
+        help="sections of scripts/bench_verify.py (verify against a plain transformers forward) run "
+        "after the expansions: demo, llama-1b ('' for none)",
     )
     args = ap.parse_args(argv)
 
@@ -1226,6 +1242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_table and old:  # keep the earlier table and sections; replace what was rerun
         entry = {**old, **{k: v for k, v in (("copy", copy_section), ("mergekit", mergekit_section)) if v}}
     print(render_entry(entry))
+    run_verify_speed(args)
     if args.no_report:
         return 0
     entries = [e for e in _load_entries(args.json_out) if e.get("key") != entry["key"]] + [entry]

@@ -1,27 +1,49 @@
 #!/usr/bin/env python3
-"""Compare otdus's lm-eval-style WikiText perplexity with lm-evaluation-harness itself.
+"""Run real lm-eval releases on stories260K and compare their ``wikitext`` figures with ``otdus ppl``.
 
-lm-eval lives in its own virtual environment (it pins its own dependencies), e.g.
+For each run (an lm-eval version, a number of documents, an optional ``max_length``) this script
 
-    python3 -m venv /work/lmeval-venv
-    /work/lmeval-venv/bin/pip install torch==2.13.0 lm-eval transformers accelerate
+1. creates a throwaway virtual environment (``--venv-root``, default /tmp/otdus-lm-eval/<version>;
+   kept between runs unless ``--fresh``) and pip-installs ``lm_eval==<version>`` with the project's
+   torch and transformers, plus ``accelerate``. Releases 0.4.0-0.4.1 and 0.4.5-0.4.9.2 cannot be
+   imported with transformers 5 (they import ``transformers.data.metrics`` or read
+   ``transformers.AutoModelForVision2Seq``, both gone in 5.0) and get transformers 4.57.6 instead
+   (``--transformers`` overrides every venv's); 0.4.0-0.4.1 also import ``datasets.load_metric``
+   (gone in datasets 3) and get datasets < 3;
+2. inside it (this same file with ``--worker``, which imports nothing from otdus) builds the
+   document-level WikiText-2 test split from the bundled raw file (``wiki.test.raw``, sha256-checked)
+   by the rule of the Hub dataset ``EleutherAI/wikitext_document_level`` (a new document at each
+   `` = Title = `` line): the 62 test documents, written as a JSON-lines file. The Hub is unreachable,
+   so that file is how lm-eval gets the data: the release's own ``wikitext`` task
+   (``lm_eval/tasks/wikitext/wikitext.yaml`` and ``preprocess_wikitext.py``) is copied with only
+   its dataset source changed (``dataset_path: json`` and that file for every split; the train and
+   validation splits are only a few-shot pool, unused at zero shots) and a new task name, beside the
+   stock tasks in the venv. lm-eval 0.4.0-0.4.2 load HF evaluate's ``exact_match`` metric from the Hub
+   when imported (wikitext never uses it): the worker answers that load with a placeholder. Then it
+   calls ``lm_eval.simple_evaluate(model="hf", model_args="pretrained=<stories260K>[,max_length=L]")``
+   on the CPU, which is what ``lm_eval --model hf --model_args ... --tasks wikitext`` runs: windows,
+   prefix token, special tokens, max length, detokeniser and aggregation are all that release's;
+3. runs ``otdus ppl bundled:stories260k --lm-eval <version> [--max-docs N] [--max-length L] --json``
+   and prints both sets of figures with their relative differences, and checks that otdus splits and
+   detokenises the text exactly as the worker and that release did.
 
-and is run here as a subprocess (this same file with ``--worker``). lm-eval's ``wikitext`` task reads
-``EleutherAI/wikitext_document_level`` from the Hub; with no network, this script writes the same
-documents (one per article, split from the bundled raw test file) as a local JSON-lines file and a
-task YAML that points lm-eval's ``json`` loader at it, reusing lm-eval's own ``wikitext_detokenizer``
-and ``process_results`` from ``lm_eval.tasks.wikitext.preprocess_wikitext``. Everything else (rolling
-windows, BOS prefix, max length, metric aggregation) is lm-eval's.
+The reference runs (:data:`REFERENCE_RUNS`, the default) cover every row of otdus's preset table
+(otdus_cli/verify/lm_eval_presets.py) on the first document, a ``max_length`` model argument on two
+documents, and the whole test split for one release of each of the three behaviours. Their lm-eval
+figures are recorded, with the versions and the command that produced them, in
+tests/data/lm_eval_reference.json, which the tests read (tests/test_verify_lm_eval_reference.py).
 
-Two tokenisation variants are compared:
-  * ``no-bos``: lm-eval with ``add_bos_token=False`` (what the paper's lm-eval 0.4.2 did by default for
-    causal models) vs otdus's default;
-  * ``default``: recent lm-eval defaults (0.4.13: the tokenizer adds its BOS to each document, which the
-    BOS prefix then precedes) vs otdus with ``add_special_tokens=True``.
+Usage (from the repository root, with the project's venv; PyPI must be reachable, the Hub need not):
 
-Usage (from the repository root, with the project's venv):
+    make lm-eval-check                    # the reference runs; fresh lm-eval figures are also compared
+                                          # with the recorded ones
+    make lm-eval-check LM_EVAL_ARGS=--quick               # without the whole-split runs
+    make lm-eval-record                   # the reference runs, written to tests/data/lm_eval_reference.json
+    .venv/bin/python scripts/check_lm_eval.py --versions 0.4.5,0.4.11 --max-docs 3 [--max-length 256]
 
-    python scripts/check_lm_eval.py [--model DIR] [--limit N] [--json out.json]
+Exit status 0 when every figure agrees within ``--rtol`` (default 1e-6), otdus's split and
+detokeniser give lm-eval's documents, and (without ``--record``) each fresh lm-eval figure agrees with
+its recorded one.
 """
 
 from __future__ import annotations
@@ -29,208 +51,403 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from datetime import date
+from importlib import metadata
 from pathlib import Path
 
-TASK = "otdus_wikitext_local"
-HOOKS = (
-    "from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa\n"
-)
-YAML = """task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {docs}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: !function otdus_hooks.wikitext_detokenizer
-process_results: !function otdus_hooks.process_results
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 2.0
-"""
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE_FILE = ROOT / "tests" / "data" / "lm_eval_reference.json"
+TASK = "wikitext_local_docs"
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
+# keys of the stock task YAML that say where the data comes from (replaced, nothing else is)
+SOURCE_KEYS = ("dataset_path", "dataset_name", "dataset_kwargs")
+# releases that cannot be imported with transformers 5, and the transformers they get instead
+# releases that cannot be imported with today's transformers or datasets, and the pins they get instead
+OLDER_DEPENDENCIES = (
+    # transformers.data.metrics and datasets.load_metric, imported with lm_eval.tasks
+    ("0.4.0", "0.4.1", ("transformers==4.57.6", "datasets<3")),
+    ("0.4.5", "0.4.9.2", ("transformers==4.57.6",)),  # transformers.AutoModelForVision2Seq
+)
+BATCH_SIZE = 16
+PACKAGES = ("lm_eval", "transformers", "tokenizers", "torch", "datasets", "accelerate")
 
 
-# -- worker (runs inside the lm-eval venv; stdlib + lm_eval only) ---------------------------------
+@dataclass(frozen=True)
+class Run:
+    """One lm-eval run: a release, the first ``max_docs`` documents (None: all 62), a max_length."""
+
+    version: str
+    max_docs: int | None = None
+    max_length: int | None = None
+
+    @property
+    def key(self) -> str:
+        docs = "all documents" if self.max_docs is None else f"{self.max_docs} document(s)"
+        length = "" if self.max_length is None else f", max_length {self.max_length}"
+        return f"lm-eval {self.version}, {docs}{length}"
+
+    def model_args(self, model: str) -> str:
+        return f"pretrained={model}" + ("" if self.max_length is None else f",max_length={self.max_length}")
+
+    def lm_eval_command(self) -> str:
+        """The lm-eval command line this run is (its task's dataset source changed, see above)."""
+        cmd = ["lm_eval", "--model", "hf", "--model_args", self.model_args("<stories260k>")]
+        cmd += ["--tasks", "wikitext", "--batch_size", str(BATCH_SIZE), "--device", "cpu"]
+        return shlex.join(cmd + ([] if self.max_docs is None else ["--limit", str(self.max_docs)]))
+
+    def otdus_args(self) -> list[str]:
+        args = ["ppl", "bundled:stories260k", "--lm-eval", self.version]
+        if self.max_docs is not None:
+            args += ["--max-docs", str(self.max_docs)]
+        if self.max_length is not None:
+            args += ["--max-length", str(self.max_length)]
+        return [*args, "--batch-size", str(BATCH_SIZE), "--json"]
+
+    def otdus_command(self) -> str:
+        return shlex.join(["otdus", *self.otdus_args()])
+
+
+# One release per row of otdus's preset table on the first document (the last row's also on two, with
+# a max_length argument, as is the paper's), and one per behaviour on the whole split.
+REFERENCE_RUNS = (
+    *(Run(v, 1) for v in ("0.4.0", "0.4.2", "0.4.3", "0.4.9.1", "0.4.9.2", "0.4.13")),
+    Run("0.4.2", 2, 128),
+    Run("0.4.13", 2, 128),
+    *(Run(v) for v in ("0.4.2", "0.4.9.1", "0.4.13")),
+)
+
+
+# -- worker (runs inside an lm-eval venv; stdlib + lm_eval only, nothing from otdus) --------------------
+def document_level_pages(raw: str) -> list[str]:
+    """WikiText split into articles by the rule of the ``EleutherAI/wikitext_document_level`` dataset:
+    lines split on ``\\n``; a line that reads `` = Title = `` once ``= = =`` and ``= =`` are squeezed
+    starts a new page; pages are their lines joined with ``\\n``; a blank page before the first title
+    is dropped. (Written here, apart from otdus's own split, so lm-eval's input does not depend on it.)"""
+    pages: list[str] = []
+    lines: list[str] = []
+    for line in raw.split("\n"):
+        squeezed = line.replace("= = =", "===").replace("= =", "==").strip()
+        if squeezed.startswith("= ") and squeezed.endswith(" ="):
+            if "\n".join(lines).strip():
+                pages.append("\n".join(lines))
+            lines = []
+        lines.append(line)
+    pages.append("\n".join(lines))
+    return pages
+
+
+def local_task_yaml(stock: str, docs: Path) -> str:
+    """The stock wikitext.yaml with its dataset source replaced by a local JSON-lines file."""
+    out: list[str] = []
+    skipping = False
+    for line in stock.splitlines():
+        key = line.split(":", 1)[0].strip() if line and not line[0].isspace() else None
+        if key is not None:
+            skipping = key in SOURCE_KEYS
+            if key == "task":
+                line = f"task: {TASK}"
+        if not skipping:
+            out.append(line)
+    # the train and validation splits are only loaded as a few-shot pool, never used at zero shots
+    files = [f"    {split}: {json.dumps(str(docs))}" for split in ("train", "validation", "test")]
+    out += ["dataset_path: json", "dataset_kwargs:", "  data_files:", *files]
+    return "\n".join(out) + "\n"
+
+
+def offline_exact_match() -> None:
+    """lm-eval 0.4.0-0.4.2 fetch HF evaluate's ``exact_match`` metric from the Hub when imported; the
+    wikitext task never uses it, so with no Hub it is answered with a placeholder."""
+    try:
+        import evaluate
+    except ImportError:
+        return
+    hub_load = evaluate.load
+
+    def load(name, *args, **kwargs):
+        return None if name == "exact_match" else hub_load(name, *args, **kwargs)
+
+    evaluate.load = load
+
+
 def worker(args: argparse.Namespace) -> None:
+    offline_exact_match()
     import lm_eval
-    from lm_eval.tasks import TaskManager
+    import lm_eval.tasks
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
 
-    pages = [json.loads(line)["page"] for line in Path(args.docs).read_text().splitlines()]
-    detok = [wikitext_detokenizer({"page": p}) for p in pages]
-    out: dict = {"lm_eval_version": getattr(lm_eval, "__version__", "?"), "detokenized": detok, "runs": {}}
-    manager = TaskManager(include_path=str(Path(args.docs).parent))
-    for variant in args.variants.split(","):
-        model_args = f"pretrained={args.model},dtype=float32"
-        if variant == "no-bos":
-            model_args += ",add_bos_token=False"
-        start = time.time()
-        res = lm_eval.simple_evaluate(
-            model="hf",
-            model_args=model_args,
-            tasks=[TASK],
-            task_manager=manager,
-            batch_size=args.batch_size,
-            device="cpu",
-            limit=args.limit,
-            log_samples=False,
-        )
-        r = res["results"][TASK]
-        out["runs"][variant] = {
-            "model_args": model_args,
-            "seconds": time.time() - start,
-            **{m: r[f"{m},none"] for m in METRICS},
-        }
+    run = Run(args.version, args.max_docs, args.max_length)
+    pages = document_level_pages(Path(args.raw).read_text(encoding="utf-8"))
+    docs = Path(args.out).with_name("wikitext_document_level_test.jsonl")
+    docs.write_text("".join(json.dumps({"page": p}) + "\n" for p in pages))
+    stock = Path(lm_eval.tasks.__file__).parent / "wikitext"
+    # beside the stock tasks, in this throwaway venv: lm-eval 0.4.9.2 fails to list a task from
+    # an include_path outside its own tasks folder
+    task_dir = stock.parent / "otdus_local_wikitext"
+    task_dir.mkdir(exist_ok=True)
+    shutil.copy(stock / "preprocess_wikitext.py", task_dir / "preprocess_wikitext.py")
+    (task_dir / "wikitext_local.yaml").write_text(
+        local_task_yaml((stock / "wikitext.yaml").read_text(), docs)
+    )
+    if hasattr(lm_eval.tasks, "TaskManager"):
+        registry = {"task_manager": lm_eval.tasks.TaskManager()}
+    else:  # 0.4.0-0.4.1: a global registry that initialize_tasks() fills, as their command line does
+        lm_eval.tasks.initialize_tasks()
+        registry = {}
+    start = time.time()
+    res = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=run.model_args(args.model),
+        tasks=[TASK],
+        **registry,
+        batch_size=BATCH_SIZE,
+        device="cpu",
+        limit=run.max_docs,
+    )
+    result = res["results"][TASK]
+    out = {
+        "environment": {
+            **{p: metadata.version(p) for p in PACKAGES},
+            "python": platform.python_version(),
+        },
+        "seconds": round(time.time() - start, 1),
+        "pages": pages,
+        "detokenized": [wikitext_detokenizer({"page": p}) for p in pages],
+        "figures": {m: result[f"{m},none"] for m in METRICS},
+    }
     Path(args.out).write_text(json.dumps(out))
 
 
 # -- driver (runs in the project venv) ------------------------------------------------------------
-def find_fixture() -> Path | None:
-    root = Path(__file__).resolve().parent.parent
-    for cand in (
-        root / "otdus_cli" / "data" / "stories260k",
-        root / "otdus_cli" / "data" / "stories260k",
-        root.parent / "shared" / "fixtures" / "stories260k-hf",
-    ):
-        if (cand / "config.json").is_file():
-            return cand
-    return None
+def dependency_pins(version: str, transformers: str | None) -> list[str]:
+    """What goes into lm-eval ``version``'s venv besides lm_eval itself: the project's torch, and its
+    transformers unless the release needs older ones (``transformers`` overrides)."""
+    from otdus_cli.verify.lm_eval_presets import parse_version
 
-
-def ours(model: Path, limit: int | None, add_special_tokens: bool, pages: list[str], batch_size: int) -> dict:
-    from otdus_cli.verify.metrics import (
-        lm_eval_max_length,
-        load_tokenizer,
-        metrics_from_logprobs,
-        plan_rolling,
-        score_plan,
+    release = parse_version(version)
+    older = [
+        p
+        for first, last, pins in OLDER_DEPENDENCIES
+        if parse_version(first) <= release <= parse_version(last)
+        for p in pins
+    ]
+    pins = [f"torch=={metadata.version('torch').split('+')[0]}"]
+    pins += [p for p in older if not p.startswith("transformers")]
+    default = next(
+        (p for p in older if p.startswith("transformers")),
+        f"transformers=={metadata.version('transformers')}",
     )
-    from otdus_cli.verify.streaming import StreamedModel
-    from otdus_cli.verify.text import Corpus
+    pins.append(f"transformers=={transformers}" if transformers else default)
+    return [*pins, "accelerate"]
 
-    tok = load_tokenizer(model)
-    streamed = StreamedModel(model, device="cpu", dtype="float32", batch_size=batch_size)
-    corpus = Corpus("wikitext-2-raw-v1 test", pages, "wikitext")
-    plan = plan_rolling(
-        corpus,
-        tok,
-        lm_eval_max_length(streamed.reader.config, tok),
-        add_special_tokens=add_special_tokens,
-        max_docs=limit,
-    )
+
+def ensure_venv(version: str, root: Path, fresh: bool, transformers: str | None) -> Path:
+    """A venv with lm_eval==version and :func:`dependency_pins` (created once, kept)."""
+    venv = root / version
+    python = venv / "bin" / "python"
+    marker = venv / ".otdus-installed"
+    pins = [f"lm_eval=={version}", *dependency_pins(version, transformers)]
+    wanted = " ".join(pins) + "\n"
+    if fresh or not marker.is_file() or marker.read_text() != wanted:
+        if venv.exists():
+            shutil.rmtree(venv)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        print(f"installing {' '.join(pins)} into {venv} ...", flush=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *pins], check=True)
+        marker.write_text(wanted)
+    return python
+
+
+def run_lm_eval(python: Path, run: Run, model: Path, raw: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [str(python), __file__, "--worker", "--version", run.version, "--model", str(model)]
+        cmd += ["--raw", str(raw), "--out", str(out)]
+        if run.max_docs is not None:
+            cmd += ["--max-docs", str(run.max_docs)]
+        if run.max_length is not None:
+            cmd += ["--max-length", str(run.max_length)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.pop("PYTHONPATH", None)
+        subprocess.run(cmd, check=True, env=env, cwd=tmp)
+        return json.loads(out.read_text())
+
+
+def run_otdus(run: Run) -> dict:
+    """``otdus ppl ... --json`` in this venv: the figures, counts and settings it reports."""
     start = time.time()
-    m = metrics_from_logprobs(plan, score_plan(streamed, plan))
+    cmd = [sys.executable, "-c", "from otdus_cli.entry import main; main()", *run.otdus_args()]
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+    m = json.loads(proc.stdout)["metrics"]
+    counts = ("n_docs", "n_windows", "n_tokens", "n_words", "n_bytes")
     return {
-        "seconds": time.time() - start,
-        "windows": m.n_windows,
-        "tokens": m.n_tokens,
-        "words": m.n_words,
-        "bytes": m.n_bytes,
-        **{k: getattr(m, k) for k in METRICS},
+        "seconds": round(time.time() - start, 1),
+        "settings": m["settings"],
+        **{k: m[k] for k in counts},
+        "figures": {k: m[k] for k in METRICS},
     }
+
+
+def rel_diffs(ours: dict, theirs: dict) -> dict:
+    return {m: abs(ours[m] - theirs[m]) / abs(theirs[m]) for m in METRICS}
+
+
+def read_reference(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {"runs": []}
+
+
+def write_reference(path: Path, reference: dict, measured: dict[Run, dict], command: str) -> None:
+    """Replace (or add) the entries of the runs just measured; keep the others."""
+    entries = {e["run"]: e for e in reference.get("runs", [])}
+    for run, result in measured.items():
+        lm, ours = result["lm_eval"], result["otdus"]
+        entries[run.key] = {
+            "run": run.key,
+            "lm_eval": run.version,
+            "max_docs": run.max_docs,
+            "max_length": run.max_length,
+            "figures": lm["figures"],  # lm-eval's: what the tests pin
+            "environment": lm["environment"],
+            "lm_eval_command": run.lm_eval_command(),
+            "recorded_by": command,
+            "recorded_on": date.today().isoformat(),
+            "otdus_command": run.otdus_command(),
+            "otdus_rel_diff": result["rel_diff"],
+            "otdus_counts": {k: ours[k] for k in ("n_docs", "n_windows", "n_tokens", "n_words", "n_bytes")},
+            "otdus_settings": ours["settings"],
+        }
+    order = {r.key: i for i, r in enumerate(REFERENCE_RUNS)}
+    runs = sorted(entries.values(), key=lambda e: (order.get(e["run"], len(order)), e["run"]))
+    out = {
+        "about": (
+            "wikitext figures (word perplexity, byte perplexity, bits per byte) of real lm-eval releases "
+            "on the bundled stories260K, float32 CPU, stock hf model and wikitext task with only the "
+            "dataset source changed: the document-level WikiText-2 test split rebuilt from "
+            "otdus_cli/data/wikitext-2-raw-test.txt.gz (scripts/check_lm_eval.py). "
+            "tests/test_verify_lm_eval_reference.py pins otdus ppl --lm-eval to them."
+        ),
+        "runs": runs,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="HF checkpoint folder (default: the stories260K fixture)")
-    ap.add_argument("--limit", type=int, default=None, help="first N documents only (default: all 62)")
-    ap.add_argument(
-        "--lm-eval-python", default=os.environ.get("LM_EVAL_PYTHON", "/work/lmeval-venv/bin/python")
-    )
-    ap.add_argument("--variants", default="no-bos,default")
-    ap.add_argument("--batch-size", type=int, default=16, help="windows per forward pass, both sides")
-    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--versions", help="comma-separated lm-eval versions (default: the reference runs)")
+    ap.add_argument("--max-docs", type=int, help="with --versions: the first N documents (default all 62)")
+    ap.add_argument("--max-length", type=int, help="with --versions: lm-eval's max_length model argument")
+    ap.add_argument("--quick", action="store_true", help="reference runs without the whole-split ones")
+    ap.add_argument("--record", type=Path, help="write the lm-eval figures here (reference file format)")
+    ap.add_argument("--reference", type=Path, default=REFERENCE_FILE, help="recorded figures to compare")
+    ap.add_argument("--venv-root", type=Path, default=Path(tempfile.gettempdir()) / "otdus-lm-eval")
+    ap.add_argument("--fresh", action="store_true", help="recreate the venvs")
+    ap.add_argument("--transformers", help="transformers version for every lm-eval venv")
+    ap.add_argument("--rtol", type=float, default=1e-6)
+    ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--docs", help=argparse.SUPPRESS)
+    ap.add_argument("--version", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--raw", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        args.model = str(args.model)
         worker(args)
         return 0
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(ROOT))
+    from otdus_cli.bundled import STORIES260K
     from otdus_cli.verify.text import load_wikitext_raw, wikitext_detokenize, wikitext_pages
 
-    model = args.model or find_fixture()
-    if model is None:
-        print("no model given and the stories260K fixture was not found", file=sys.stderr)
-        return 2
-    if not Path(args.lm_eval_python).is_file():
-        print(f"lm-eval python not found at {args.lm_eval_python} (see the docstring)", file=sys.stderr)
-        return 2
-    pages = wikitext_pages(load_wikitext_raw())
+    if args.versions:
+        versions = [v.strip() for v in args.versions.split(",") if v.strip()]
+        runs = [Run(v, args.max_docs, args.max_length) for v in versions]
+    else:
+        runs = [r for r in REFERENCE_RUNS if not (args.quick and r.max_docs is None)]
+    command = shlex.join(["python", "scripts/check_lm_eval.py", *sys.argv[1:]])
+    recorded = {e["run"]: e for e in read_reference(args.reference)["runs"]}
+    raw_text = load_wikitext_raw()  # sha256-checked
+    ours_pages = wikitext_pages(raw_text)
+    measured: dict[Run, dict] = {}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        docs = Path(tmp) / "wikitext_test_docs.jsonl"
-        docs.write_text("".join(json.dumps({"page": p}) + "\n" for p in pages))
-        (Path(tmp) / "otdus_hooks.py").write_text(HOOKS)
-        (Path(tmp) / "task.yaml").write_text(YAML.format(task=TASK, docs=json.dumps(str(docs))))
-        out = Path(tmp) / "lm_eval_result.json"
-        cmd = [
-            args.lm_eval_python,
-            __file__,
-            "--worker",
-            "--model",
-            str(model.resolve()),
-            "--docs",
-            str(docs),
-            "--out",
-            str(out),
-            "--variants",
-            args.variants,
-        ]
-        if args.limit is not None:
-            cmd += ["--limit", str(args.limit)]
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONPATH": tmp,
-        }
-        print(f"running lm-eval ({args.lm_eval_python}) on {model} ...", flush=True)
-        subprocess.run(cmd, check=True, env=env, cwd=tmp)
-        theirs = json.loads(out.read_text())
+        raw = Path(tmp) / "wiki.test.raw"
+        raw.write_text(raw_text, encoding="utf-8")
+        for run in runs:
+            try:
+                python = ensure_venv(run.version, args.venv_root, args.fresh, args.transformers)
+                print(f"{run.key}: running lm-eval's wikitext task ...", flush=True)
+                theirs = run_lm_eval(python, run, STORIES260K.resolve(), raw)
+                print(f"{run.key}: {run.otdus_command()} ...", flush=True)
+                ours = run_otdus(run)
+            except subprocess.CalledProcessError as exc:
+                print(f"{run.key} failed: {exc}\n{exc.stderr or ''}", flush=True)
+                failed[run.key] = str(exc)
+                continue
+            pages, detok = theirs.pop("pages"), theirs.pop("detokenized")
+            result = {
+                "lm_eval": theirs,
+                "otdus": ours,
+                "rel_diff": rel_diffs(ours["figures"], theirs["figures"]),
+                "split_mismatch": pages != ours_pages,
+                "detokenizer_mismatches": sum(
+                    wikitext_detokenize(p) != d for p, d in zip(pages, detok, strict=True)
+                ),
+            }
+            if run.key in recorded and not args.record:
+                result["drift"] = rel_diffs(theirs["figures"], recorded[run.key]["figures"])
+            measured[run] = result
+            if args.record:  # after every run, so a later failure keeps what was measured
+                write_reference(args.record, read_reference(args.record), {run: result}, command)
+            if args.json:
+                report = {r.key: x for r, x in measured.items()}
+                args.json.write_text(json.dumps({"runs": report, "failed": failed}, indent=2) + "\n")
+    if args.record:
+        print(f"recorded {len(measured)} run(s) in {args.record}")
 
-    n = len(pages) if args.limit is None else min(args.limit, len(pages))
-    mismatched = [i for i, p in enumerate(pages) if wikitext_detokenize(p) != theirs["detokenized"][i]]
-    report: dict = {
-        "model": str(model),
-        "lm_eval_version": theirs["lm_eval_version"],
-        "documents": n,
-        "detokenizer_mismatches": len(mismatched),
-        "variants": {},
-    }
-    for variant, run in theirs["runs"].items():
-        mine = ours(model, args.limit, variant == "default", pages, args.batch_size)
-        report["variants"][variant] = {"lm_eval": run, "otdus": mine}
-
-    print(f"\nlm-eval {report['lm_eval_version']} vs otdus, {n} WikiText-2 test documents, {model.name}")
-    print(f"detokeniser: {report['detokenizer_mismatches']} of {len(pages)} pages differ from lm-eval's")
-    print("| variant | metric | lm-eval | otdus | rel. diff |")
-    print("|---|---|---|---|---|")
-    worst = 0.0
-    for variant, pair in report["variants"].items():
+    print(f"\n{STORIES260K.name}, WikiText-2 test documents, float32 CPU")
+    print("| run | transformers | metric | lm-eval | otdus --lm-eval | rel. diff |")
+    print("|---|---|---|---|---|---|")
+    for run, r in measured.items():
+        env, a, b = r["lm_eval"]["environment"], r["lm_eval"]["figures"], r["otdus"]["figures"]
         for m in METRICS:
-            a, b = pair["lm_eval"][m], pair["otdus"][m]
-            rel = abs(a - b) / abs(a)
-            worst = max(worst, rel)
-            print(f"| {variant} | {m} | {a:.10g} | {b:.10g} | {rel:.2e} |")
-    report["max_rel_diff"] = worst
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    ok = worst < 1e-5 and report["detokenizer_mismatches"] == 0
-    print("\nMATCH" if ok else "\nMISMATCH", f"(max relative difference {worst:.2e})")
-    return 0 if ok else 1
+            print(
+                f"| {run.key} | {env['transformers']} | {m} | {a[m]!r} | {b[m]!r} | {r['rel_diff'][m]:.1e} |"
+            )
+    problems = [f"{key}: lm-eval failed" for key in failed]
+    for run, r in measured.items():
+        o = r["otdus"]
+        print(
+            f"{run.key}: {o['n_docs']} documents, {o['n_words']:,} words, {o['n_bytes']:,} bytes, "
+            f"{o['n_windows']:,} windows, {o['n_tokens']:,} tokens (otdus settings {o['settings']}); "
+            f"lm-eval {r['lm_eval']['seconds']:.0f} s, otdus {o['seconds']:.0f} s"
+            + (f"; lm-eval vs its recorded figures {max(r['drift'].values()):.1e}" if "drift" in r else "")
+        )
+        worst = max(r["rel_diff"].values())
+        if worst > args.rtol:
+            problems.append(f"{run.key}: otdus differs from lm-eval by {worst:.2e}")
+        if r["split_mismatch"] or r["detokenizer_mismatches"]:
+            problems.append(
+                f"{run.key}: otdus's documents differ from lm-eval's (split differs: {r['split_mismatch']}, "
+                f"detokenised documents that differ: {r['detokenizer_mismatches']})"
+            )
+        if "drift" in r and max(r["drift"].values()) > args.rtol:
+            problems.append(
+                f"{run.key}: lm-eval now differs from its recorded figures by {max(r['drift'].values()):.2e}"
+            )
+    for line in problems:
+        print(f"MISMATCH {line}")
+    if not problems:
+        worst = max((x for r in measured.values() for x in r["rel_diff"].values()), default=0.0)
+        print(f"\nMATCH ({len(measured)} runs, max relative difference {worst:.2e}, tolerance {args.rtol:g})")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -109,9 +109,47 @@ def test_diagnose_through_the_cli(tmp_path):
     assert len(data["weight_norms"]) == 5
     for value in pair["mlp"].values():
         assert -1.0 <= value <= 1.0
-    text = invoke(*common).stdout  # every adjacent pair, as tables
+    assert data["warnings"] == []
+    # every adjacent pair, as tables; the bundled sample has fewer tokens than asked: a warning
+    shown = invoke("diagnose", "bundled:stories260k", "--max-tokens", "100000", "--seq-len", "64")
+    text = shown.stdout
+    assert "warning:" in shown.stderr and "fewer than the 100,000 asked" in shown.stderr
     for title in ("MLP neuron correlation", "attention heads", "transport plan entropy", "weight norm"):
         assert title in text, title
     assert all(f"{i}-{i + 1}" in text for i in range(4))
     bad = runner.invoke(app, [*common, "--pair", "1,3"])
     assert bad.exit_code == 2 and "two adjacent layer indices" in bad.stderr
+
+
+def test_study_flags_override_a_recipe(tmp_path):
+    """`--help` says flags override the recipe: --steps, --seeds, --layers and --reference must win
+    over the recipe's settings (they were silently ignored before); BASE/--methods clash with it."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "base: bundled:stories260k\nreference: average+zero\n"
+        "settings: {seeds: [0, 1], steps: 3, batch: 2, seq_len: 64, eval_every: 3, eval_windows: 2}\n"
+        "expand: {layers: 2}\n"
+        "runs: [{name: average+zero, expand: {method: average, zero_init: true}},\n"
+        "       {name: copy, expand: {method: copy}}]\n"
+        "studies: [{name: s, train_text: bundled:tinystories-sample, settings: {eval_fraction: 0.4}}]\n"
+    )
+    args = [
+        "study",
+        "--recipe",
+        recipe,
+        "--steps",
+        "1",
+        "--seeds",
+        "5",
+        "--layers",
+        "1",
+        "--reference",
+        "copy",
+    ]
+    data = json.loads(invoke(*args, "--json").stdout)["s"]
+    assert data["config"]["steps"] == 1 and data["config"]["seeds"] == [5]
+    assert data["config"]["eval_windows"] == 2 and data["config"]["batch"] == 2  # the recipe's, not the CLI's
+    assert {r["num_hidden_layers"] for r in data["runs"]} == {6} and data["reference"] == "copy"
+    assert [r["eval_steps"] for r in data["runs"]] == [[0, 1]] * 2
+    bad = runner.invoke(app, ["study", "--recipe", str(recipe), "--methods", "ot"])
+    assert bad.exit_code == 2 and "--methods with --recipe" in bad.stderr

@@ -119,9 +119,9 @@ def test_cli_defaults_are_the_library_defaults(command):
         library["train_all"] = not library["train_new_only"]
     compared = []
     for name, param in _params(command).items():
-        if param.default is None or name == "json_out" or (command, name) in INTENDED or name not in library:
+        if name == "json_out" or (command, name) in INTENDED or name not in library:
             continue
         assert param.default == library[name], (command, name, param.default, library[name])
         compared.append(name)
-    expected = {"verify": 5, "ppl": 5, "study": 12, "diagnose": 5}[command]
+    expected = {"verify": 10, "ppl": 10, "study": 14, "diagnose": 6}[command]
     assert len(compared) == expected, compared

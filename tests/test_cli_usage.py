@@ -121,6 +121,7 @@ def test_official_variant_warns_with_what_applies_and_marks_ignored_options(tmp_
             ["'--ot-variant'", "'paper', 'official', 'structured'", "otdus expand --help"],
         ),
         (["verify"], ["Missing argument", "otdus verify --help"]),
+        (["ppl", "bundled:stories260k", "--lm-eval", "0.3.0"], ["'--lm-eval'", "0.4.0 and later"]),
         (["exapnd"], ["No such command 'exapnd'", "otdus --help"]),
     ],
 )
@@ -151,6 +152,8 @@ def test_bad_option_values_are_refused_before_torch_or_transformers_is_imported(
         ["verify", "bundled:stories260k", "--text", str(tmp_path / "missing.txt")],
         ["verify", str(tmp_path / "no-model")],
         ["ppl", "bundled:stories260k", "--max-tokens", "0"],
+        ["ppl", "bundled:stories260k", "--lm-eval", "latest"],
+        ["verify", "bundled:stories260k", "--max-length", "0"],
         ["ppl", "bundled:stories260k", "--text", "bundled:nope"],
         ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--methods", "ot,avg"],
         ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--seeds", "0,x"],

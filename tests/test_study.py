@@ -11,7 +11,6 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.study.data import Documents, load_documents, split_documents
 from otdus_cli.study.report import study_markdown, study_table
 from otdus_cli.study.runner import TABLE6_METHODS, StudyResult, load_study_recipe, parse_method, study
-from otdus_cli.study.stats import paired_ci, t_quantile
 
 RECIPE = Path(__file__).parent.parent / "recipes" / "study-table6.yaml"
 SMALL = dict(
@@ -77,7 +76,12 @@ def test_reproducible_and_independent_of_other_arms(first):
         a = [r for r in first.runs if r.label == label][0]
         b = [r for r in again.runs if r.label == label][0]
         assert a.eval_loss == b.eval_loss and a.train_loss == b.train_loss
+        assert a.final_window_loss == b.final_window_loss
     assert again.base_loss == first.base_loss
+    # the default reference `ot` is not among these methods: no differences, and the result says why
+    assert again.reference == "" and all(m.vs_reference is None for m in again.methods)
+    assert any("'ot' is not among the methods" in note for note in again.notes)
+    assert "'ot' is not among the methods" in study_markdown(again)
 
 
 def test_only_new_layers_trained_and_report(first, tmp_path):
@@ -85,7 +89,13 @@ def test_only_new_layers_trained_and_report(first, tmp_path):
     assert zero.num_hidden_layers == 6
     assert zero.trainable_parameters == 45_440  # one stories260K layer (of ~260K parameters in all)
     vs = first.summary("average").vs_reference
-    assert vs["reference"] == "average+zero" and vs["n"] == 1 and vs["low"] is None
+    assert vs["reference"] == "average+zero" and vs["n"] == 1
+    # one seed: the interval comes from the evaluation windows (3 here), paired window by window
+    assert vs["error"] == "windows" and vs["n_windows"] == 3 and vs["low"] < vs["mean"] < vs["high"]
+    for r in first.runs:  # the final loss is the mean of the per-window losses
+        assert len(r.final_window_loss) == 3
+        assert r.final_loss == pytest.approx(sum(r.final_window_loss) / 3, rel=1e-15)
+    assert not first.notes  # the held-out text gave the 3 windows asked, and the reference is there
     data = json.loads(first.to_json())
     assert data["methods"][0]["label"] == "average+zero" and math.isclose(data["base_ppl"], first.base_ppl)
     assert "average" in study_markdown(first)
@@ -122,16 +132,6 @@ def test_parse_method_specs():
         parse_method("nonsense")
 
 
-def test_paired_ci_matches_t_distribution():
-    ci = paired_ci([0.1, 0.2, 0.3])
-    assert ci["mean"] == pytest.approx(0.2)
-    half = 4.302652729911275 * 0.1 / math.sqrt(3)
-    assert ci["low"] == pytest.approx(0.2 - half, rel=1e-4) and ci["high"] == pytest.approx(
-        0.2 + half, rel=1e-4
-    )
-    assert t_quantile(2) == pytest.approx(4.303, abs=1e-3)
-
-
 def test_split_keeps_documents_disjoint():
     docs = Documents("d", ["a", "b", "c", "a", "e"])
     train, held = split_documents(docs, 0.4)
@@ -150,6 +150,9 @@ def test_shipped_recipe_validates():
     assert labels == list(TABLE6_METHODS)  # the recipe runs the Table 6 arms, in their order
     assert all(o.layers == 2 and o.position == "top" for o in by.values())
     assert [s.name for s in recipe.studies] == ["in-domain", "new-domain"]
+    # the evidence recipe: 5 seeds and 128 shared evaluation windows, so that both error sources can be
+    # estimated (even so, a sign test over 5 seeds cannot reach 0.05: 2 / 2^5 = 0.0625)
+    assert len(recipe.settings["seeds"]) >= 5 and recipe.settings["eval_windows"] >= 128
 
 
 def test_bad_recipe_setting_refused(tmp_path):
@@ -180,3 +183,22 @@ def test_recipe_runs_subset_keeps_the_reference_and_lesa_starts_at_base(tmp_path
     assert lesa.function_preserving and lesa.initial_equals_base  # zero-init LESA: exactly the base
     with pytest.raises(OtdusError, match="unknown run"):
         run_recipe(recipe, runs=["lesa:paper"])
+
+
+def test_evaluation_windows_spread_over_the_held_out_text():
+    """The evaluation windows are evenly spaced over the whole held-out stream (windows from the
+    first article or two alone are not a sample of the text); without spread, the first ones."""
+    import torch
+
+    from otdus_cli.bundled import STORIES260K
+    from otdus_cli.study.data import tokenize_windows
+    from otdus_cli.verify.metrics import load_tokenizer
+
+    tokenizer = load_tokenizer(str(STORIES260K))
+    docs = load_documents("bundled:tinystories-sample")
+    every = tokenize_windows(tokenizer, docs, 32)
+    spread = tokenize_windows(tokenizer, docs, 32, 4, spread=True)
+    n = every.shape[0]
+    assert n > 8 and torch.equal(spread, every[[0, n // 4, n // 2, 3 * n // 4]])
+    assert torch.equal(tokenize_windows(tokenizer, docs, 32, 4), every[:4])
+    assert torch.equal(tokenize_windows(tokenizer, docs, 32, n + 5, spread=True), every)

@@ -34,6 +34,7 @@ def test_function_preserving_expansions_hold_parity_exactly(tmp_path):
         assert code == 0 and report["parity"] and report["logits_equal"], report["verdict"]
         assert report["base"]["word_perplexity"] == report["expanded"]["word_perplexity"]
         assert report["verdict"].startswith("PARITY")
+        assert report["verdict"].endswith("[wikitext figures of lm-eval 0.4.13]")  # the default release
 
 
 def test_non_preserving_methods_report_the_rise_and_exit_0(tmp_path):
@@ -85,23 +86,6 @@ def test_ppl_of_one_model(tmp_path):
     assert abs(json.loads(result.stdout)["metrics"]["token_perplexity"] - 3.548) < 0.01
     bad = runner.invoke(app, ["verify", str(tmp_path / "missing")])
     assert bad.exit_code == 2 and bad.stderr.startswith("error:")
-
-
-# in-domain text in short windows: seconds, not the tokenisation of all of WikiText
-def test_wikitext_protocol_matches_lm_eval_reference():
-    """`otdus ppl` on the default protocol against lm-eval 0.4.13's own figures for the first WikiText-2
-    test article (scripts/check_lm_eval.py --limit 1 --variants no-bos; docs/perplexity.md)."""
-    result = runner.invoke(
-        app, ["ppl", "bundled:stories260k", "--max-docs", "1", "--batch-size", "8", "--json"]
-    )
-    assert result.exit_code == 0, result.output
-    m = json.loads(result.stdout)["metrics"]
-    assert (m["protocol"], m["context"], m["n_windows"], m["n_tokens"]) == ("wikitext", 512, 7, 3413)
-    assert (m["n_words"], m["n_bytes"]) == (1093, 5667)
-    lm_eval = {"word_perplexity": 1113537.6675886472, "byte_perplexity": 14.663379312589948}
-    lm_eval["bits_per_byte"] = 3.8741457192111173
-    for metric, reference in lm_eval.items():
-        assert abs(m[metric] / reference - 1) < 1e-6, (metric, m[metric], reference)
 
 
 SMALL = ["--protocol", "token", "--token-mode", "documents", "--text", str(TINYSTORIES), "--seq-len", "64"]
@@ -157,8 +141,10 @@ def test_verify_with_no_manifest_and_no_base_scores_the_one_model(stories):
     result = runner.invoke(app, ["verify", str(stories), *SMALL, "--json"])
     assert result.exit_code == 0, result.output
     alone = json.loads(result.stdout)
-    ppl = runner.invoke(app, ["ppl", str(stories), *SMALL, "--json"])
-    assert alone == json.loads(ppl.stdout) and "base" not in alone and alone["metrics"]["n_tokens"] > 0
+    ppl = json.loads(runner.invoke(app, ["ppl", str(stories), *SMALL, "--json"]).stdout)
+    for report in (alone, ppl):  # seconds per phase differ from run to run; everything else may not
+        assert report.pop("timings")["total_s"] > 0
+    assert alone == ppl and "base" not in alone and alone["metrics"]["n_tokens"] > 0
 
 
 def write_random_checkpoint(folder: Path, layers: int, hidden: int, inter: int) -> int:

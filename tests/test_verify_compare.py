@@ -206,6 +206,24 @@ def test_perplexity_is_the_same_bit_for_bit_every_run(small_plan):
     assert runs[1].to_dict() == runs[0].to_dict()
 
 
+def test_batching_leaves_every_figure_unchanged(tmp_path):
+    """Windows stacked through each layer (automatic batches: 32 windows of 512 tokens, then 4) score
+    exactly what one window at a time scores, bit for bit; verify's parity holds in either case."""
+    plan = make_plan(STORIES, max_tokens=8000)  # the default wikitext protocol: 36 windows of 512
+    assert len(plan.windows) == 36
+    one = perplexity(STORIES, plan, batch_size=1)
+    auto = perplexity(STORIES, plan)
+    five = perplexity(STORIES, plan, batch_size=5)
+    assert (one.compute.batch_size, auto.compute.batch_size, five.compute.batch_size) == (1, 32, 5)
+    assert (one.compute.batches, auto.compute.batches) == (36, 2)
+    assert auto.metrics.to_dict() == one.metrics.to_dict() == five.metrics.to_dict()
+    expanded = _expand(tmp_path / "exp", after=1)
+    verified = [verify_expansion(STORIES, expanded, plan, batch_size=b) for b in (1, None)]
+    assert [r.compute.batch_size for r in verified] == [1, 32]
+    assert all(r.parity and r.logits_equal for r in verified)
+    assert verified[1].base.to_dict() == verified[0].base.to_dict() == one.metrics.to_dict()
+
+
 def test_mapping_function_instead_of_manifest(tmp_path, small_plan):
     expanded = _expand(tmp_path / "exp", after=0)
     (expanded / "otdus.json").unlink()

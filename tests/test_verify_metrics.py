@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.verify.lm_eval_presets import wikitext_tokenization
 from otdus_cli.verify.metrics import (
     EvalPlan,
     Window,
-    lm_eval_max_length,
     metrics_from_logprobs,
     plan_rolling,
     plan_token,
@@ -66,10 +66,15 @@ class FakeTokenizer:
             ids = [self.bos_token_id] + ids
         return {"input_ids": ids}
 
+    def decode(self, token_id):
+        return {1: "<s>", 2: "</s>"}.get(token_id, "?")
+
 
 def test_plan_rolling_detokenizes_but_counts_raw_words():
     pages = [" = T = \n a , b @-@ c \n", " = U = \n d \n"]
-    plan = plan_rolling(Corpus("wiki", pages, "wikitext"), FakeTokenizer(), 4)
+    corpus = Corpus("wiki", pages, "wikitext")
+    tokenizer = FakeTokenizer()
+    plan = plan_rolling(corpus, tokenizer, wikitext_tokenization("0.4.9.1", {}, tokenizer, 4))
     assert plan.protocol == "wikitext" and plan.n_docs == 2
     assert plan.words == [len(re.split(r"\s+", p)) for p in pages]
     assert plan.bytes == [len(p.encode()) for p in pages]
@@ -77,11 +82,11 @@ def test_plan_rolling_detokenizes_but_counts_raw_words():
     assert plan.n_tokens == len(detok) + len(" = U =\nd\n")
     assert plan.windows[0].input_ids[0] == 1  # BOS prefix, no BOS inside the text
     assert all(w.doc in (0, 1) for w in plan.windows)
-    with_specials = plan_rolling(
-        Corpus("wiki", pages, "wikitext"), FakeTokenizer(), 4, add_special_tokens=True
-    )
+    assert plan.reproduces == "lm-eval 0.4.9.1" and plan.settings["lm_eval_releases"] == "0.4.4-0.4.9.1"
+    with_specials = plan_rolling(corpus, tokenizer, wikitext_tokenization("0.4.13", {}, tokenizer, 4))
     assert with_specials.n_tokens == plan.n_tokens + 2  # the tokenizer's own BOS is scored too
-    assert plan_rolling(Corpus("wiki", pages, "wikitext"), FakeTokenizer(), 4, max_tokens=1).n_docs == 1
+    short = plan_rolling(corpus, tokenizer, wikitext_tokenization(None, {}, tokenizer, 4), max_tokens=1)
+    assert short.n_docs == 1
 
 
 def test_plan_token_joined_is_gptq_style():
@@ -141,15 +146,3 @@ def test_target_logprobs_uses_the_right_positions():
     assert torch.equal(target_logprobs(logits[:4], w, 0), ref[:1])
     assert torch.equal(target_logprobs(logits[4:], w, 4), ref[1:])
     assert target_logprobs(logits[:3], w, 0).numel() == 0
-
-
-def test_lm_eval_max_length_resolution():
-    assert lm_eval_max_length({"max_position_embeddings": 512}) == 512
-    assert lm_eval_max_length({"n_positions": 1024, "max_position_embeddings": 512}) == 1024
-    assert lm_eval_max_length({"text_config": {"max_position_embeddings": 99}}) == 99
-    assert lm_eval_max_length({}, FakeTokenizer()) == 2048
-
-    class T:
-        model_max_length = 300
-
-    assert lm_eval_max_length({}, T()) == 300

@@ -153,7 +153,8 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
         },
         zero_init=(r"self_attn\.o_proj\.(weight|bias)", r"mlp\.c_proj\.(weight|bias)"),
         refuses={
-            "ot": "non-gated MLP (c_fc, c_proj): the OT-DUS flow aligns a gated MLP's gate and up together"
+            "ot": "non-gated MLP (c_fc, c_proj): the OT-DUS flow aligns a gated MLP's gate and up together",
+            "lesa": "non-gated MLP (c_fc, c_proj): LESA predicts a gated MLP's gate, up and down projections",
         },
     ),
     # attention sinks (self_attn.sinks) only reweight the softmax, whose output o_proj zeroes

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from contextlib import contextmanager
 from typing import Annotated, Any
 
@@ -150,6 +151,72 @@ def task_progress(enabled: bool, description: str):
             progress.update(task, completed=done, total=total, description=f"{description} {label}".strip())
 
         yield update
+
+
+# Seconds between two progress lines when stderr is not a terminal (a job log, a pipe).
+PROGRESS_INTERVAL_ENV = "OTDUS_PROGRESS_INTERVAL"
+DEFAULT_PROGRESS_INTERVAL_S = 10.0
+
+
+def _interval() -> float:
+    try:
+        return max(0.0, float(os.environ.get(PROGRESS_INTERVAL_ENV, DEFAULT_PROGRESS_INTERVAL_S)))
+    except ValueError:
+        return DEFAULT_PROGRESS_INTERVAL_S
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes} min {seconds:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+class TickLines:
+    """Evaluation ticks (verify/progress.py) as one plain line on stderr every ``interval`` seconds:
+    phase, where it is, tokens/s since the phase began, and the phase's ETA."""
+
+    def __init__(self, command: str, interval: float):
+        self.command, self.interval = command, interval
+        self.last_line = time.monotonic()
+        self.phase: str | None = None
+        self.phase_start = self.last_line
+
+    def __call__(self, tick) -> None:
+        now = time.monotonic()
+        if tick.phase != self.phase:
+            self.phase, self.phase_start = tick.phase, now
+        if now - self.last_line < self.interval or tick.done == 0:
+            return
+        self.last_line = now
+        elapsed = max(1e-9, now - self.phase_start)
+        rate = tick.tokens / elapsed
+        eta = elapsed * (tick.total - tick.done) / tick.done
+        share = 100 * tick.done / max(1, tick.total)
+        line = (
+            f"{self.command}: {tick.phase}, {tick.detail} ({share:.0f}%), {rate:,.0f} tokens/s, "
+            f"ETA {_duration(eta)}"
+        )
+        err_console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+@contextmanager
+def tick_progress(command: str, quiet: bool):
+    """Progress of an evaluation on stderr: a rich bar on a terminal, else a plain line every ~10 s
+    (OTDUS_PROGRESS_INTERVAL seconds), nothing with ``quiet``. Yields the callback for the ticks."""
+    if quiet:
+        yield None
+        return
+    if not err_console.is_terminal:
+        yield TickLines(command, _interval())
+        return
+    with task_progress(True, command) as update:
+
+        def on_tick(tick) -> None:
+            update(tick.done, tick.total, f"{tick.phase}: {tick.detail}")
+
+        yield on_tick
 
 
 def show_progress(json_out: bool) -> bool:

@@ -15,14 +15,14 @@ from otdus_cli.cli.console import (
     emit_json,
     out_console,
     quiet_transformers,
-    show_progress,
-    task_progress,
+    tick_progress,
     user_errors,
 )
 from otdus_cli.cli.flags import with_flags
-from otdus_cli.cli.values import EvalDtype, TokenMode, device_parser, model_name, text_spec
+from otdus_cli.cli.values import EvalDtype, TokenMode, device_parser, lm_eval_version, model_name, text_spec
 from otdus_cli.cli.values import Protocol as ProtocolName
 from otdus_cli.errors import OtdusError
+from otdus_cli.verify.lm_eval_presets import LM_EVAL_NEWEST
 
 Protocol = Annotated[
     ProtocolName,
@@ -57,6 +57,25 @@ MaxTokens = Annotated[
     ),
 ]
 MaxDocs = Annotated[int | None, typer.Option(help="Use at most this many documents.", min=1)]
+LmEval = Annotated[
+    str,
+    typer.Option(
+        "--lm-eval",
+        metavar="VERSION",
+        help="wikitext protocol: the figures lm-eval VERSION's stock wikitext task gives. 0.4.0-0.4.2 "
+        "(0.4.2: the paper's tables) start each document with EOS; 0.4.3-0.4.9.1 with BOS; 0.4.9.2 on "
+        "with BOS and the tokenizer's own special tokens.",
+        parser=lm_eval_version,
+    ),
+]
+MaxLength = Annotated[
+    int | None,
+    typer.Option(
+        help="wikitext protocol: window length (lm-eval's max_length model argument). "
+        "\\[default: the model's context length, as lm-eval reads it from the config]",
+        min=1,
+    ),
+]
 EvalDevice = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", parser=device_parser(True))]
 Dtype = Annotated[
     EvalDtype,
@@ -65,7 +84,33 @@ Dtype = Annotated[
         case_sensitive=False,
     ),
 ]
-BatchSize = Annotated[int, typer.Option(help="Windows per forward pass.", min=1)]
+BatchSize = Annotated[
+    int | None,
+    typer.Option(
+        help="Windows per forward pass. \\[default: windows of one length stacked up to 16,384 tokens, "
+        "fewer where a layer's intermediate results would exceed 256 MiB]",
+        min=1,
+        show_default=False,
+    ),
+]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        help="CPU threads for torch's operators. \\[default: OMP_NUM_THREADS if set; else 1 for small "
+        "models, else the CPUs this process may use (affinity, cgroup quota) less those other processes "
+        "keep busy; the choice is in --json's compute.threads]",
+        min=1,
+        show_default=False,
+    ),
+]
+Quiet = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="No progress on stderr (by default a bar on a terminal, else one line every 10 s).",
+    ),
+]
 TokenModeOption = Annotated[
     TokenMode,
     typer.Option(
@@ -80,6 +125,8 @@ class EvalFlags:
     """The corpus, protocol and compute settings: shared by `verify` and `ppl`."""
 
     protocol: Protocol = "wikitext"
+    lm_eval: LmEval = LM_EVAL_NEWEST
+    max_length: MaxLength = None
     text: TextFile = None
     dataset: Dataset = None
     seq_len: SeqLen = 2048
@@ -88,7 +135,9 @@ class EvalFlags:
     max_docs: MaxDocs = None
     device: EvalDevice = "auto"
     dtype: Dtype = "float32"
-    batch_size: BatchSize = 1
+    batch_size: BatchSize = None
+    threads: Threads = None
+    quiet: Quiet = False
 
 
 def _corpus(text: str | None, dataset: str | None, max_docs: int | None):
@@ -115,6 +164,10 @@ def _metrics_rows(table: Table, metrics, other=None) -> None:
             theirs = other.values()[key]
             row += [f"{theirs:.6g}", f"{theirs - value:+.3g}"]
         table.add_row(*row)
+
+
+def _protocol_name(metrics) -> str:
+    return f"{metrics.protocol} protocol" + (f" of {metrics.reproduces}" if metrics.reproduces else "")
 
 
 def _local_model(model: str) -> str:
@@ -171,11 +224,14 @@ def _evaluate(
     """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
     from otdus_cli.manifest import manifest_source
     from otdus_cli.source import resolve_source
+    from otdus_cli.verify.threads import sample_cpus
 
+    cpu_sample = sample_cpus()  # other processes' CPU use is measured from here to the first layer
     eval_options = asdict(flags)
-    run = {k: eval_options.pop(k) for k in ("device", "dtype", "batch_size")}
-    label = "verifying" if find_base or base else "scoring"
-    with user_errors(), task_progress(show_progress(json_out), label) as update:
+    run = {k: eval_options.pop(k) for k in ("device", "dtype", "batch_size", "threads")}
+    quiet = eval_options.pop("quiet")
+    command = "otdus verify" if find_base else "otdus ppl"
+    with user_errors(), tick_progress(command, quiet) as on_tick:
         # everything the user can get wrong is checked before torch and transformers are imported
         model_dir = _local_model(model)
         claimed = parse_layer_map(layer_map)
@@ -195,7 +251,7 @@ def _evaluate(
 
         quiet_transformers()
         plan = make_plan(base_dir or model_dir, corpus=corpus, **eval_options)
-        run["progress"] = lambda kind, done, total: update(done, total, kind)
+        run["progress"], run["cpu_sample"] = on_tick, cpu_sample
         if base_dir is None:
             report = perplexity(model_dir, plan, **run)
         else:
@@ -208,7 +264,7 @@ def _evaluate(
         emit_json(report.to_dict())
     else:
         table = Table(
-            title=f"{report.base.corpus}: {report.base.protocol} protocol, {report.base.n_tokens:,} tokens, "
+            title=f"{report.base.corpus}: {_protocol_name(report.base)}, {report.base.n_tokens:,} tokens, "
             f"{report.device} {report.dtype}"
         )
         for col in ("metric (* headline)", "base", "expanded", "delta"):
@@ -270,7 +326,7 @@ def _print_ppl(report, json_out: bool) -> None:
         emit_json(report.to_dict())
         return
     m = report.metrics
-    table = Table(title=f"{report.model}: {m.corpus}, {m.protocol} protocol, {m.n_tokens:,} tokens")
+    table = Table(title=f"{report.model}: {m.corpus}, {_protocol_name(m)}, {m.n_tokens:,} tokens")
     for col in ("metric (* headline)", "value"):
         table.add_column(col)
     _metrics_rows(table, m)

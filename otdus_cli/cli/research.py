@@ -11,6 +11,7 @@ from otdus_cli.cli.checkpoint import Layers, Position
 from otdus_cli.cli.console import (
     JsonFlag,
     emit_json,
+    err_console,
     out_console,
     quiet_transformers,
     show_progress,
@@ -24,7 +25,22 @@ Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.", parser=device_
 SeqLen = Annotated[int, typer.Option(help="Tokens per window.", min=2)]
 
 
+# what a recipe defines itself: these flags and a recipe are refused together
+_NOT_WITH_RECIPE = {"base": "BASE", "train": "--train", "eval_text": "--eval", "methods": "--methods"}
+
+
+def _given(ctx: typer.Context) -> set[str]:
+    """Parameters set on the command line (not left at their defaults)."""
+
+    def source(name: str) -> str:  # by name: Typer may vendor its own click and ParameterSource
+        found = ctx.get_parameter_source(name)
+        return getattr(found, "name", "")
+
+    return {name for name in ctx.params if source(name) in ("COMMANDLINE", "ENVIRONMENT")}
+
+
 def study(
+    ctx: typer.Context,
     base: Annotated[
         str | None,
         typer.Argument(help="Base model: folder, hub id or bundled:stories260k.", parser=model_name),
@@ -48,7 +64,8 @@ def study(
         Path | None,
         typer.Option(
             "--recipe",
-            help="A study recipe (recipes/study-*.yaml); flags override it.",
+            help="A study recipe (recipes/study-*.yaml); setting flags given with it override "
+            "its settings (BASE, --train, --eval and --methods come from the recipe).",
             exists=True,
             dir_okay=False,
         ),
@@ -67,12 +84,15 @@ def study(
     batch: Annotated[int, typer.Option(help="Windows per step.", min=1)] = 8,
     seq_len: SeqLen = 128,
     eval_every: Annotated[int, typer.Option(help="Evaluate held-out loss every N steps.", min=1)] = 25,
-    eval_windows: Annotated[int, typer.Option(help="Held-out windows per evaluation.", min=1)] = 32,
+    eval_windows: Annotated[int, typer.Option(help="Held-out windows per evaluation.", min=1)] = 128,
     eval_fraction: Annotated[
         float, typer.Option(help="Held-out share of documents when --eval is not given.", min=0, max=1)
     ] = 0.05,
     reference: Annotated[
-        str, typer.Option(help="Method the others are compared with (paired by seed).")
+        str,
+        typer.Option(
+            help="Method the others are compared with (paired by seed and evaluation window; Holm-adjusted)."
+        ),
     ] = "ot",
     train_all: Annotated[bool, typer.Option(help="Train every parameter, not only the new layers.")] = False,
     layers: Layers = None,
@@ -87,12 +107,34 @@ def study(
     json_out: JsonFlag = False,
 ) -> None:
     """Compare initialisations: expand with each method, train the new layers, held-out loss over seeds."""
-    if recipe is None and (not base or not train):
-        with user_errors():
+    given = _given(ctx)
+    with user_errors():
+        if recipe is None and (not base or not train):
             raise OtdusError("give BASE and --train (or --recipe)")
+        clash = [flag for name, flag in _NOT_WITH_RECIPE.items() if name in given]
+        if recipe is not None and clash:
+            raise OtdusError(
+                f"{', '.join(clash)} with --recipe: the recipe sets the base, the texts and the methods "
+                "(edit it, or drop --recipe)"
+            )
     from otdus_cli.study import run_recipe, study_table
     from otdus_cli.study import study as run_study
 
+    # every setting by its study() keyword, with the CLI parameter that carries it
+    settings = {
+        "seeds": ("seeds", ints(seeds) or [0]),
+        "steps": ("steps", steps),
+        "lr": ("lr", lr),
+        "batch": ("batch", batch),
+        "seq_len": ("seq_len", seq_len),
+        "eval_every": ("eval_every", eval_every),
+        "eval_windows": ("eval_windows", eval_windows),
+        "eval_fraction": ("eval_fraction", eval_fraction),
+        "train_new_only": ("train_all", not train_all),
+        "device": ("device", device),
+        "threads": ("threads", threads),
+    }
+    expand_options = {k: v for k, v in {"layers": layers, "position": position}.items() if v is not None}
     quiet_transformers()
     with user_errors(), task_progress(show_progress(json_out), "study") as update:
 
@@ -100,33 +142,27 @@ def study(
             if event.runs:
                 update(event.run, event.runs, f"{event.label} seed {event.seed}")
 
-        if recipe is not None:
-            results = run_recipe(recipe, out_dir=out, progress=on_event)
+        if recipe is not None:  # the recipe's settings, except those given as flags
+            results = run_recipe(
+                recipe,
+                out_dir=out,
+                overrides={key: value for key, (flag, value) in settings.items() if flag in given},
+                reference=reference if "reference" in given else None,
+                expand_overrides={k: v for k, v in expand_options.items() if k in given} or None,
+                progress=on_event,
+            )
         else:
-            expand_options = {
-                k: v for k, v in {"layers": layers, "position": position}.items() if v is not None
-            }
             results = {
                 "study": run_study(
                     base,
                     train,
                     eval_text,
                     methods=[m.strip() for m in methods.split(",") if m.strip()],
-                    seeds=ints(seeds) or [0],
-                    steps=steps,
-                    lr=lr,
-                    batch=batch,
-                    seq_len=seq_len,
-                    eval_every=eval_every,
-                    eval_windows=eval_windows,
-                    eval_fraction=eval_fraction,
                     reference=reference,
-                    train_new_only=not train_all,
-                    device=device,
-                    threads=threads,
                     expand_options=expand_options or None,
                     out_dir=out,
                     progress=on_event,
+                    **{key: value for key, (_, value) in settings.items()},
                 )
             }
     if json_out:
@@ -187,6 +223,8 @@ def diagnose(
             device=device,
             png=png,
         )
+    for line in result.warnings:
+        err_console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
     if json_out:
         emit_json(result.to_dict())
         return

@@ -80,6 +80,17 @@ def method_specs(value: str) -> str:
     return value
 
 
+def lm_eval_version(value: str) -> str:
+    """An lm-eval version the wikitext presets cover (any 0.4.x or later version string)."""
+    from otdus_cli.verify.lm_eval_presets import lm_eval_releases
+
+    try:
+        lm_eval_releases(value)
+    except OtdusError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value.strip().removeprefix("v")
+
+
 def model_name(value: str) -> str:
     """A bundled model name is checked here; folders and hub ids are resolved by the command."""
     if value.startswith("bundled:") and value not in BUNDLED_MODELS:

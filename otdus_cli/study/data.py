@@ -9,7 +9,8 @@ Files whose stories are separated by ``<|endoftext|>`` lines are split into docu
 text after the last separator, usually a truncated story, is dropped); WikiText files
 (``wiki.*.raw``) are split into articles at their top-level title lines; any other file is one
 document. Every document is tokenised with a leading BOS token, the documents are concatenated
-and the stream is cut into non-overlapping windows of ``seq_len`` tokens.
+and the stream is cut into non-overlapping windows of ``seq_len`` tokens (evaluation windows are
+taken evenly spaced over the whole held-out stream, so that they span its documents).
 """
 
 from __future__ import annotations
@@ -90,12 +91,17 @@ def split_documents(docs: Documents, eval_fraction: float) -> tuple[Documents, D
 
 
 def tokenize_windows(
-    tokenizer, docs: Documents, seq_len: int, max_windows: int | None = None
+    tokenizer, docs: Documents, seq_len: int, max_windows: int | None = None, spread: bool = False
 ) -> torch.Tensor:
-    """The documents as one BOS-separated token stream cut into ``[n, seq_len]`` windows (int64)."""
+    """The documents as one BOS-separated token stream cut into ``[n, seq_len]`` windows (int64).
+
+    At most ``max_windows`` windows: the first ones, or with ``spread`` windows evenly spaced over
+    the whole stream (an evaluation sample that spans the documents instead of the first few; the
+    whole text is tokenised for it).
+    """
     bos = tokenizer.bos_token_id
     stream: list[int] = []
-    need = None if max_windows is None else max_windows * seq_len
+    need = None if max_windows is None or spread else max_windows * seq_len
     step = 256
     for s in range(0, len(docs.documents), step):
         batch = docs.documents[s : s + step]
@@ -106,8 +112,11 @@ def tokenize_windows(
         if need is not None and len(stream) >= need:
             break
     n = len(stream) // seq_len
-    if max_windows is not None:
-        n = min(n, max_windows)
     if n == 0:
         raise OtdusError(f"{docs.name}: fewer than {seq_len} tokens of text")
-    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    windows = torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    if max_windows is None or n <= max_windows:
+        return windows
+    if not spread:
+        return windows[:max_windows]
+    return windows[torch.arange(max_windows) * n // max_windows]

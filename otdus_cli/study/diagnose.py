@@ -3,17 +3,26 @@
 For adjacent base layers (A = f_i, B = f_{i+1}) of a checkpoint, on real text:
 
 * MLP intermediate neurons (``act_fn(gate) * up``, the input of ``down_proj``): correlation of
-  A's neuron with B's neuron it is paired with, for the OT-DUS paper plans (T_G, T_U, computed on
-  gate / up rows with the input side aligned by T_O, as the paper variant does), the structured
-  variant's joint plan (gate row, up row and down column together), same-index pairing, a
-  random pairing, and the best pairing the activations allow (an exact assignment on the
-  correlations, an upper bound). A soft plan's score is its plan-weighted mean correlation
-  sum_ij T_ij C_ij (equal to the paired mean for a permutation); ``ot_gate_argmax`` pairs each A
-  neuron with B's neuron that gets most of its mass.
+  A's neuron with the B neuron it is paired with, averaged over the pairs, for
+  - the OT-DUS paper plans (T_G, T_U, computed on gate / up rows with the input side aligned by
+    T_O, as the paper variant does) and the structured variant's joint plan (gate row, up row and
+    down column together), each read two ways: plan-weighted, sum_ij T_ij C_ij (for a plan near the
+    independent coupling this is ~the mean of C by construction, whatever the plan favours), and
+    one-to-one, the permutation that keeps most of the plan's mass (comparable with the baselines);
+  - same-index pairing, and random pairings as the exact mean and standard deviation over all
+    permutations (the null distribution a pairing's score is read against);
+  - the best pairing the activations allow (an exact assignment on the correlations): chosen on
+    half of the windows and scored on the other half (``best_held_out``), because chosen and scored
+    on the same tokens (``best_in_sample``) it is biased upwards; ``best_misaligned`` is that
+    in-sample best with B's tokens deliberately taken from other text (the bias alone: a noise floor).
 * attention heads: each head's contribution to the residual stream (its slice of the ``o_proj``
-  input times its ``o_proj`` columns), correlated between A's head and B's head, under a
-  weight-based head matching (exact assignment on q/k/v rows and o columns), same-index and
-  random pairings, and the activation-based best matching.
+  input times its ``o_proj`` columns, centred per hidden dimension), correlated between A's head
+  and B's head over every token and hidden dimension, under a weight-based head matching (exact
+  assignment on q/k/v rows and o columns), same-index and random pairings (the random mean is the
+  mean over all head pairs), and the activation-based best matching (held out, in-sample,
+  misaligned as above). Every pair of heads correlates somewhat on the same tokens (their writes
+  share residual directions), so a head score means something only as a margin over the all-pairs
+  mean, in units of its spread.
 * transport-plan entropy of every module (the paper's Table 8 statistic), paper variant.
 * the per-layer weight-norm profile: a fine-tuned-to-convergence checkpoint shows a smooth,
   typically rising profile (the MoE-growth paper's tell); printed as bars, optionally a PNG.
@@ -56,9 +65,13 @@ _MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 class PairDiagnosis:
     a: int
     b: int
-    # pairing name -> mean correlation of paired MLP neurons (ot_gate, ot_up, ot_joint, same_index, ...)
+    # pairing -> mean correlation of paired MLP neurons: ot_gate, ot_up, ot_joint (plan-weighted),
+    # ot_gate_1to1, ot_up_1to1, ot_joint_1to1 (one-to-one reading), same_index, random_mean,
+    # random_sd (over all permutations), best_held_out, best_in_sample, best_misaligned
     mlp: dict[str, float]
-    # pairing name -> mean correlation of paired heads' residual contributions
+    # pairing -> mean correlation of paired heads' residual contributions: matched, same_index,
+    # random_mean (= the mean over all head pairs), random_sd, best_held_out, best_in_sample,
+    # best_misaligned
     heads: dict[str, float]
     head_match: list[int]  # A's head i -> B's head head_match[i] (weight-based)
     entropy: dict[str, dict[str, float]]  # module -> entropy, entropy_normalized, permutation_closeness
@@ -76,6 +89,7 @@ class DiagnoseResult:
     pairs: list[PairDiagnosis]
     weight_norms: list[dict[str, float]]  # per layer: module -> Frobenius norm, plus "total"
     figures: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,17 +169,64 @@ def _plan_weighted(c: torch.Tensor, plan: TransportPlan) -> float:
     return float((plan.dense().double().cpu() * c).sum())
 
 
-def _plan_argmax(c: torch.Tensor, plan: TransportPlan) -> float:
-    """Mean correlation of each A neuron with its single most-weighted B neuron in the plan."""
+def one_to_one(plan: TransportPlan) -> list[int]:
+    """The permutation that keeps most of a soft plan's mass (its one-to-one reading)."""
     if plan.perm is not None:
-        return _paired(c, plan.perm.cpu())
-    return _paired(c, plan.dense().argmax(dim=1).cpu())
+        return plan.perm.cpu().tolist()
+    return assignment(-plan.dense().double().cpu()).perm.cpu().tolist()
 
 
-def _best(c: torch.Tensor) -> tuple[float, list[int]]:
-    plan = assignment((1.0 - c).float())
-    perm = plan.perm.cpu().tolist()
-    return _paired(c, perm), perm
+def best_pairing(c: torch.Tensor) -> list[int]:
+    """The pairing with the highest mean correlation (an exact assignment on ``c``)."""
+    return assignment((1.0 - c).float()).perm.cpu().tolist()
+
+
+def random_pairing(c: torch.Tensor) -> tuple[float, float]:
+    """Mean and standard deviation of the paired mean correlation over all n! permutations, exactly:
+    for S = sum_i C[i, pi(i)], E S = sum_ij C_ij / n and Var S = sum_ij D_ij^2 / (n - 1) with
+    D the doubly centred C (Hoeffding's permutation moments)."""
+    n = c.shape[0]
+    d = c - c.mean(dim=1, keepdim=True) - c.mean(dim=0, keepdim=True) + c.mean()
+    sd = math.sqrt(float((d**2).sum()) / (n - 1)) / n if n > 1 else 0.0
+    return float(c.mean()), sd
+
+
+def _halves(samples: int, group: int) -> torch.Tensor:
+    """Which of two halves each sample falls in: alternate windows (``group`` samples each), or the
+    first and second half of the samples when there is a single window."""
+    idx = torch.arange(samples)
+    if samples // group >= 2:
+        return (idx // group) % 2 == 1
+    return idx >= samples // 2
+
+
+def pairing_scores(xa: torch.Tensor, xb: torch.Tensor, group: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """The correlation matrix of A's units (columns of ``xa``) with B's, and the baseline pairings'
+    scores: same_index, random_mean / random_sd, best_held_out, best_in_sample, best_misaligned.
+
+    Rows are samples, ``group`` consecutive rows one window (the unit of the held-out split).
+    best_held_out: the best pairing chosen on one half of the windows, scored on the other (both
+    ways, averaged). best_misaligned: the in-sample best with B's rows taken from other text
+    (shifted by half the samples and half a window), where no real pairing exists.
+    """
+    n_samples = xa.shape[0]
+    c = correlation_matrix(xa, xb)
+    half = _halves(n_samples, group)
+    c0 = correlation_matrix(xa[~half], xb[~half])
+    c1 = correlation_matrix(xa[half], xb[half])
+    held = (_paired(c1, best_pairing(c0)) + _paired(c0, best_pairing(c1))) / 2
+    shift = (n_samples // 2 + group // 2) % n_samples or 1
+    cm = correlation_matrix(xa, xb.roll(shift, dims=0))
+    mean, sd = random_pairing(c)
+    scores = {
+        "same_index": _paired(c, range(c.shape[0])),
+        "random_mean": mean,
+        "random_sd": sd,
+        "best_held_out": held,
+        "best_in_sample": _paired(c, best_pairing(c)),
+        "best_misaligned": _paired(cm, best_pairing(cm)),
+    }
+    return c, scores
 
 
 # -- weights --------------------------------------------------------------------------------------
@@ -220,15 +281,16 @@ def head_matching(wa: dict[str, torch.Tensor], wb: dict[str, torch.Tensor], n_q:
 
 
 def _head_contributions(o_in: torch.Tensor, w_o: torch.Tensor, n_q: int) -> torch.Tensor:
-    """(n_q, tokens * hidden): each head's additive contribution to the residual stream."""
+    """(n_q, tokens * hidden): each head's additive contribution to the residual stream, centred
+    per hidden dimension over the tokens: a head's constant write (a fixed direction on every token)
+    would otherwise correlate with any other head's, even on different text."""
     hd = o_in.shape[1] // n_q
     w = w_o.double()
-    out = [(o_in[:, h * hd : (h + 1) * hd] @ w[:, h * hd : (h + 1) * hd].T).reshape(-1) for h in range(n_q)]
+    out = []
+    for h in range(n_q):
+        contribution = o_in[:, h * hd : (h + 1) * hd] @ w[:, h * hd : (h + 1) * hd].T  # (tokens, hidden)
+        out.append((contribution - contribution.mean(dim=0, keepdim=True)).reshape(-1))
     return torch.stack(out)
-
-
-def _head_correlation(ca: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
-    return correlation_matrix(ca.T, cb.T)
 
 
 def weight_norm_profile(layers: Sequence) -> list[dict[str, float]]:
@@ -251,7 +313,6 @@ def diagnose(
     max_tokens: int = 4096,
     seq_len: int = 256,
     reg: float = 0.06,
-    seed: int = 0,
     device: str = "cpu",
     png: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -285,37 +346,33 @@ def diagnose(
     docs = load_documents(text)
     tokenizer = load_tokenizer(folder)
     windows = tokenize_windows(tokenizer, docs, seq_len, max(1, math.ceil(max_tokens / seq_len)))
+    warnings = []
+    if windows.numel() < max_tokens:
+        warnings.append(
+            f"{docs.name} gives {windows.numel():,} tokens in whole windows of {seq_len}, fewer than the "
+            f"{max_tokens:,} asked: fewer tokens make every correlation noisier"
+        )
     say(f"running {windows.numel()} tokens through {depth} layers")
     acts = _capture(model, windows, {i for p in pairs for i in p})
-    gen = torch.Generator().manual_seed(seed)
     results = []
     for a, b in pairs:
         say(f"pair ({a}, {b})")
         wa, wb = _weights(layers[a]), _weights(layers[b])
         plans = paper_plans(wa, wb, reg)
         joint = joint_mlp_plan(wa, wb, reg)
-        c = correlation_matrix(acts[a]["down_in"], acts[b]["down_in"])
-        n = c.shape[0]
-        best, _ = _best(c)
-        mlp = {
-            "ot_gate": _plan_weighted(c, plans["gate"]),
-            "ot_gate_argmax": _plan_argmax(c, plans["gate"]),
-            "ot_up": _plan_weighted(c, plans["up"]),
-            "ot_joint": _plan_weighted(c, joint),
-            "same_index": _paired(c, range(n)),
-            "random": _paired(c, torch.randperm(n, generator=gen)),
-            "best": best,
-        }
+        c, baselines = pairing_scores(acts[a]["down_in"], acts[b]["down_in"], seq_len)
+        mlp = {}
+        for name, plan in (("ot_gate", plans["gate"]), ("ot_up", plans["up"]), ("ot_joint", joint)):
+            mlp[name] = _plan_weighted(c, plan)
+            mlp[f"{name}_1to1"] = _paired(c, one_to_one(plan))
+        mlp.update(baselines)
         ha = _head_contributions(acts[a]["o_in"], wa["o"], n_q)
         hb = _head_contributions(acts[b]["o_in"], wb["o"], n_q)
-        ch = _head_correlation(ha, hb)
+        hidden = wa["o"].shape[0]
+        # samples are (token, hidden dimension) entries; a window is seq_len tokens of them
+        ch, head_baselines = pairing_scores(ha.T, hb.T, seq_len * hidden)
         match = head_matching(wa, wb, n_q, n_kv)
-        heads = {
-            "matched": _paired(ch, match),
-            "same_index": _paired(ch, range(n_q)),
-            "random": _paired(ch, torch.randperm(n_q, generator=gen)),
-            "best": _best(ch)[0],
-        }
+        heads = {"matched": _paired(ch, match), **head_baselines}
         entropy = {}
         for m, plan in plans.items():
             st = plan.stats()
@@ -331,6 +388,7 @@ def diagnose(
         reg=reg,
         pairs=results,
         weight_norms=weight_norm_profile(layers),
+        warnings=warnings,
     )
     if png is not None:
         out = plot_weight_norms(result, png)
@@ -371,15 +429,25 @@ def diagnose_tables(result: DiagnoseResult):
     from rich.console import Group  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    mlp = Table(title=f"MLP neuron correlation of paired neurons ({result.tokens} tokens of {result.text})")
+    mlp = Table(
+        title=f"MLP neuron correlation of paired neurons ({result.tokens} tokens of {result.text})",
+        caption="plan: weighted sum T∘C / one-to-one reading of the plan; random: mean ± sd over all "
+        "permutations (a pairing is signal only as a margin over it, in sd); best: chosen on half the "
+        "windows and scored on the other, in-sample (biased up), and in-sample on misaligned tokens "
+        "(the bias alone)",
+    )
     mlp.add_column("pair")
-    keys = ["ot_gate", "ot_gate_argmax", "ot_up", "ot_joint", "same_index", "random", "best"]
-    for k in keys:
+    for k in ("ot_gate", "ot_up", "ot_joint"):
+        mlp.add_column(f"{k} w / 1:1", justify="right")
+    for k in ("same index", "random", "best held-out", "in-sample", "misaligned"):
         mlp.add_column(k, justify="right")
-    heads = Table(title="attention heads: correlation of paired heads' residual contributions")
+    heads = Table(
+        title="attention heads: correlation of paired heads' residual contributions",
+        caption="random = the mean over all head pairs: every pair correlates a little (shared residual "
+        "directions), so only a margin over it, in sd, shows a match",
+    )
     heads.add_column("pair")
-    hkeys = ["matched", "same_index", "random", "best"]
-    for k in hkeys:
+    for k in ("matched", "same index", "random", "best held-out", "in-sample", "misaligned"):
         heads.add_column(k, justify="right")
     heads.add_column("head match (A -> B)")
     ent = Table(title=f"transport plan entropy (paper variant, reg {result.reg}); normalised in brackets")
@@ -388,8 +456,22 @@ def diagnose_tables(result: DiagnoseResult):
         ent.add_column(m, justify="right")
     for p in result.pairs:
         name = f"{p.a}-{p.b}"
-        mlp.add_row(name, *[f"{p.mlp[k]:.3f}" for k in keys])
-        heads.add_row(name, *[f"{p.heads[k]:.3f}" for k in hkeys], ",".join(map(str, p.head_match)))
+        m, h = p.mlp, p.heads
+        mlp.add_row(
+            name,
+            *[f"{m[k]:.3f} / {m[k + '_1to1']:.3f}" for k in ("ot_gate", "ot_up", "ot_joint")],
+            f"{m['same_index']:.3f}",
+            f"{m['random_mean']:.3f} ± {m['random_sd']:.3f}",
+            *[f"{m[k]:.3f}" for k in ("best_held_out", "best_in_sample", "best_misaligned")],
+        )
+        heads.add_row(
+            name,
+            f"{h['matched']:.3f}",
+            f"{h['same_index']:.3f}",
+            f"{h['random_mean']:.3f} ± {h['random_sd']:.3f}",
+            *[f"{h[k]:.3f}" for k in ("best_held_out", "best_in_sample", "best_misaligned")],
+            ",".join(map(str, p.head_match)),
+        )
         ent.add_row(
             name,
             *[f"{p.entropy[m]['entropy']:.2f} ({p.entropy[m]['entropy_normalized']:.2f})" for m in MODULES],

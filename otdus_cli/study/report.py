@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from otdus_cli.study.runner import StudyResult
 
-__all__ = ["plot_curves", "study_markdown", "study_table"]
+__all__ = ["plot_curves", "study_caption", "study_markdown", "study_table"]
 
 
 def _pyplot():
@@ -37,14 +37,68 @@ def _ci_text(vs: dict | None, digits: int = 4) -> str:
     return f"{vs['mean']:+.{digits}f} [{vs['low']:+.{digits}f}, {vs['high']:+.{digits}f}]"
 
 
-def _verdict(vs: dict | None) -> str:
-    if not vs or vs.get("low") is None:
+def _p_text(p: float | None) -> str:
+    if p is None:
+        return "-"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _seeds_text(vs: dict) -> str:
+    """How many seeds' differences share the sign of the mean difference, e.g. "5/5"."""
+    diffs = vs["diffs"]
+    same = sum((x < 0) if vs["mean"] < 0 else (x > 0) for x in diffs)
+    return f"{same}/{len(diffs)}"
+
+
+def _verdict(vs: dict | None, alpha: float = 0.05) -> str:
+    """ "better" / "worse" when the Holm-adjusted p-value is below ``alpha``, else "n.s."."""
+    if not vs:
         return ""
-    if vs["high"] < 0:
-        return "better"
-    if vs["low"] > 0:
-        return "worse"
-    return "n.s."
+    p = vs.get("p_holm", vs.get("p"))
+    if p is None:
+        return ""
+    if p >= alpha:
+        return "n.s."
+    return "better" if vs["mean"] < 0 else "worse"
+
+
+def _comparison_cells(m) -> list[str]:
+    vs = m.vs_reference
+    if not vs:
+        return ["(reference)", "", "", "", ""]
+    return [_ci_text(vs), _p_text(vs.get("p")), _p_text(vs.get("p_holm")), _seeds_text(vs), _verdict(vs)]
+
+
+_ERROR_SOURCES = {
+    "seeds and windows": "seed and evaluation-window error",
+    "windows": "evaluation-window error only (one seed)",
+    "seeds": "seed error only (no per-window losses stored)",
+}
+
+
+def study_caption(result: StudyResult) -> str:
+    """What the difference columns are and what they can show (and the result's notes)."""
+    lines = list(result.notes)
+    compared = [m.vs_reference for m in result.methods if m.vs_reference]
+    if compared:
+        vs = compared[0]
+        n_seeds = vs.get("n_seeds", vs["n"])
+        windows = vs.get("n_windows", 1)
+        error = vs.get("error", "seeds")
+        pct = round(100 * vs.get("confidence", 0.95))
+        lines.append(
+            f"Δ: final loss minus {result.reference}'s (< 0: lower loss), mean over {n_seeds} seed(s)"
+            + (f" x {windows} evaluation windows" if windows > 1 else "")
+            + f"; {pct}% t interval from the {_ERROR_SOURCES.get(error, error)}"
+            + f"; p: t test; Holm: adjusted over the {len(compared)} comparisons; verdict from Holm p < 0.05;"
+            f" seeds: how many seeds share the sign (a sign test over {n_seeds} seeds cannot go below"
+            f" p = {2 / 2**n_seeds:.3g})."
+        )
+        lines.append(
+            f"Only differences to {result.reference} are tested: "
+            "the order of the other rows is not a ranking."
+        )
+    return "\n".join(lines)
 
 
 def study_table(result: StudyResult) -> Table:
@@ -57,12 +111,12 @@ def study_table(result: StudyResult) -> Table:
         f"{result.base}: {result.config['steps']} steps x {n} seed(s); base loss {result.base_loss:.4f} "
         f"(ppl {result.base_ppl:.3f})"
     )
-    table = Table(title=title)
+    table = Table(title=title, caption=study_caption(result) or None)
     for col in ("method", "layers", "start loss", "= base", "final loss", "± sd", "ppl"):
         table.add_column(col, justify="left" if col == "method" else "right")
     if ref:
-        table.add_column(f"Δ vs {ref} (95% CI)", justify="right")
-        table.add_column("", justify="left")
+        for col in (f"Δ vs {ref} (95% CI)", "p", "Holm p", "seeds", ""):
+            table.add_column(col, justify="left" if not col else "right")
     for m in result.methods:
         row = [
             m.label,
@@ -74,19 +128,19 @@ def study_table(result: StudyResult) -> Table:
             f"{m.final_ppl:.3f}",
         ]
         if ref:
-            row += ["(reference)" if m.label == ref else _ci_text(m.vs_reference), _verdict(m.vs_reference)]
+            row += _comparison_cells(m)
         table.add_row(*row)
     return table
 
 
 def study_markdown(result: StudyResult) -> str:
-    """The same table in Markdown (for docs/evidence.md)."""
+    """The same table in Markdown (for docs/evidence.md), the caption below it."""
     ref = result.reference
     head = "| method | start loss | = base | final loss ± sd | ppl |"
     sep = "|---|---|---|---|---|"
     if ref:
-        head += f" Δ final loss vs {ref}, 95% CI | |"
-        sep += "---|---|"
+        head += f" Δ vs {ref}, 95% CI | p | Holm p | seeds | |"
+        sep += "---|---|---|---|---|"
     lines = [head, sep]
     for m in result.methods:
         line = (
@@ -94,12 +148,11 @@ def study_markdown(result: StudyResult) -> str:
             f"{m.final_loss:.4f} ± {m.final_loss_std:.4f} | {m.final_ppl:.3f} |"
         )
         if ref:
-            line += (
-                " (reference) | |"
-                if m.label == ref
-                else f" {_ci_text(m.vs_reference)} | {_verdict(m.vs_reference)} |"
-            )
+            line += " " + " | ".join(_comparison_cells(m)) + " |"
         lines.append(line)
+    caption = study_caption(result)
+    if caption:
+        lines += ["", *caption.splitlines()]
     return "\n".join(lines)
 
 

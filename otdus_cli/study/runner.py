@@ -5,8 +5,11 @@ Every method is expanded from the same base (into a temporary folder), then only
 same batches (the data order depends on the seed only), for several seeds. The held-out loss is
 evaluated at intervals. For each method the result reports the final loss and perplexity (mean
 and spread over seeds), the loss at step 0 (a function-preserving expansion must start exactly at
-the base's loss; this is checked), and the per-seed paired difference to a reference method with
-a t confidence interval.
+the base's loss; this is checked), and the paired difference to a reference method, paired by seed
+and by evaluation window, with an interval that includes the evaluation-sample error (every run is
+scored on the same windows, so more seeds do not shrink it) and Holm-adjusted p-values over all the
+comparisons (study.stats). Only differences to the reference are tested: the other methods are not
+ranked against each other.
 
 Method specs (strings): ``method[:variant][+zero|+nozero]``, e.g. ``ot`` (OT-DUS, paper variant,
 zero-init), ``ot+nozero``, ``ot:structured``, ``ot:official``, ``average`` (Avg-DeUS, no
@@ -35,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from otdus_cli.errors import OtdusError
 from otdus_cli.options import ExpandOptions, method_spec_options
 from otdus_cli.study.data import Documents, load_documents, split_documents, tokenize_windows
-from otdus_cli.study.stats import mean_std, paired_ci
+from otdus_cli.study.stats import crossed_mean_ci, holm, mean_std, sign_flip_p
 from otdus_cli.study.train import TrainConfig, evaluate, load_model, train
 
 __all__ = [
@@ -48,6 +51,7 @@ __all__ = [
     "StudyRecipe",
     "StudyResult",
     "load_study_recipe",
+    "paired_difference",
     "parse_method",
     "run_recipe",
     "study",
@@ -112,6 +116,9 @@ class RunResult:
     trainable_parameters: int
     num_hidden_layers: int
     seconds: float
+    # the final evaluation's loss on each held-out window (window order shared by every run);
+    # empty in results saved before it was recorded
+    final_window_loss: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -127,7 +134,8 @@ class MethodSummary:
     final_ppl: float
     num_hidden_layers: int
     trainable_parameters: int
-    # per-seed paired difference of the final loss to the reference (method - reference; < 0: better)
+    # paired difference of the final loss to the reference (method - reference; < 0: lower loss), by
+    # seed and evaluation window, with its interval and Holm-adjusted p (runner.paired_difference)
     vs_reference: dict[str, Any] | None = None
 
 
@@ -142,6 +150,7 @@ class StudyResult:
     runs: list[RunResult]
     seconds: float
     figures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what a reader of the tables must know
 
     @property
     def base_ppl(self) -> float:
@@ -160,6 +169,27 @@ class StudyResult:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+    def contrast(self, label: str, reference: str) -> dict[str, Any]:
+        """``label``'s final loss minus ``reference``'s, as in ``vs_reference`` but for any two methods
+        (no multiple-comparison adjustment: adjust over the family of contrasts you report)."""
+        labels = [m.label for m in self.methods]
+        for name in (label, reference):
+            if name not in labels:
+                raise OtdusError(f"method {name!r} is not among the methods ({', '.join(labels)})")
+        return paired_difference(self.runs, [int(s) for s in self.config["seeds"]], label, reference)
+
+    def recompute(self, reference: str | None = None) -> StudyResult:
+        """A copy whose comparisons are re-derived from the stored runs, with the current statistics
+        (a result saved by an older version; or another ``reference`` among the methods)."""
+        ref = self.reference if reference is None else reference
+        labels = [m.label for m in self.methods]
+        if ref and ref not in labels:
+            raise OtdusError(f"reference method {ref!r} is not among the methods ({', '.join(labels)})")
+        out = StudyResult.from_dict(self.to_dict())
+        out.reference = ref or ""
+        _compare(out.methods, [int(s) for s in out.config["seeds"]], out.runs, ref or None)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StudyResult:
@@ -238,7 +268,7 @@ def study(
     batch: int = 8,
     seq_len: int = 128,
     eval_every: int = 25,
-    eval_windows: int = 32,
+    eval_windows: int = 128,
     eval_fraction: float = 0.05,
     max_train_windows: int | None = None,
     train_new_only: bool = True,
@@ -257,9 +287,11 @@ def study(
     ``train_text`` / ``eval_text``: text specs (a file, ``bundled:tinystories-sample``,
     ``bundled:wikitext-test``; see study.data). Without ``eval_text`` the last ``eval_fraction`` of
     the training documents is held out (documents are never shared). ``eval_windows`` windows of
-    ``seq_len`` tokens are scored at step 0, every ``eval_every`` steps and at the end.
+    ``seq_len`` tokens, evenly spaced over the held-out text, are scored at step 0, every
+    ``eval_every`` steps and at the end.
     ``expand_options``: ExpandOptions fields applied to every method (e.g. layers, position).
-    ``reference``: label of the method the others are paired with (None or absent: no pairing).
+    ``reference``: label of the method the others are paired with (None: no pairing; the default
+    "ot" absent from the methods: no pairing, said in ``notes``; any other absent label: an error).
     ``threads``: torch CPU threads for the duration (on a busy machine 1 is often fastest).
     ``out_dir``: where study.json and loss_curves.png go (None: nothing written).
     """
@@ -273,8 +305,15 @@ def study(
         raise OtdusError("steps, batch, eval_every, eval_windows must be >= 1 and seq_len >= 2")
     labels = [r.label for r in runs_spec]
     ref = reference if reference in labels else None
-    if reference and ref is None and reference != "ot":
-        raise OtdusError(f"reference method {reference!r} is not among the methods ({', '.join(labels)})")
+    notes = []
+    if reference and ref is None:
+        if reference != "ot":
+            raise OtdusError(f"reference method {reference!r} is not among the methods ({', '.join(labels)})")
+        # the default reference: a study without OT is legitimate, but say why there are no differences
+        notes.append(
+            "no paired differences: the default reference 'ot' is not among the methods "
+            "(choose one of them as the reference)"
+        )
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -295,7 +334,9 @@ def study(
         eval_docs = load_documents(eval_text)
         _check_disjoint(train_docs, eval_docs)
     train_w = tokenize_windows(tokenizer, train_docs, seq_len, max_train_windows)
-    eval_w = tokenize_windows(tokenizer, eval_docs, seq_len, eval_windows)
+    # spread over the held-out text: windows from many documents, not the first few (the paired
+    # interval treats windows as independent draws from the evaluation text)
+    eval_w = tokenize_windows(tokenizer, eval_docs, seq_len, eval_windows, spread=True)
     data = {
         "train": train_docs.name,
         "eval": eval_docs.name,
@@ -307,6 +348,11 @@ def study(
         "eval_tokens_scored": int(eval_w.shape[0] * (seq_len - 1)),
         "train_tokens_seen": steps * batch * seq_len,
     }
+    if data["eval_windows"] < eval_windows:
+        notes.append(
+            f"only {data['eval_windows']} evaluation window(s) of the {eval_windows} asked: the held-out "
+            "text is short, and the evaluation-sample error is large"
+        )
     notify(StudyEvent("data", message=f"{data['train_windows']} train / {data['eval_windows']} eval windows"))
     config = TrainConfig(
         steps=steps, lr=lr, batch=batch, eval_every=eval_every, weight_decay=weight_decay, warmup=warmup
@@ -375,6 +421,7 @@ def study(
         methods=summaries,
         runs=results,
         seconds=time.perf_counter() - t0,
+        notes=notes,
     )
     if out_dir is not None:
         result.save(out_dir)
@@ -419,6 +466,7 @@ def _one_run(
         trainable_parameters=curve.trainable_parameters,
         num_hidden_layers=int(manifest["num_hidden_layers"]),
         seconds=curve.seconds,
+        final_window_loss=curve.final_window_loss,
     )
     notify(StudyEvent("run", spec.label, seed, config.steps, run.final_loss, k, total))
     return run
@@ -433,24 +481,68 @@ def _summarise(
         rs = [by[spec.label, s] for s in seeds]
         finals = [r.final_loss for r in rs]
         mean, sd = mean_std(finals)
-        summary = MethodSummary(
-            label=spec.label,
-            options=json.loads(spec.options.model_dump_json()),
-            seeds=seeds,
-            function_preserving=rs[0].function_preserving,
-            initial_loss=sum(r.initial_loss for r in rs) / len(rs),
-            initial_equals_base=all(r.initial_equals_base for r in rs),
-            final_loss=mean,
-            final_loss_std=sd,
-            final_ppl=math.exp(mean),
-            num_hidden_layers=rs[0].num_hidden_layers,
-            trainable_parameters=rs[0].trainable_parameters,
+        out.append(
+            MethodSummary(
+                label=spec.label,
+                options=json.loads(spec.options.model_dump_json()),
+                seeds=seeds,
+                function_preserving=rs[0].function_preserving,
+                initial_loss=sum(r.initial_loss for r in rs) / len(rs),
+                initial_equals_base=all(r.initial_equals_base for r in rs),
+                final_loss=mean,
+                final_loss_std=sd,
+                final_ppl=math.exp(mean),
+                num_hidden_layers=rs[0].num_hidden_layers,
+                trainable_parameters=rs[0].trainable_parameters,
+            )
         )
-        if ref is not None and spec.label != ref:
-            diffs = [by[spec.label, s].final_loss - by[ref, s].final_loss for s in seeds]
-            summary.vs_reference = {"reference": ref, "diffs": diffs, **paired_ci(diffs)}
-        out.append(summary)
+    _compare(out, seeds, runs, ref)
     return out
+
+
+def _compare(
+    summaries: list[MethodSummary], seeds: list[int], runs: list[RunResult], ref: str | None
+) -> None:
+    """Each method's final loss minus the reference's, paired by seed and by evaluation window
+    (:func:`paired_difference`); ``p_holm`` adjusts the p-values of all the comparisons against the
+    reference together (Holm), and the verdicts use it."""
+    compared = [m for m in summaries if ref is not None and m.label != ref]
+    for m in summaries:
+        m.vs_reference = None
+    for m in compared:
+        m.vs_reference = paired_difference(runs, seeds, m.label, ref)
+    for m, q in zip(compared, holm([m.vs_reference["p"] for m in compared]), strict=True):
+        m.vs_reference["p_holm"] = q
+        m.vs_reference["comparisons"] = len(compared)
+
+
+def paired_difference(
+    runs: Sequence[RunResult], seeds: Sequence[int], label: str, ref: str
+) -> dict[str, Any]:
+    """``label``'s final loss minus ``ref``'s, paired by seed and by evaluation window.
+
+    The interval accounts for both seeds and the shared evaluation windows (stats.crossed_mean_ci;
+    seeds only when the runs carry no per-window losses). Not adjusted for multiple comparisons.
+    """
+    by = {(r.label, r.seed): r for r in runs}
+    pairs = [(by[label, s], by[ref, s]) for s in seeds]
+    diffs = [a.final_loss - b.final_loss for a, b in pairs]
+    windows = {len(r.final_window_loss) for pair in pairs for r in pair}
+    if len(windows) == 1 and windows != {0}:
+        table = [
+            [x - y for x, y in zip(a.final_window_loss, b.final_window_loss, strict=True)] for a, b in pairs
+        ]
+    else:  # results saved before per-window losses were recorded
+        table = [[x] for x in diffs]
+    return {
+        "reference": ref,
+        "diffs": diffs,  # per seed (mean over the windows)
+        "n": len(diffs),
+        "std": mean_std(diffs)[1],
+        **crossed_mean_ci(table),
+        "seeds_lower": sum(x < 0 for x in diffs),
+        "sign_flip_p": sign_flip_p(diffs),
+    }
 
 
 # -- recipes --------------------------------------------------------------------------------------
@@ -484,10 +576,11 @@ class StudyRecipe(BaseModel):
     runs: list[_RecipeRun]
     studies: list[_RecipeStudy]
 
-    def run_specs(self) -> list[RunSpec]:
+    def run_specs(self, overrides: dict[str, Any] | None = None) -> list[RunSpec]:
+        """Each run's full expand options; ``overrides`` (ExpandOptions fields) win over the recipe's."""
         specs = []
         for r in self.runs:
-            data = {**json.loads(json.dumps(self.expand)), **r.expand}
+            data = {**json.loads(json.dumps(self.expand)), **r.expand, **(overrides or {})}
             if "ot" in self.expand and "ot" in r.expand:
                 data["ot"] = {**self.expand["ot"], **r.expand["ot"]}
             try:
@@ -542,7 +635,7 @@ def load_study_recipe(path: str | os.PathLike[str]) -> StudyRecipe:
 def _resolve_text(spec: str | None, folder: Path) -> str | None:
     if spec is None or spec.startswith("bundled:") or os.path.isabs(spec):
         return spec
-    return str(folder / spec)
+    return os.path.normpath(folder / spec)  # "recipes/../../shared/x" is reported as "../shared/x"
 
 
 def run_recipe(
@@ -552,23 +645,31 @@ def run_recipe(
     overrides: dict[str, Any] | None = None,
     progress: Callable[[StudyEvent], None] | None = None,
     runs: Sequence[str] | None = None,
+    reference: str | None = None,
+    expand_overrides: dict[str, Any] | None = None,
 ) -> dict[str, StudyResult]:
     """Run every study of a recipe (or those named in ``only``); results under ``out_dir/<study>/``.
 
     Relative text paths are resolved against the recipe's folder. ``overrides``: study() settings
-    that win over the recipe's (e.g. ``{"steps": 10, "seeds": [0]}`` for a smoke run). ``runs``:
-    only these of the recipe's runs (by name), plus its reference, e.g. to add arms to a study
-    already run: seeds fix the batches, so the reference reproduces its earlier numbers.
+    that win over the recipe's (e.g. ``{"steps": 10, "seeds": [0]}`` for a smoke run);
+    ``reference``: instead of the recipe's; ``expand_overrides``: ExpandOptions fields that win over
+    every run's (e.g. ``{"layers": 1}``); ``runs``: only these of the recipe's runs (by name), plus
+    its reference, e.g. to add arms to a study already run: seeds fix the batches, so the reference
+    reproduces its earlier numbers.
     """
     path = Path(path)
     recipe = load_study_recipe(path)
-    specs = recipe.run_specs()
+    unknown = sorted(set(overrides or {}) - _SETTINGS)
+    if unknown:
+        raise OtdusError(f"unknown setting(s) {', '.join(unknown)}")
+    specs = recipe.run_specs(expand_overrides)
     if runs is not None:
         unknown = sorted(set(runs) - {s.label for s in specs})
         if unknown:
             known = ", ".join(s.label for s in specs)
             raise OtdusError(f"recipe {path}: unknown run(s) {', '.join(unknown)} (runs: {known})")
-        specs = [s for s in specs if s.label in runs or s.label == recipe.reference]
+        kept = reference or recipe.reference
+        specs = [s for s in specs if s.label in runs or s.label == kept]
     chosen = [s for s in recipe.studies if only is None or s.name in only]
     if only is not None and len(chosen) != len(set(only)):
         known = ", ".join(s.name for s in recipe.studies)
@@ -581,7 +682,7 @@ def run_recipe(
             _resolve_text(s.train_text, path.parent),
             _resolve_text(s.eval_text, path.parent),
             methods=specs,
-            reference=recipe.reference,
+            reference=recipe.reference if reference is None else reference,
             out_dir=None if out_dir is None else Path(out_dir) / s.name,
             progress=progress,
             **settings,

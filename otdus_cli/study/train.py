@@ -18,7 +18,7 @@ import torch
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 
-__all__ = ["TrainConfig", "TrainCurve", "batch_order", "evaluate", "load_model", "train"]
+__all__ = ["TrainConfig", "TrainCurve", "batch_order", "evaluate", "load_model", "train", "window_losses"]
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,16 @@ class TrainConfig:
 
 @dataclass
 class TrainCurve:
-    """Held-out loss (mean token NLL, nats) at each evaluated step, and the training loss per step."""
+    """Held-out loss (mean token NLL, nats) at each evaluated step, and the training loss per step.
+
+    ``final_window_loss``: the last evaluation's loss on each held-out window (same window order for
+    every run), so that paired comparisons can account for the sampling of the evaluation text.
+    """
 
     eval_steps: list[int] = field(default_factory=list)
     eval_loss: list[float] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
+    final_window_loss: list[float] = field(default_factory=list)
     trainable_parameters: int = 0
     seconds: float = 0.0
 
@@ -73,22 +78,28 @@ def load_model(folder: str, device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(model, windows: torch.Tensor, batch: int = 16) -> float:
-    """Mean next-token NLL over every window (each window scored on its own), in nats."""
+def window_losses(model, windows: torch.Tensor, batch: int = 16) -> list[float]:
+    """Mean next-token NLL of each window (scored on its own), in nats."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    out: list[float] = []
     device = next(model.parameters()).device
     for s in range(0, windows.shape[0], batch):
         x = windows[s : s + batch].to(device)
         logits = model(input_ids=x).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none"
         )
-        total += float(nll.double())
-        count += x[:, 1:].numel()
+        out.extend(nll.view(x.shape[0], -1).double().mean(dim=1).tolist())
     model.train(was_training)
-    return total / count
+    return out
+
+
+def evaluate(model, windows: torch.Tensor, batch: int = 16) -> float:
+    """Mean next-token NLL over every window, in nats (windows are equally long: the mean of
+    :func:`window_losses`)."""
+    losses = window_losses(model, windows, batch)
+    return math.fsum(losses) / len(losses)
 
 
 def batch_order(n_windows: int, steps: int, batch: int, seed: int) -> list[torch.Tensor]:
@@ -138,7 +149,9 @@ def train(
     order = batch_order(train_windows.shape[0], config.steps, config.batch, seed)
 
     def record(step: int) -> None:
-        loss = evaluate(model, eval_windows, config.eval_batch)
+        per_window = window_losses(model, eval_windows, config.eval_batch)
+        loss = math.fsum(per_window) / len(per_window)
+        curve.final_window_loss = per_window
         curve.eval_steps.append(step)
         curve.eval_loss.append(loss)
         if on_eval is not None:

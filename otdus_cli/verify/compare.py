@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -32,24 +33,24 @@ import torch
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.manifest import read_manifest
+from otdus_cli.verify.lm_eval_presets import LM_EVAL_NEWEST, wikitext_tokenization
 from otdus_cli.verify.metrics import (
     DEFAULT_SEQ_LEN,
     EvalPlan,
     PerplexityMetrics,
-    Progress,
     Window,
-    lm_eval_max_length,
     load_tokenizer,
     metrics_from_logprobs,
     model_max_positions,
     plan_rolling,
     plan_token,
     score_activations,
-    score_plan,
 )
+from otdus_cli.verify.progress import LayerTicks, Progress
 from otdus_cli.verify.proof import StaticProof, static_check
 from otdus_cli.verify.streaming import Activations, StreamedModel, parse_dtype
 from otdus_cli.verify.text import Corpus, wikitext_corpus
+from otdus_cli.verify.threads import CpuSample, ThreadChoice, choose_threads, intra_op_threads
 
 LOW_PRECISION_RTOL = 1e-3
 # float32 runs of a model widened without noise: the same function up to the order of its routing sums
@@ -70,33 +71,77 @@ def make_plan(
     token_mode: str = "joined",
     max_docs: int | None = None,
     max_tokens: int | None = None,
-    add_special_tokens: bool = False,
+    lm_eval: str = LM_EVAL_NEWEST,
     tokenizer=None,
 ) -> EvalPlan:
     """Tokenise ``corpus`` (default: bundled WikiText-2 test) for ``protocol`` with the model's tokenizer.
 
-    protocol "wikitext": lm-eval rolling windows of ``max_length`` (default as lm-eval resolves it);
-    protocol "token": GPTQ windows of ``seq_len`` (capped by the model's max positions).
+    protocol "wikitext": lm-eval's rolling windows as release ``lm_eval`` computes them (any version
+    string; see verify/lm_eval_presets.py), of ``max_length`` tokens (lm-eval's model argument;
+    default: as that release resolves it); protocol "token": GPTQ windows of ``seq_len`` (capped by
+    the model's max positions).
     """
     reader = model_dir if isinstance(model_dir, CheckpointReader) else CheckpointReader(model_dir)
     reader_config = reader.config
     tok = tokenizer if tokenizer is not None else load_tokenizer(reader.folder)
     corpus = corpus if corpus is not None else wikitext_corpus()
     if protocol == "wikitext":
-        length = max_length or lm_eval_max_length(reader_config, tok)
-        return plan_rolling(
-            corpus,
-            tok,
-            length,
-            add_special_tokens=add_special_tokens,
-            max_docs=max_docs,
-            max_tokens=max_tokens,
-        )
+        tokenization = wikitext_tokenization(lm_eval, reader_config, tok, max_length)
+        return plan_rolling(corpus, tok, tokenization, max_docs=max_docs, max_tokens=max_tokens)
     if protocol == "token":
         cap = model_max_positions(reader_config)
         length = min(seq_len, cap) if cap else seq_len
         return plan_token(corpus, tok, length, mode=token_mode, max_docs=max_docs, max_tokens=max_tokens)
     raise OtdusError(f"unknown protocol {protocol!r} (wikitext, token)")
+
+
+# -- how a run computes -----------------------------------------------------------------------------
+@dataclass
+class ComputeSettings:
+    """What a run chose for speed (reported in --json as ``compute``): intra-op threads, windows per
+    forward pass (those of the plan's longest windows) and the number of forward passes per layer."""
+
+    threads: ThreadChoice
+    batch_size: int
+    batches: int
+
+    def to_dict(self) -> dict:
+        return {"threads": self.threads.to_dict(), "batch_size": self.batch_size, "batches": self.batches}
+
+
+def compute_settings(
+    model: StreamedModel, plan: EvalPlan, threads: int | None = None, since: CpuSample | None = None
+) -> ComputeSettings:
+    """Threads (see verify/threads.py) and batches for running ``model`` over ``plan``'s windows."""
+    from otdus_cli.verify.streaming import group_windows  # noqa: PLC0415
+
+    lengths = [len(w.input_ids) for w in plan.windows]
+    longest = max(lengths, default=1)
+    batch = min(model.windows_per_batch(longest), max(1, lengths.count(longest)))
+    batches = len(group_windows(lengths, model.windows_per_batch))
+    if model.device.type == "cpu":
+        choice = choose_threads(threads, model.layer_call_flop(batch, longest), since)
+    else:  # the work is on the accelerator; CPU threads only feed it
+        choice = ThreadChoice(
+            torch.get_num_threads(), 0, None, f"device {model.device.type}: left as they are"
+        )
+    return ComputeSettings(choice, batch, batches)
+
+
+class _Clock:
+    """Seconds spent in each phase of a run (reported in --json as ``timings``)."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[f"{phase}_s"] = round(self.seconds.get(f"{phase}_s", 0.0) + now - self.last, 3)
+        self.last = now
+
+    def total(self) -> dict[str, float]:
+        return {**self.seconds, "total_s": round(time.perf_counter() - self.start, 3)}
 
 
 @dataclass
@@ -105,10 +150,13 @@ class PerplexityReport:
     device: str
     dtype: str
     metrics: PerplexityMetrics
+    compute: ComputeSettings | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase: varies run to run
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["metrics"] = self.metrics.to_dict()
+        d["compute"] = self.compute.to_dict() if self.compute else None
         return d
 
 
@@ -119,10 +167,16 @@ def perplexity(
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype = "float32",
     attn_implementation: str | None = None,
-    batch_size: int = 1,
+    batch_size: int | None = None,
+    threads: int | None = None,
+    cpu_sample: CpuSample | None = None,
     progress: Progress | None = None,
 ) -> PerplexityReport:
-    """Single-model perplexity (``otdus ppl``), streamed layer by layer."""
+    """Single-model perplexity (``otdus ppl``), streamed layer by layer.
+
+    ``batch_size``: windows per forward pass (None: automatic); ``threads``: intra-op threads (None:
+    the policy of verify/threads.py, with other processes' CPU use measured since ``cpu_sample``)."""
+    clock = _Clock()
     model = StreamedModel(
         model_dir,
         device=device,
@@ -131,8 +185,21 @@ def perplexity(
         batch_size=batch_size,
         self_check="on",
     )
-    metrics = metrics_from_logprobs(plan, score_plan(model, plan, progress))
-    return PerplexityReport(str(model_dir), str(model.device), _dtype_name(model.dtype), metrics)
+    compute = compute_settings(model, plan, threads, cpu_sample)
+    with intra_op_threads(compute.threads.threads):
+        inputs = [w.input_ids for w in plan.windows]
+        acts = model.start(inputs)
+        clock.lap("start")
+        ticks = LayerTicks(progress, len(inputs), plan.n_tokens, model.num_layers)
+        for i in range(model.num_layers):
+            model.apply_layer(i, acts, on_batch=ticks.layer(i))
+        clock.lap("layers")
+        logprobs = score_activations(model, acts, plan.windows, progress=progress)
+        clock.lap("scoring")
+    metrics = metrics_from_logprobs(plan, logprobs)
+    return PerplexityReport(
+        str(model_dir), str(model.device), _dtype_name(model.dtype), metrics, compute, clock.total()
+    )
 
 
 # -- layer correspondence -------------------------------------------------------------------------------
@@ -259,11 +326,14 @@ class VerifyReport:
     first_divergence: LayerCheck | None
     checks: list[LayerCheck] = field(default_factory=list)
     proof: StaticProof | None = None
+    compute: ComputeSettings | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase: varies run to run
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["base"] = self.base.to_dict()
         d["expanded"] = self.expanded.to_dict()
+        d["compute"] = self.compute.to_dict() if self.compute else None
         return d
 
 
@@ -285,15 +355,61 @@ def _digest(logits: torch.Tensor) -> str:
     return f"{tuple(logits.shape)}:{hashlib.sha256(data).hexdigest()}"
 
 
-def _score(model: StreamedModel, acts: Activations, windows: Sequence[Window]) -> tuple[list, list[str]]:
+def _score(
+    model: StreamedModel, acts: Activations, windows: Sequence[Window], progress: Progress | None, label: str
+) -> tuple[list, list[str]]:
     """Log-probs per window and a digest per logits chunk."""
     digests: list[str] = []
-    logprobs = score_activations(model, acts, windows, on_chunk=lambda chunk: digests.append(_digest(chunk)))
+    logprobs = score_activations(
+        model, acts, windows, lambda chunk: digests.append(_digest(chunk)), progress, label
+    )
     return logprobs, digests
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def _run_layers(
+    base: StreamedModel,
+    expd: StreamedModel,
+    entries: Sequence[LayerEntry],
+    points: Sequence[int | None],
+    plan: EvalPlan,
+    clock: _Clock,
+    progress: Progress | None,
+) -> tuple[Activations, Activations, list[LayerCheck]]:
+    """Both stacks over every window in lockstep, comparing hidden states at each corresponding point."""
+    inputs = [w.input_ids for w in plan.windows]
+    acts_b = base.start(inputs)
+    acts_e = expd.start(inputs)
+    clock.lap("start")
+    checks: list[LayerCheck] = []
+    diff, eq = _max_abs_diff(acts_e, acts_b)
+    checks.append(LayerCheck(-1, -1, "embeddings", diff, eq))
+    ticks = LayerTicks(progress, len(inputs), plan.n_tokens, base.num_layers + expd.num_layers)
+    passes = 0
+
+    def apply(model: StreamedModel, index: int, acts: Activations, name: str) -> None:
+        nonlocal passes
+        model.apply_layer(index, acts, on_batch=ticks.layer(passes, f"{name} {index}"))
+        passes += 1
+
+    base_done = 0  # base layers applied so far
+    for j, target in enumerate(points):
+        if target is not None:
+            while base_done <= target:
+                apply(base, base_done, acts_b, "base")
+                base_done += 1
+        apply(expd, j, acts_e, "expanded")
+        if target is not None:
+            diff, eq = _max_abs_diff(acts_e, acts_b)
+            checks.append(LayerCheck(j, target, describe(entries[j], j), diff, eq))
+    while base_done < base.num_layers:
+        apply(base, base_done, acts_b, "base")
+        base_done += 1
+    clock.lap("layers")
+    return acts_b, acts_e, checks
 
 
 def verify_expansion(
@@ -306,7 +422,9 @@ def verify_expansion(
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype = "float32",
     attn_implementation: str | None = None,
-    batch_size: int = 1,
+    batch_size: int | None = None,
+    threads: int | None = None,
+    cpu_sample: CpuSample | None = None,
     rtol: float | None = None,
     progress: Progress | None = None,
 ) -> VerifyReport:
@@ -316,8 +434,11 @@ def verify_expansion(
     WrongBase, exit 2), and the expanded layers are matched to the base's by fingerprints.
     ``layer_map`` (list of manifest-style entries, or a function) defaults to the manifest's, else to
     the map the fingerprints show. Parity is expected (unless ``expect_parity`` says) when the layer
-    map claims a function-preserving expansion or the static proof shows one.
+    map claims a function-preserving expansion or the static proof shows one. ``batch_size``,
+    ``threads`` and ``cpu_sample`` as for :func:`perplexity` (chosen for the expanded model, the
+    larger work; both models run with them).
     """
+    clock = _Clock()
     torch_dtype = parse_dtype(dtype)
     base_reader, expd_reader = CheckpointReader(base_dir), CheckpointReader(expanded_dir)
     claimed = list(layer_map) if layer_map is not None and not callable(layer_map) else None
@@ -347,36 +468,17 @@ def verify_expansion(
         # the map's claim or the proof; never a boolean a hand edit could flip
         expect_parity = default_function_preserving(entries, base.num_layers) or proof.preserving
 
-    inputs = [w.input_ids for w in plan.windows]
-    acts_b = base.start(inputs)
-    acts_e = expd.start(inputs)
-    checks: list[LayerCheck] = []
-    diff, eq = _max_abs_diff(acts_e, acts_b)
-    checks.append(LayerCheck(-1, -1, "embeddings", diff, eq))
-
-    base_done = 0  # base layers applied so far
-    total = expd.num_layers
-    for j, target in enumerate(points):
-        if target is not None:
-            while base_done <= target:
-                base.apply_layer(base_done, acts_b)
-                base_done += 1
-        expd.apply_layer(j, acts_e)
-        if target is not None:
-            diff, eq = _max_abs_diff(acts_e, acts_b)
-            checks.append(LayerCheck(j, target, describe(entries[j], j), diff, eq))
-        if progress:
-            progress("layers", j + 1, total)
-    while base_done < base.num_layers:
-        base.apply_layer(base_done, acts_b)
-        base_done += 1
-
-    # Logits one model at a time (its head, one chunk of positions): the chunks are compared by
-    # digest, so neither model's head or logits need to be held next to the other's.
-    lp_b, digests_b = _score(base, acts_b, plan.windows)
-    del acts_b
-    lp_e, digests_e = _score(expd, acts_e, plan.windows)
-    del acts_e
+    compute = compute_settings(expd, plan, threads, cpu_sample)
+    base.batch_size = expd.batch_size = compute.batch_size if batch_size is None else batch_size
+    with intra_op_threads(compute.threads.threads):
+        acts_b, acts_e, checks = _run_layers(base, expd, entries, points, plan, clock, progress)
+        # Logits one model at a time (its head, one chunk of positions): the chunks are compared by
+        # digest, so neither model's head or logits need to be held next to the other's.
+        lp_b, digests_b = _score(base, acts_b, plan.windows, progress, "base")
+        del acts_b
+        lp_e, digests_e = _score(expd, acts_e, plan.windows, progress, "expanded")
+        del acts_e
+        clock.lap("scoring")
     logits_equal = digests_b == digests_e
     logprob_diff = max(
         (float((x - y).abs().max()) for x, y in zip(lp_b, lp_e, strict=True) if x.numel()), default=0.0
@@ -425,6 +527,8 @@ def verify_expansion(
         change = "unchanged" if unchanged else f"{value_b:.8g} -> {value_e:.8g}"
         verdict = f"no parity expected (not function-preserving): {name} {change}"
         exit_code = 0
+    if plan.reproduces:
+        verdict += f" [wikitext figures of {plan.reproduces}]"
     return VerifyReport(
         base_model=str(base_dir),
         expanded_model=str(expanded_dir),
@@ -443,4 +547,6 @@ def verify_expansion(
         first_divergence=first,
         checks=checks,
         proof=proof,
+        compute=compute,
+        timings=clock.total(),
     )

@@ -128,3 +128,9 @@ def hidden_states_of(layer_output) -> torch.Tensor:
 def as_layer_output(hidden_states: torch.Tensor, as_tuple: bool):
     """Hidden states shaped the way the family's model forward expects a decoder layer to return them."""
     return (hidden_states,) if as_tuple else hidden_states
+
+
+def attention_materialises_scores(config) -> bool:
+    """Whether the model's attention holds the full [heads, T, T] score matrix (eager attention), as
+    the model was built (``_attn_implementation``, set by both versions when building a model)."""
+    return getattr(config, "_attn_implementation", None) in (None, "eager")

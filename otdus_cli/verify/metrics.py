@@ -3,18 +3,16 @@
 Both turn a corpus into a list of :class:`Window` s (token ids to feed, tokens to score) before any
 model runs, so one plan can be scored by two models (base and expanded) window for window.
 
-lm-eval ``wikitext`` (``loglikelihood_rolling``), as in lm-eval 0.4.x's HF model:
-  * each document is tokenised without special tokens (lm-eval 0.4.2-era default for causal models,
-    ``add_bos_token=False`` in recent releases; ``add_special_tokens=True`` gives 0.4.13's default);
-  * windows of ``max_length`` tokens: the first is ``[prefix] + tokens[:L-1]`` scoring ``tokens[:L]``
-    (prefix = BOS, or EOS when the tokenizer has no BOS); each later window scores the next <= L
-    tokens, fed with the L tokens that precede each target (so every token is scored exactly once,
-    with as much left context as fits);
+lm-eval ``wikitext`` (``loglikelihood_rolling``), as lm-eval 0.4.x's HF model computes it:
+  * each document is detokenised and tokenised as the chosen lm-eval release does
+    (verify/lm_eval_presets.py: with or without the tokenizer's special tokens, which prefix token,
+    which max length);
+  * windows of ``max_length`` tokens: the first is ``[prefix] + tokens[:L-1]`` scoring ``tokens[:L]``;
+    each later window scores the next <= L tokens, fed with the L tokens that precede each target
+    (so every token is scored exactly once, with as much left context as fits);
   * word_perplexity = exp(-sum ll / words), byte_perplexity = exp(-sum ll / bytes),
     bits_per_byte = -sum ll / bytes / ln 2, words and bytes counted on the document before
     detokenisation.
-  * ``max_length`` defaults as lm-eval resolves it: config ``n_positions``, ``max_position_embeddings``
-    or ``n_ctx``, else the tokenizer's ``model_max_length``, else 2048.
 
 Token perplexity (GPTQ): the text joined with ``\\n\\n``, tokenised once with the tokenizer's special
 tokens, cut into disjoint ``seq_len`` windows (the tail that does not fill a window is dropped),
@@ -32,13 +30,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.verify.lm_eval_presets import WikitextTokenization
+from otdus_cli.verify.progress import Progress, Tick
 from otdus_cli.verify.text import Corpus, count_bytes, count_words, wikitext_detokenize
 
 DEFAULT_SEQ_LEN = 2048
-LM_EVAL_DEFAULT_MAX_LENGTH = 2048
-_TOKENIZER_INFINITY = 1000000000000000019884624838656  # transformers' "no limit" model_max_length
-
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -60,6 +56,7 @@ class EvalPlan:
     bytes: list[int]
     context: int  # max_length (rolling) or seq_len (token)
     settings: dict = field(default_factory=dict)
+    reproduces: str | None = None  # e.g. "lm-eval 0.4.2": whose wikitext figures these are
 
     @property
     def n_docs(self) -> int:
@@ -86,6 +83,7 @@ class PerplexityMetrics:
     byte_perplexity: float | None = None
     bits_per_byte: float | None = None
     settings: dict = field(default_factory=dict)
+    reproduces: str | None = None  # e.g. "lm-eval 0.4.2": whose wikitext figures these are
 
     def headline(self) -> tuple[str, float]:
         """The protocol's main figure: word perplexity for the lm-eval protocol, else token perplexity."""
@@ -101,7 +99,7 @@ class PerplexityMetrics:
         return asdict(self)
 
 
-# -- tokenizer and context length ----------------------------------------------------------------
+# -- tokenizer and model positions ----------------------------------------------------------------
 def load_tokenizer(folder: str | os.PathLike[str]):
     from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import
 
@@ -111,32 +109,12 @@ def load_tokenizer(folder: str | os.PathLike[str]):
         raise OtdusError(f"cannot load a tokenizer from {folder}: {exc.__class__.__name__}: {exc}") from None
 
 
-def lm_eval_max_length(config: dict, tokenizer=None) -> int:
-    """Context length the way lm-eval's HF model resolves it when ``max_length`` is not given."""
-    cfg = config.get("text_config") or config
-    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        if cfg.get(attr) is not None:
-            return int(cfg[attr])
-    mml = getattr(tokenizer, "model_max_length", None)
-    if mml is not None and mml != _TOKENIZER_INFINITY:
-        return int(mml)
-    return LM_EVAL_DEFAULT_MAX_LENGTH
-
-
 def model_max_positions(config: dict) -> int | None:
     cfg = config.get("text_config") or config
     for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
         if cfg.get(attr) is not None:
             return int(cfg[attr])
     return None
-
-
-def prefix_token_id(tokenizer) -> int:
-    """lm-eval's prefix for the first rolling window: BOS, or EOS when there is no BOS."""
-    tok = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    if tok is None:
-        raise OtdusError("the tokenizer has neither a BOS nor an EOS token to start the first window")
-    return int(tok)
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -171,14 +149,13 @@ def rolling_windows(
 def plan_rolling(
     corpus: Corpus,
     tokenizer,
-    max_length: int,
+    tokenization: WikitextTokenization,
     *,
     detokenize: bool | None = None,
-    add_special_tokens: bool = False,
     max_docs: int | None = None,
     max_tokens: int | None = None,
 ) -> EvalPlan:
-    """lm-eval ``wikitext``-style plan over whole documents.
+    """lm-eval ``wikitext``-style plan over whole documents, tokenised as ``tokenization`` says.
 
     ``detokenize`` defaults to True for WikiText. ``max_tokens`` keeps whole documents until at least
     that many tokens are scored (word/byte counts stay exact), so the plan's ``n_tokens`` can exceed
@@ -186,7 +163,7 @@ def plan_rolling(
     """
     if detokenize is None:
         detokenize = corpus.kind == "wikitext"
-    prefix = prefix_token_id(tokenizer)
+    max_length = tokenization.max_length
     docs = corpus.documents if max_docs is None else corpus.documents[: max(0, max_docs)]
     windows: list[Window] = []
     words: list[int] = []
@@ -196,20 +173,16 @@ def plan_rolling(
         if max_tokens is not None and scored >= max_tokens:
             break
         text = wikitext_detokenize(page) if detokenize else page
-        tokens = _encode(tokenizer, text, add_special_tokens)
-        for inp, tgt in rolling_windows(tokens, prefix, max_length):
+        tokens = tokenization.encode(tokenizer, text)
+        for inp, tgt in rolling_windows(tokens, tokenization.prefix_token_id, max_length):
             windows.append(Window(inp, tgt, len(inp) - len(tgt), d))
         scored += len(tokens)
         words.append(count_words(page))
         nbytes.append(count_bytes(page))
-    settings = {
-        "max_length": max_length,
-        "prefix_token_id": prefix,
-        "add_special_tokens": add_special_tokens,
-        "detokenize": detokenize,
-        "max_tokens": max_tokens,
-    }
-    return EvalPlan("wikitext", corpus.name, windows, words, nbytes, max_length, settings)
+    settings = {**tokenization.settings(), "detokenize": detokenize, "max_tokens": max_tokens}
+    return EvalPlan(
+        "wikitext", corpus.name, windows, words, nbytes, max_length, settings, tokenization.reproduces
+    )
 
 
 # -- token perplexity -------------------------------------------------------------------------------
@@ -272,17 +245,40 @@ def plan_token(
 
 
 # -- scoring ------------------------------------------------------------------------------------------
+def _scored_span(window: Window, first: int, positions: int) -> tuple[int, int]:
+    """Targets lo .. hi - 1 of ``window`` are predicted by a chunk of ``positions`` positions from
+    ``first`` (target i is predicted at position ``window.offset + i``); hi <= lo when none are."""
+    lo = max(0, first - window.offset)
+    hi = min(len(window.targets), first + positions - window.offset)
+    return lo, hi
+
+
+def batch_target_logprobs(logits: torch.Tensor, windows: Sequence[Window], first: int) -> list[torch.Tensor]:
+    """Log-probabilities (float64, CPU) of each window's targets predicted at positions ``first`` ..
+    ``first + c - 1`` (logits [B, c, V], row b for ``windows[b]``), one log-softmax over the whole chunk
+    in float32; an empty tensor for a window the chunk predicts none of."""
+    batch, positions = logits.shape[0], logits.shape[1]
+    spans = [_scored_span(w, first, positions) for w in windows]
+    # target id at each position (0 where the position predicts nothing of its window: gathered, unused)
+    ids = torch.zeros((batch, positions), dtype=torch.long)
+    for row, (window, (lo, hi)) in enumerate(zip(windows, spans, strict=True)):
+        if hi > lo:
+            start = window.offset + lo - first
+            ids[row, start : start + hi - lo] = torch.as_tensor(window.targets[lo:hi], dtype=torch.long)
+    picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.to(logits.device)[..., None])[..., 0]
+    picked = picked.double().cpu()
+    out = []
+    for row, (window, (lo, hi)) in enumerate(zip(windows, spans, strict=True)):
+        start = window.offset + lo - first
+        out.append(picked[row, start : start + hi - lo] if hi > lo else torch.empty(0, dtype=torch.float64))
+    return out
+
+
 def target_logprobs(logits: torch.Tensor, window: Window, first: int) -> torch.Tensor:
     """Log-probabilities (float64, CPU) of the window's targets predicted at positions ``first`` ..
     ``first + len(logits) - 1`` (logits [c, V] of those positions; target i is predicted at position
     ``window.offset + i``); log-softmax in float32. Empty when the chunk predicts none of them."""
-    lo = max(0, first - window.offset)
-    hi = min(len(window.targets), first + logits.shape[0] - window.offset)
-    if hi <= lo:
-        return torch.empty(0, dtype=torch.float64)
-    rows = logits[window.offset + lo - first : window.offset + hi - first].float()
-    idx = torch.tensor(window.targets[lo:hi], dtype=torch.long, device=rows.device)
-    return torch.log_softmax(rows, dim=-1).gather(-1, idx[:, None])[:, 0].double().cpu()
+    return batch_target_logprobs(logits[None], [window], first)[0]
 
 
 def logits_to_keep(window: Window) -> int:
@@ -290,20 +286,35 @@ def logits_to_keep(window: Window) -> int:
 
 
 def score_activations(
-    model, acts, windows: Sequence[Window], on_chunk: Callable[[torch.Tensor], None] | None = None
+    model,
+    acts,
+    windows: Sequence[Window],
+    on_chunk: Callable[[torch.Tensor], None] | None = None,
+    progress: Progress | None = None,
+    label: str = "",
 ) -> list[torch.Tensor]:
     """Target log-probs for every window from a :class:`StreamedModel`'s finished activations.
 
     The logits come chunk by chunk (``StreamedModel.iter_logits``); ``on_chunk`` sees each chunk
-    before it is dropped (verify digests them). The model's head is freed afterwards.
+    before it is dropped (verify digests them); ``progress`` gets a "scoring" tick per chunk (``label``
+    names the model). The model's head is freed afterwards.
     """
     keep = [logits_to_keep(w) for w in windows]
     pieces: list[list[torch.Tensor]] = [[] for _ in windows]
+    total = sum(len(w.targets) for w in windows)
+    done = 0
+    phase = f"scoring {label}".strip()
+    if progress is not None:
+        progress(Tick(phase, 0, total, "tokens", 0, f"0/{total:,} tokens"))
     for group, first, logits in model.iter_logits(acts, keep):
         if on_chunk is not None:
             on_chunk(logits)
-        for row, i in enumerate(group):
-            pieces[i].append(target_logprobs(logits[row], windows[i], first))
+        parts = batch_target_logprobs(logits, [windows[i] for i in group], first)
+        for i, part in zip(group, parts, strict=True):
+            pieces[i].append(part)
+            done += part.numel()
+        if progress is not None:
+            progress(Tick(phase, done, total, "tokens", done, f"{done:,}/{total:,} tokens"))
     model.free_shell()
     out = []
     for window, parts in zip(windows, pieces, strict=True):
@@ -316,9 +327,8 @@ def score_activations(
 
 def score_plan(model, plan: EvalPlan, progress: Progress | None = None) -> list[torch.Tensor]:
     """Target log-probs for every window of ``plan`` with a :class:`StreamedModel`."""
-    layer_progress = (lambda i, n: progress("layers", i, n)) if progress else None
-    acts = model.run([w.input_ids for w in plan.windows], layer_progress)
-    return score_activations(model, acts, plan.windows)
+    acts = model.run([w.input_ids for w in plan.windows], progress)
+    return score_activations(model, acts, plan.windows, progress=progress)
 
 
 def metrics_from_logprobs(plan: EvalPlan, logprobs: Sequence[torch.Tensor]) -> PerplexityMetrics:
@@ -337,6 +347,7 @@ def metrics_from_logprobs(plan: EvalPlan, logprobs: Sequence[torch.Tensor]) -> P
         loglikelihood=ll,
         token_perplexity=token_ppl,
         settings=dict(plan.settings),
+        reproduces=plan.reproduces,
     )
     if plan.protocol == "wikitext":
         words, nbytes = sum(plan.words), sum(plan.bytes)

@@ -19,6 +19,7 @@ logits (positions are scored in chunks of at most ``max_logits_bytes``).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,11 +31,18 @@ from torch import nn
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.verify import hf_compat
+from otdus_cli.verify.progress import LayerTicks, Progress
 
 # Large tensors are copied from disk in blocks of this size (float32 destination bytes).
 _COPY_BLOCK_BYTES = 64 * 2**20
 # Logits of one scoring step: 64 MiB is ~128 positions of a 128k vocabulary in float32.
 DEFAULT_MAX_LOGITS_BYTES = 64 * 2**20
+# Automatic batches (batch_size=None): windows of one length are stacked until a batch holds this many
+# tokens (a layer call then lasts long enough that its Python and thread start-up costs vanish: 32
+# windows of 512 tokens, as a plain forward would be batched) ...
+AUTO_BATCH_TOKENS = 16384
+# ... or until the layer's largest intermediate results would take this many bytes.
+AUTO_BATCH_TEMP_BYTES = 256 * 2**20
 
 DTYPES = {
     "float32": torch.float32,
@@ -146,15 +154,17 @@ class CheckBatch:
     how: str
 
 
-def group_windows(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Batches of window indices with equal lengths (no padding), in first-seen order."""
+def group_windows(lengths: Sequence[int], batch_size: int | Callable[[int], int]) -> list[list[int]]:
+    """Batches of window indices with equal lengths (no padding), in first-seen order; ``batch_size``
+    is a window count, or a function of the windows' length giving it."""
     by_len: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         by_len.setdefault(n, []).append(i)
     groups = []
-    for idx in by_len.values():
-        for s in range(0, len(idx), max(1, batch_size)):
-            groups.append(idx[s : s + max(1, batch_size)])
+    for length, idx in by_len.items():
+        size = max(1, int(batch_size(length) if callable(batch_size) else batch_size))
+        for s in range(0, len(idx), size):
+            groups.append(idx[s : s + size])
     return groups
 
 
@@ -216,7 +226,7 @@ class StreamedModel:
         device: str | torch.device | None = "cpu",
         dtype: str | torch.dtype = torch.float32,
         attn_implementation: str | None = None,
-        batch_size: int = 1,
+        batch_size: int | None = 1,
         activation_device: str | torch.device | None = None,
         kwargs_budget: int = 512 * 2**20,
         self_check: str = "off",
@@ -228,7 +238,8 @@ class StreamedModel:
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype)
         self.activation_device = resolve_device(activation_device) if activation_device else self.device
-        self.batch_size = max(1, int(batch_size))
+        # windows per forward pass; None: as many as AUTO_BATCH_TOKENS / AUTO_BATCH_TEMP_BYTES allow
+        self.batch_size = None if batch_size is None else max(1, int(batch_size))
         self.kwargs_budget = kwargs_budget  # bytes of recorded masks/rotary tables kept between layers
         # "on": the next start() adds the self-check (see verify.self_check); "whole-model": only if the
         # model is small enough for the whole-model reference
@@ -303,6 +314,36 @@ class StreamedModel:
                     f"{type(self.model).__name__} (checkpoint layout not supported for streaming)"
                 )
             self._recipes.append(recipe)
+
+    def _layer_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the decoder layers' tensors on disk (all layers: a family may vary them)."""
+        return [
+            tuple(self.reader.meta(n).shape) for r in self._recipes for names in r.values() for n in names
+        ]
+
+    def layer_call_flop(self, windows: int, length: int) -> float:
+        """Floating-point operations of one decoder-layer call on ``windows`` windows of ``length``
+        tokens: two per weight and token (the largest layer's weights; all experts of a MoE layer, an
+        upper bound), and causal attention's two products."""
+        largest = max(
+            sum(math.prod(self.reader.meta(n).shape) for names in r.values() for n in names)
+            for r in self._recipes
+        )
+        hidden = int(getattr(self.config, "hidden_size", 0) or 0)
+        return 2.0 * windows * length * (largest + length * hidden)
+
+    def windows_per_batch(self, length: int) -> int:
+        """The explicit batch size, else the automatic one for windows of ``length`` tokens."""
+        if self.batch_size is not None:
+            return self.batch_size
+        element = torch.empty((), dtype=self.dtype).element_size()
+        widest = max((max(shape[-2:]) for shape in self._layer_shapes() if len(shape) >= 2), default=1)
+        per_token = 4 * widest * element  # a few intermediate results of the widest projection
+        if hf_compat.attention_materialises_scores(self.config):  # eager attention: heads x T scores
+            per_token += 2 * int(getattr(self.config, "num_attention_heads", 1) or 1) * length * element
+        by_tokens = AUTO_BATCH_TOKENS // max(1, length)
+        by_memory = AUTO_BATCH_TEMP_BYTES // max(1, per_token * length)
+        return max(1, min(by_tokens, by_memory))
 
     def _num_experts(self) -> int | None:
         for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
@@ -440,7 +481,7 @@ class StreamedModel:
         """Embed every window (token id lists) and record each layer's forward arguments."""
         if not inputs:
             raise OtdusError("nothing to evaluate (no windows)")
-        groups = group_windows([len(x) for x in inputs], self.batch_size)
+        groups = group_windows([len(x) for x in inputs], self.windows_per_batch)
         reference = None
         if self._check_pending:  # once per model: the first window's start, as a batch of its own
             from otdus_cli.verify.self_check import SELF_CHECK_TOKENS, reference_logits  # noqa: PLC0415
@@ -487,12 +528,20 @@ class StreamedModel:
             hub.first_input, hub.kwargs = None, {}
 
     @torch.inference_mode()
-    def apply_layer(self, index: int, acts: Activations, layer: nn.Module | None = None) -> None:
-        """Run decoder layer ``index`` (already loaded, or loaded and freed here) over every window."""
+    def apply_layer(
+        self,
+        index: int,
+        acts: Activations,
+        layer: nn.Module | None = None,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Run decoder layer ``index`` (already loaded, or loaded and freed here) over every window;
+        ``on_batch`` is told the windows and tokens done after each batch."""
         own = layer is None
         if own:
             layer = self.load_layer(index)
         try:
+            done = tokens = 0
             for g, hidden in enumerate(acts.hidden):
                 kwargs = acts.layer_kwargs[g]
                 if kwargs is None:
@@ -501,6 +550,10 @@ class StreamedModel:
                 h = hidden.to(self.device)
                 out = hf_compat.hidden_states_of(layer(h, **kwargs[index]))
                 acts.hidden[g] = out.to(self.activation_device)
+                done += len(acts.groups[g])
+                tokens += acts.inputs[g].numel()
+                if on_batch is not None:
+                    on_batch(done, tokens)
             if acts.check is not None:
                 out = layer(acts.check.hidden.to(self.device), **acts.check.layer_kwargs[index])
                 acts.check.hidden = hf_compat.hidden_states_of(out).to(self.activation_device)
@@ -584,15 +637,12 @@ class StreamedModel:
             hub.mode, hub.delegate = "record", None
             self.free_shell()
 
-    def run(
-        self, inputs: Sequence[Sequence[int]], progress: Callable[[int, int], None] | None = None
-    ) -> Activations:
+    def run(self, inputs: Sequence[Sequence[int]], progress: Progress | None = None) -> Activations:
         """Every layer, in order, over every window."""
         acts = self.start(inputs)
+        ticks = LayerTicks(progress, len(inputs), sum(len(x) for x in inputs), self.num_layers)
         for i in range(self.num_layers):
-            self.apply_layer(i, acts)
-            if progress:
-                progress(i + 1, self.num_layers)
+            self.apply_layer(i, acts, on_batch=ticks.layer(i))
         return acts
 
     def logits(self, inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:

@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Regenerate docs/evidence.md's figures: run the studies and diagnoses, then render the tables.
+
+    python scripts/evidence.py study                    # both studies of recipes/study-table6.yaml
+    python scripts/evidence.py study --only in-domain   # one of them (two processes: one per core)
+    python scripts/evidence.py diagnose                 # stories260K and the two planted controls
+    python scripts/evidence.py render                   # docs/evidence.md's generated blocks
+
+`study` and `diagnose` write JSON (and PNG) under docs/evidence/ and log their wall time and the
+machine's load average to docs/evidence/runs.json; `render` rewrites only the blocks between
+`<!-- evidence:NAME -->` and `<!-- evidence:end -->` in docs/evidence.md from that JSON (the prose
+around them is written by hand and must follow from them). tests/test_evidence.py fails when the
+blocks differ from what `render` makes of the stored results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EVIDENCE = ROOT / "docs" / "evidence"
+DOC = ROOT / "docs" / "evidence.md"
+RECIPE = ROOT / "recipes" / "study-table6.yaml"
+DIAGNOSE_TEXT = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_train_head_2MiB.txt"
+DIAGNOSE_TOKENS = 8192
+PLANTED_TEXT = "bundled:tinystories-sample"
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _log(name: str, seconds: float, load_before: float, command: str) -> None:
+    """Record how long a regeneration took and how busy the machine was (runs.json)."""
+    path = EVIDENCE / "runs.json"
+    runs = json.loads(path.read_text()) if path.exists() else {}
+    runs[name] = {
+        "command": command,
+        "seconds": round(seconds, 1),
+        "load_before": round(load_before, 2),
+        "load_after": round(_load(), 2),
+        "cpus": os.cpu_count(),
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    path.write_text(json.dumps(dict(sorted(runs.items())), indent=2) + "\n")
+
+
+def run_studies(only: list[str] | None) -> None:
+    from otdus_cli.study import run_recipe  # noqa: PLC0415
+
+    def progress(event) -> None:
+        if event.kind in ("run", "data"):
+            tail = f"final loss {event.loss:.6f}" if event.loss is not None else event.message
+            when = time.strftime("%H:%M:%S")
+            print(f"[{when}] {event.run}/{event.runs} {event.label} seed {event.seed}: {tail}", flush=True)
+
+    from otdus_cli.study.runner import load_study_recipe  # noqa: PLC0415
+
+    names = only or [s.name for s in load_study_recipe(RECIPE).studies]
+    for name in names:
+        t0, load = time.perf_counter(), _load()
+        run_recipe(RECIPE, EVIDENCE / "table6", only=[name], progress=progress)
+        _log(
+            f"study/{name}", time.perf_counter() - t0, load, f"python scripts/evidence.py study --only {name}"
+        )
+
+
+def run_diagnoses() -> None:
+    from rich.console import Console  # noqa: PLC0415
+
+    from otdus_cli.study import diagnose, diagnose_tables  # noqa: PLC0415
+    from otdus_cli.study.planted import plant_permuted_copy  # noqa: PLC0415
+
+    out = EVIDENCE / "diagnose"
+    out.mkdir(parents=True, exist_ok=True)
+    t0, load = time.perf_counter(), _load()
+    result = diagnose(
+        "bundled:stories260k",
+        str(DIAGNOSE_TEXT),
+        max_tokens=DIAGNOSE_TOKENS,
+        png=out / "stories260k_weight_norms.png",
+    )
+    result.text = os.path.relpath(result.text, ROOT)  # the same on every machine
+    result.figures = [os.path.relpath(f, ROOT) for f in result.figures]
+    (out / "stories260k.json").write_text(result.to_json() + "\n")
+    with (out / "stories260k.txt").open("w") as fh:
+        Console(file=fh, width=140, color_system=None).print(diagnose_tables(result))
+    planted = {}
+    with tempfile.TemporaryDirectory(prefix="otdus-planted-") as tmp:
+        for name, permute_heads in (("mlp permuted", False), ("mlp+heads permuted", True)):
+            folder = Path(tmp) / name.replace(" ", "-").replace("+", "-")
+            a, b = plant_permuted_copy("bundled:stories260k", folder, layer=2, permute_heads=permute_heads)
+            r = diagnose(
+                str(folder), "bundled:tinystories-sample", pairs=[(a, b)], max_tokens=768, seq_len=128
+            )
+            (pair,) = r.pairs
+            planted[name] = {
+                "tokens": r.tokens,
+                "mlp": pair.mlp,
+                "heads": pair.heads,
+                "entropy_normalized": {m: e["entropy_normalized"] for m, e in pair.entropy.items()},
+            }
+    (out / "planted.json").write_text(json.dumps(planted, indent=1) + "\n")
+    _log("diagnose", time.perf_counter() - t0, load, "python scripts/evidence.py diagnose")
+
+
+def render() -> bool:
+    """Rewrite docs/evidence.md's generated blocks; True when anything changed."""
+    from otdus_cli.study.evidence import render_document  # noqa: PLC0415
+
+    before = DOC.read_text()
+    after = render_document(before, EVIDENCE)
+    if after != before:
+        DOC.write_text(after)
+    return after != before
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="what", required=True)
+    st = sub.add_parser("study", help="run the recipe's studies (docs/evidence/table6/NAME/)")
+    st.add_argument("--only", action="append", help="a study of the recipe (repeatable)")
+    sub.add_parser("diagnose", help="stories260K and the planted controls (docs/evidence/diagnose/)")
+    sub.add_parser("render", help="docs/evidence.md's generated blocks from the stored results")
+    args = parser.parse_args(argv)
+    if args.what == "study":
+        run_studies(args.only)
+    elif args.what == "diagnose":
+        run_diagnoses()
+    else:
+        print("docs/evidence.md " + ("updated" if render() else "unchanged"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

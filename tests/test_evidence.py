@@ -1,0 +1,143 @@
+"""docs/evidence.md's generated blocks: they are what scripts/evidence.py renders from the stored
+results, and the verdicts, contrasts and error split they print agree with scipy on fixed inputs."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import study_from_window_losses
+from scipy import stats
+
+from otdus_cli.study.evidence import (
+    across_studies_lines,
+    contrasts_markdown,
+    error_markdown,
+    error_parts,
+    render_document,
+    verdict_lines,
+)
+from otdus_cli.study.stats import holm
+
+ROOT = Path(__file__).parent.parent
+DOC = ROOT / "docs" / "evidence.md"
+
+
+def test_evidence_doc_is_what_its_stored_results_render():
+    """Every figure in a generated block of docs/evidence.md comes from docs/evidence/**.json through
+    the current statistics: a hand edit, or results regenerated without `render`, fails here."""
+    text = DOC.read_text()
+    names = re.findall(r"<!-- evidence:([\w:.-]+) -->", text)
+    for wanted in (
+        "study:in-domain",
+        "study:new-domain",
+        "contrasts:new-domain",
+        "diagnose-mlp",
+        "planted",
+        "runs",
+    ):
+        assert wanted in names
+    assert render_document(text, ROOT / "docs" / "evidence") == text, "run: python scripts/evidence.py render"
+
+
+def test_unknown_block_refused(tmp_path):
+    with pytest.raises(KeyError, match="no such generated block"):
+        render_document("<!-- evidence:nonsense -->\nx\n<!-- evidence:end -->\n", tmp_path)
+
+
+def _windows(rng, base, shift, noise, seeds=3):
+    return [list(base + shift + rng.normal(0, noise, base.shape)) for _ in range(seeds)]
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    """One seed, 40 windows: zero-init lowers the loss by 0.1 for both methods, OT adds nothing."""
+    rng = np.random.default_rng(2)
+    base = rng.normal(2.0, 0.3, 40)
+    table = {
+        "ot": _windows(rng, base, 0.0, 0.01, seeds=1),
+        "ot+nozero": _windows(rng, base, 0.1, 0.01, seeds=1),
+        "average+zero": _windows(rng, base, 0.0, 0.01, seeds=1),
+        "average": _windows(rng, base, 0.1, 0.01, seeds=1),
+    }
+    return table, study_from_window_losses(table, reference="ot")
+
+
+def test_contrasts_match_scipy_paired_t_and_holm(two_by_two):
+    """With one seed each contrast is the paired t test over windows (scipy's ttest_rel); the Holm
+    column adjusts over the four contrasts of the 2x2."""
+    table, result = two_by_two
+    pairs = [
+        ("ot", "ot+nozero"),
+        ("average+zero", "average"),
+        ("ot", "average+zero"),
+        ("ot+nozero", "average"),
+    ]
+    expected_p = [stats.ttest_rel(table[a][0], table[b][0]).pvalue for a, b in pairs]
+    for (a, b), p in zip(pairs, expected_p, strict=True):
+        assert result.contrast(a, b)["p"] == pytest.approx(p, rel=1e-10)
+    rows = [line for line in contrasts_markdown(result).splitlines() if line.startswith("| ") and "`" in line]
+    assert len(rows) == 4
+    for row, q in zip(rows, holm(expected_p), strict=True):
+        cells = [c.strip() for c in row.split("|")]
+        assert cells[4] == ("< 0.001" if q < 0.001 else f"{q:.3f}")
+    verdicts = [row.rsplit("|", 2)[1].strip() for row in rows]
+    assert verdicts[0] == "lower" and verdicts[1] == "lower" and verdicts[2] == "n.s."
+
+
+def test_verdict_lines_follow_the_holm_adjusted_tests():
+    """`low` is clearly below the reference, `high` clearly above, `tiny` differs by less than the
+    window noise: each lands in its own bullet, with the Holm p that the table shows."""
+    rng = np.random.default_rng(4)
+    base = rng.normal(1.5, 0.2, 32)
+    result = study_from_window_losses(
+        {
+            "ref": _windows(rng, base, 0.0, 0.01),
+            "low": _windows(rng, base, -0.05, 0.01),
+            "high": _windows(rng, base, 0.05, 0.01),
+            "tiny": _windows(rng, base, 0.0005, 0.01),
+        }
+    )
+    lower, higher, unclear = verdict_lines(result)
+    assert "`low`" in lower and "`low`" not in higher + unclear
+    assert "`high`" in higher and "`tiny`" in unclear and "`tiny`" not in lower + higher
+    tiny = result.summary("tiny").vs_reference
+    assert f"Holm p {tiny['p_holm']:.3f}" in unclear and "3/3 seeds" in lower
+
+
+def test_error_split_adds_up_and_seed_only_interval_is_scipys():
+    """The SE's seed, window and residual parts are the two-way model's variance components
+    (squares add up to SE^2 when none is truncated); the seeds-only half-width is scipy's t
+    interval over the per-seed mean differences."""
+    rng = np.random.default_rng(9)
+    base = rng.normal(1.0, 0.2, 24)
+    seeds = 4
+    a = [list(base + 0.02 + rng.normal(0, 0.003) + rng.normal(0, 0.01, 24)) for _ in range(seeds)]
+    result = study_from_window_losses({"ref": [list(base)] * seeds, "a": a})
+    vs = result.summary("a").vs_reference
+    assert vs["error"] == "seeds and windows"
+    parts = error_parts(vs)
+    assert parts["seed"] ** 2 + parts["window"] ** 2 + parts["residual"] ** 2 == pytest.approx(
+        vs["se"] ** 2, rel=1e-12
+    )
+    ci = stats.ttest_1samp(vs["diffs"], 0.0).confidence_interval(0.95)
+    assert parts["seeds_only_half_width"] == pytest.approx((ci.high - ci.low) / 2, rel=1e-10)
+    assert parts["half_width"] == pytest.approx(stats.t.ppf(0.975, vs["df"]) * vs["se"], rel=1e-10)
+    row = next(line for line in error_markdown(result).splitlines() if line.startswith("| a |"))
+    assert row == "| a | " + " | ".join(f"{x:.5f}" for x in parts.values()) + " |"
+
+
+def test_across_studies_holm_counts_every_comparison():
+    rng = np.random.default_rng(5)
+    base = rng.normal(1.0, 0.1, 16)
+    one = study_from_window_losses(
+        {"ref": _windows(rng, base, 0, 0.01), "a": _windows(rng, base, 0.004, 0.01)}
+    )
+    two = study_from_window_losses({"ref": _windows(rng, base, 0, 0.01), "b": _windows(rng, base, 0.2, 0.01)})
+    p = [one.summary("a").vs_reference["p"], two.summary("b").vs_reference["p"]]
+    q = holm(p)
+    kept, lost = across_studies_lines({"one": one, "two": two})
+    assert "all 2 comparisons of the 2 studies" in kept
+    assert ("`a` (one" in kept) == (q[0] < 0.05) and "`b` (two" in kept
+    # `a` alone in its study is adjusted over 1 test: significant there, lost over both when q >= 0.05
+    assert ("`a` (one" in lost) == (p[0] < 0.05 <= q[0])
