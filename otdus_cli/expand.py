@@ -224,7 +224,9 @@ class _Engine:
                 continue
             new = [lay for lay in self.plan.layer_map if lay.builder == name]
             ctx = self._context(name, new[0].zero_init, device)
-            self.reports[name] = prepare(self.src.layers, new, ctx, self.scratch)
+            report = prepare(self.src.layers, new, ctx, self.scratch)
+            if report is not None:  # None: this variant of the builder has nothing to report
+                self.reports[name] = report
 
     def _context(self, builder: str, zero_init: bool, device, output_index: int = 0) -> BuildContext:
         own = getattr(self.plan.options, builder, None)  # the option group named after the builder (ot, lesa)
@@ -238,6 +240,7 @@ class _Engine:
             options=options,
             seed=self.plan.options.seed,
             output_index=output_index,
+            source_folder=Path(self.src.reader.folder),
         )
 
     def _write(self, builders: dict, device: torch.device | None) -> None:

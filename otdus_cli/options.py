@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from otdus_cli.errors import OtdusError
 
 # The closed sets of values, shared with the CLI (which offers them as choices and completions).
-OTVariant = Literal["paper", "official", "structured"]
+OTVariant = Literal["paper", "official", "structured", "activation"]
 OTSolver = Literal["sinkhorn", "emd"]
 LesaVariant = Literal["pair", "published"]
 Position = Literal["top", "bottom", "mid", "top-bottom", "uniform"]
@@ -28,6 +28,9 @@ class OTOptions(BaseModel):
     reg: float = Field(0.06, gt=0)
     tol: float = Field(1e-6, gt=0)
     max_iter: int = Field(2000, gt=0)
+    # activation variant: calibration text (a file or bundled:NAME) and at most this many tokens of it
+    calib: str = "bundled:tinystories-sample"
+    calib_tokens: int = Field(4096, ge=512)
 
     @model_validator(mode="after")
     def _official_has_one_solver(self) -> OTOptions:
@@ -100,6 +103,10 @@ def ignored_options(options: ExpandOptions) -> dict[str, str]:
     if options.method != "ot":
         ot_fields = [f"ot.{name}" for name in OTOptions.model_fields]
         return dict.fromkeys(ot_fields, f"only --method ot uses OT options, not {options.method}") | ignored
+    if options.ot.variant != "activation":
+        ignored |= dict.fromkeys(
+            ("ot.calib", "ot.calib_tokens"), "only --ot-variant activation reads calibration text"
+        )
     if options.ot.variant == "official":
         return {
             "ot.tol": "the official variant pins the released code's stopThr 1e-9",

@@ -80,7 +80,8 @@ OtVariant = Annotated[
     typer.Option(
         help="OT-DUS variant. paper: the paper's layer flow with Imfeld et al.'s conventions (plans "
         "scaled by n, max-normalised cost); official: the released script's computation (unscaled "
-        "plans, raw cost, POT); structured: ours. Sources: docs/ot.md. \\[default: paper]"
+        "plans, raw cost, POT); structured: ours; activation: structured's flow with neurons and heads "
+        "matched by their activations on --calib text. Sources: docs/ot.md. \\[default: paper]"
     ),
 ]
 Solver = Annotated[
@@ -98,6 +99,20 @@ Tol = Annotated[
     typer.Option(
         help="Sinkhorn stopping tolerance (otdus's rule): largest relative row/column mass error "
         "(the official variant pins the released code's 1e-9). \\[default: 1e-6]"
+    ),
+]
+Calib = Annotated[
+    str | None,
+    typer.Option(
+        help="Calibration text of --ot-variant activation: a UTF-8 file or bundled:NAME "
+        "(bundled:tinystories-sample, bundled:wikitext-test). \\[default: bundled:tinystories-sample]"
+    ),
+]
+CalibTokens = Annotated[
+    int | None,
+    typer.Option(
+        help="At most this many calibration tokens (whole windows of 256); the text must give at "
+        "least 512. \\[default: 4096]"
     ),
 ]
 MaxIter = Annotated[
@@ -186,7 +201,8 @@ def _options(model: str | None, layout: LayoutFlags, **flags: Any):
     del flags["recipe"]
     flags["allow_unknown_arch"] = flags["allow_unknown_arch"] or None
     after = flags.pop("after")
-    ot_flags = {k: flags.pop(k, None) for k in ("variant", "solver", "reg", "tol", "max_iter")}
+    ot_keys = ("variant", "solver", "reg", "tol", "max_iter", "calib", "calib_tokens")
+    ot_flags = {k: flags.pop(k, None) for k in ot_keys}
     lesa_flags = {k.removeprefix("lesa_"): flags.pop(k, None) for k in LESA_FLAGS}
     updates = {k: v for k, v in flags.items() if v is not None}
     if after is not None:
@@ -261,6 +277,8 @@ def expand(
     reg: Reg = None,
     tol: Tol = None,
     max_iter: MaxIter = None,
+    calib: Calib = None,
+    calib_tokens: CalibTokens = None,
     lesa_variant: LesaVariantFlag = None,
     lesa_epochs: LesaEpochs = None,
     lesa_rank: LesaRank = None,
@@ -290,6 +308,8 @@ def expand(
             reg=reg,
             tol=tol,
             max_iter=max_iter,
+            calib=calib,
+            calib_tokens=calib_tokens,
             lesa_variant=lesa_variant,
             lesa_epochs=lesa_epochs,
             lesa_rank=lesa_rank,
@@ -326,6 +346,8 @@ def expand(
         "ot.reg": reg,
         "ot.tol": tol,
         "ot.max_iter": max_iter,
+        "ot.calib": calib,
+        "ot.calib_tokens": calib_tokens,
         "lesa.variant": lesa_variant,
         "lesa.epochs": lesa_epochs,
         "lesa.rank": lesa_rank,

@@ -52,6 +52,7 @@ class BuildContext:
     seed: int = 0
     output_index: int = 0  # index of the new layer in the output stack
     stats: dict[str, Any] = field(default_factory=dict)  # builders record per-layer statistics here
+    source_folder: Path | None = None  # the source checkpoint (pre-passes that run it: OT activation)
 
 
 class LayerBuilder(Protocol):

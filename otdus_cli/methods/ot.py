@@ -22,18 +22,25 @@ Three variants (docs/ot.md has the full tables and the reasons):
   KV head with its group of query heads), no permutation inside q/k heads (RoPE pairs intact),
   V dims matched inside a head with the O columns following; the hidden (residual) axis is not
   permuted at all.
+* ``activation`` (ours, issue 16): the structured flow with plans from activations on calibration
+  text (methods/ot_calibration.py) instead of weights: MLP neurons by the correlation of their
+  activations (the input of down_proj), heads (with their GQA group) by the correlation of their
+  contributions to the residual stream, V dims by the correlation of the heads' outputs. Needs the
+  pre-pass ``prepare`` (one streamed pass of the source over the calibration text).
 
 docs/ot.md, "Where each choice comes from", gives the source of every choice (paper, Imfeld et
 al., released script, ours); methods/ot_choices.py records them in the manifest.
 
 Options (``ctx.options``; a key that is missing or None takes its default):
-    variant   "paper" | "official" | "structured"                        (default "paper")
+    variant   "paper" | "official" | "structured" | "activation"         (default "paper")
     solver    "sinkhorn" | "emd" (exact assignment)                       (default "sinkhorn")
     reg       entropic regularisation                                    (default 0.06)
     tol       Sinkhorn stop: relative marginal error (our rule)          (default 1e-6)
     max_iter  Sinkhorn iteration cap                                     (default 2000)
     device    "auto" | "cpu" | "cuda" | "cuda:N"; default ctx.device
     zero_init whether o/down come out zero, as in the paper              (default True)
+    calib     activation: calibration text spec                          (default bundled sample)
+    calib_tokens  activation: at most this many calibration tokens       (default 4096)
 ``official`` pins its solver (POT, 10000 iterations, stopThr 1e-9) and ignores tol/max_iter;
 it honours reg. Per-module plan statistics go to ``ctx.stats["modules"]``.
 """
@@ -42,14 +49,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.transport.assignment import assignment
-from otdus_cli.transport.cost import euclidean_distances, unit_rows
+from otdus_cli.transport.cost import correlation_cost, euclidean_distances, unit_rows
 from otdus_cli.transport.plan import TransportPlan
 from otdus_cli.transport.solve import (
     DEFAULT_MAX_ITER,
@@ -58,11 +66,16 @@ from otdus_cli.transport.solve import (
     match_parts,
     match_rows,
     resolve_device,
+    solve_cost,
 )
+
+if TYPE_CHECKING:
+    from otdus_cli.methods.ot_calibration import PairActivations
+    from otdus_cli.plan.layer_map import OutputLayer
 
 __all__ = ["OTBuilder", "OTSettings", "VARIANTS"]
 
-VARIANTS = ("paper", "official", "structured")
+VARIANTS = ("paper", "official", "structured", "activation")
 SOLVERS = ("sinkhorn", "emd")
 
 # Roles the OT formulas need; every dense family template provides them (Phi-3 through its fused
@@ -85,6 +98,8 @@ class OTSettings:
     max_iter: int = DEFAULT_MAX_ITER
     device: torch.device = torch.device("cpu")
     zero_init: bool = True
+    calib: str | None = None  # activation: the calibration text spec (None: the bundled default)
+    calib_tokens: int | None = None  # activation: at most this many tokens (None: the default)
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> OTSettings:
@@ -113,7 +128,19 @@ class OTSettings:
             device = resolve_device(opts["device"]) if "device" in opts else ctx.device
         except RuntimeError:
             raise OtdusError(f"unknown device {opts['device']!r} (auto, cpu, cuda, cuda:N)") from None
-        return cls(variant, solver, reg, tol, max_iter, device, bool(opts.get("zero_init", True)))
+        calib = opts.get("calib")
+        calib_tokens = opts.get("calib_tokens")
+        return cls(
+            variant,
+            solver,
+            reg,
+            tol,
+            max_iter,
+            device,
+            bool(opts.get("zero_init", True)),
+            None if calib is None else str(calib),
+            None if calib_tokens is None else int(calib_tokens),
+        )
 
 
 @dataclass(frozen=True)
@@ -152,6 +179,26 @@ class OTBuilder:
 
     parents_needed = 2
 
+    def __init__(self) -> None:
+        self._calibrated: dict[tuple[int, int], Path] = {}  # activation: pair -> its statistics
+
+    def prepare(
+        self,
+        layers: Sequence[ParentLayer],
+        new_layers: Sequence[OutputLayer],
+        ctx: BuildContext,
+        scratch: Path,
+    ) -> dict[str, Any] | None:
+        """The activation variant's pre-pass (methods/ot_calibration.py); nothing for the others."""
+        settings = OTSettings.from_context(ctx)
+        if settings.variant != "activation":
+            return None
+        from otdus_cli.methods.ot_calibration import calibrate  # noqa: PLC0415
+
+        pairs = sorted({(lay.parents[0], lay.parents[1]) for lay in new_layers})
+        report, self._calibrated = calibrate(pairs, ctx, settings, scratch)
+        return report
+
     def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
         family = ctx.family
         settings = OTSettings.from_context(ctx)
@@ -175,7 +222,14 @@ class OTBuilder:
         layout = RoleLayout(family, ctx.config, suffixes_a)
         pair = _ParentPair(ParentRoles(a, layout, settings.device), ParentRoles(b, layout, settings.device))
         heads = Heads.from_config(ctx.config)
-        if settings.variant == "structured":
+        if settings.variant == "activation":
+            path = self._calibrated.get((a.index, b.index))
+            if path is None:
+                raise RuntimeError(f"OTBuilder.build: no activation statistics for ({a.index}, {b.index})")
+            from otdus_cli.methods.ot_calibration import PairActivations  # noqa: PLC0415
+
+            roles = _activation(pair, heads, settings, stats, PairActivations.load(path))
+        elif settings.variant == "structured":
             roles = _structured(pair, heads, settings, stats)  # plain averages: offset-free
         else:
             roles = _paper(pair, heads, settings, float(family.norm_offset), stats)
@@ -553,6 +607,17 @@ def _structured(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> 
         max_iter=s.max_iter,
     )
     stats["gate_up"] = plan.stats()
+    yield from _mlp_through(mlp, plan, s)
+    del plan
+    yield from structured_attention(pair, heads, s, stats)
+
+
+def _mlp_through(
+    mlp: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+    plan: TransportPlan,
+    s: OTSettings,
+) -> Roles:
+    """gate/up rows and down columns of a SwiGLU MLP aligned by one neuron plan, then averaged."""
     for role in ("gate", "up"):
         ta, tb = mlp.pop(role)
         out = _aligned_role(plan, ta, tb, None)
@@ -566,24 +631,30 @@ def _structured(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> 
         down = {"weight": _add_into(plan.cols_to_b(_f32(ta["weight"])), tb["weight"]).mul_(0.5)}
         if "bias" in ta:  # down's bias lives on the hidden axis: not permuted
             down["bias"] = _avg(_f32(ta["bias"]), tb["bias"])
-    del ta, tb, plan
+    del ta, tb
     yield "down", down
 
-    yield from structured_attention(pair, heads, s, stats)
 
-
-def structured_attention(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> Roles:
-    """Attention of the structured variant: head-level assignment, then V dims inside matched heads."""
+def structured_attention(
+    pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict, matcher: ActivationAttention | None = None
+) -> Roles:
+    """Attention of the structured variant: head-level assignment, then V dims inside matched heads
+    (matched on weights, or by ``matcher`` on activations)."""
     att = {role: pair.take(role) for role in ("q", "k", "v", "o")}
     ta = {role: {kind: _f32(t) for kind, t in att[role][0].items()} for role in att}
     tb = {role: {kind: _f32(t) for kind, t in att[role][1].items()} for role in att}
     del att
     _check_heads(ta["q"]["weight"].shape[0], ta["k"]["weight"].shape[0], heads)
-    yield from _structured_attention(ta, tb, heads, s, stats)
+    yield from _structured_attention(ta, tb, heads, s, stats, matcher)
 
 
-def _structured_attention(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings, stats: dict) -> Roles:
-    kv_perm, q_perm, head_stats = _match_heads(ta, tb, heads)
+def _structured_attention(
+    ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings, stats: dict, matcher: ActivationAttention | None
+) -> Roles:
+    if matcher is None:
+        kv_perm, q_perm, head_stats = _match_heads(ta, tb, heads)
+    else:
+        kv_perm, q_perm, head_stats = matcher.match_heads()
     stats["heads"] = head_stats
     hd, g = heads.head_dim, heads.group
     device = ta["q"]["weight"].device
@@ -600,15 +671,18 @@ def _structured_attention(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings,
     v_stats = []
     for j in range(heads.n_kv):
         rows = slice(j * hd, (j + 1) * hd)
-        plan = match_rows(
-            v_a["weight"][rows],
-            tb["v"]["weight"][rows],
-            cost="paper",
-            solver=s.solver,
-            reg=s.reg,
-            tol=s.tol,
-            max_iter=s.max_iter,
-        )
+        if matcher is not None:
+            plan = matcher.v_plan(j, kv_perm, q_perm)
+        else:
+            plan = match_rows(
+                v_a["weight"][rows],
+                tb["v"]["weight"][rows],
+                cost="paper",
+                solver=s.solver,
+                reg=s.reg,
+                tol=s.tol,
+                max_iter=s.max_iter,
+            )
         v_stats.append(plan.stats())
         for kind, t in v_a.items():
             v_new[kind][rows] = _avg(plan.rows_to_b(t[rows]), tb["v"][kind][rows])
@@ -624,6 +698,102 @@ def _structured_attention(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings,
     if "bias" in ta["o"]:  # hidden axis: not permuted
         o_out["bias"] = _avg(ta["o"]["bias"], tb["o"]["bias"])
     yield "o", o_out
+
+
+# --------------------------------------------------------------------------------------------
+# Variant "activation": the structured flow, plans from activations on calibration text.
+
+
+def _activation(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict, acts: PairActivations) -> Roles:
+    """The structured variant's flow (hidden axis never permuted; one plan per MLP neuron; heads
+    with their GQA group; V dims inside matched heads) with every plan solved on activation
+    correlations (methods/ot_calibration.py) instead of weight distances. Cost: 1 - correlation,
+    divided by its maximum (transport/cost.py, ``correlation_cost``)."""
+    for role in _NORMS:
+        if pair.has(role):
+            ta, tb = pair.take(role)
+            yield role, _avg_role(ta, tb)
+    mlp = {role: pair.take(role) for role in ("gate", "up", "down")}
+    n = mlp["gate"][0]["weight"].shape[0]
+    if acts.mlp.shape != (n, n):
+        raise OtdusError(f"activation statistics of {tuple(acts.mlp.shape)} MLP neurons, the layers have {n}")
+    plan = activation_plan(acts.mlp.to(s.device), s)
+    stats["gate_up"] = plan.stats()
+    yield from _mlp_through(mlp, plan, s)
+    del plan, mlp
+    w_o = (pair.a.take("o")["weight"], pair.b.take("o")["weight"])  # fresh reads: attention takes its own
+    yield from structured_attention(pair, heads, s, stats, ActivationAttention(acts, w_o, heads, s))
+
+
+def activation_plan(corr: torch.Tensor, s: OTSettings) -> TransportPlan:
+    """The plan of A's units onto B's from their activation correlations (``correlation_cost``)."""
+    plan = solve_cost(
+        correlation_cost(corr), solver=s.solver, reg=s.reg, tol=s.tol, max_iter=s.max_iter, overwrite=True
+    )
+    plan.info["cost"] = "activation"
+    return plan
+
+
+def match_head_groups(corr: torch.Tensor, heads: Heads) -> tuple[list[int], list[int], dict[str, Any]]:
+    """Exact assignment of A's KV groups to B's, then of query heads inside each matched group, on
+    the heads' correlation ``corr`` (n_q x n_q): group cost = the best pairing of its query heads'
+    1 - correlation (heads are discrete units: the assignment is exact, as in ``_match_heads``)."""
+    g, n_kv = heads.group, heads.n_kv
+    cost = (1.0 - corr.double().cpu()).clamp_(min=0.0)
+    group_cost = torch.empty(n_kv, n_kv, dtype=torch.float64)
+    inner: dict[tuple[int, int], list[int]] = {}
+    for i in range(n_kv):
+        for j in range(n_kv):
+            block = cost[i * g : (i + 1) * g, j * g : (j + 1) * g]
+            q_plan = assignment(block)
+            perm = q_plan.perm.cpu()
+            inner[i, j] = [j * g + int(p) for p in perm]
+            group_cost[i, j] = float(block[torch.arange(g), perm].sum())
+    kv_perm = [int(p) for p in assignment(group_cost).perm]
+    q_perm = [0] * heads.n_q
+    for i, j in enumerate(kv_perm):
+        for k, target in enumerate(inner[i, j]):
+            q_perm[i * g + k] = target
+    q_index = torch.tensor(q_perm)
+    info = {
+        "solver": "assignment",
+        "cost": "activation",
+        "kv_perm": kv_perm,
+        "q_perm": q_perm,
+        "identity": kv_perm == list(range(n_kv)) and q_perm == list(range(heads.n_q)),
+        "cost_matched": float(group_cost[torch.arange(n_kv), torch.tensor(kv_perm)].sum()),
+        "cost_identity": float(group_cost.diagonal().sum()),
+        "correlation_matched": float(corr.double().cpu()[torch.arange(heads.n_q), q_index].mean()),
+    }
+    return kv_perm, q_perm, info
+
+
+class ActivationAttention:
+    """The activation variant's attention plans: heads by the correlation of their residual
+    contributions, V dims by the correlation of the matched heads' outputs (o_proj inputs)."""
+
+    def __init__(
+        self, acts: PairActivations, w_o: tuple[torch.Tensor, torch.Tensor], heads: Heads, s: OTSettings
+    ):
+        from otdus_cli.methods.ot_calibration import head_correlation  # noqa: PLC0415
+
+        self.heads, self.s = heads, s
+        self.head_corr = head_correlation(acts.o_cross, acts.o_auto_a, acts.o_auto_b, *w_o)
+        self.o_corr = acts.o_correlation()
+
+    def match_heads(self) -> tuple[list[int], list[int], dict[str, Any]]:
+        return match_head_groups(self.head_corr, self.heads)
+
+    def v_plan(self, j: int, kv_perm: list[int], q_perm: list[int]) -> TransportPlan:
+        """Plan of V dims for B's KV head j and the A head matched to it: the correlation of A's
+        head-output dims with B's, averaged over the group's matched query heads."""
+        hd, g = self.heads.head_dim, self.heads.group
+        i = kv_perm.index(j)
+        blocks = [
+            self.o_corr[h * hd : (h + 1) * hd, q_perm[h] * hd : (q_perm[h] + 1) * hd]
+            for h in range(i * g, (i + 1) * g)
+        ]
+        return activation_plan(torch.stack(blocks).mean(dim=0).to(self.s.device), self.s)
 
 
 def _head_rows(perm: list[int], hd: int, device: torch.device) -> torch.Tensor:

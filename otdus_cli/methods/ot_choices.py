@@ -27,6 +27,7 @@ SOURCES = ("paper", "imfeld", "released", "otdus", "user")
 
 _DEFAULT_REG = 0.06
 _RELEASED_ITERATIONS, _RELEASED_STOP = 10000, 1e-9
+_DEFAULT_CALIB = (OTOptions().calib, OTOptions().calib_tokens)
 
 
 def _choice(value: Any, source: str) -> dict[str, Any]:
@@ -37,11 +38,13 @@ def _choice(value: Any, source: str) -> dict[str, Any]:
 def ot_choices(ot: OTOptions, zero_init: bool) -> dict[str, dict[str, Any]]:
     """choice -> {"value", "source"} for ``--method ot`` with these options."""
     variant, exact = ot.variant, ot.solver == "emd"
-    official, structured = variant == "official", variant == "structured"
+    official, activation = variant == "official", variant == "activation"
+    structured = variant in ("structured", "activation")  # activation: structured's flow
     # Where this variant's conventions come from when they are not the paper's own.
     fusion = "released" if official else "imfeld"
     ours = "otdus"
-    reg_source = "user" if ot.reg != _DEFAULT_REG else fusion
+    # 0.06 is Imfeld et al.'s value for weight costs; on activation costs it is ours
+    reg_source = "user" if ot.reg != _DEFAULT_REG else (ours if activation else fusion)
     scale = "1" if official else "n"
 
     if official:
@@ -54,10 +57,18 @@ def ot_choices(ot: OTOptions, zero_init: bool) -> dict[str, dict[str, Any]]:
             "released",
         )
     else:
-        cost = _choice(
-            "rows scaled to unit L2 norm, Euclidean (not squared) distance, divided by its maximum"
-            + ("; MLP: [gate | up | down column] parts each unit-normalised" if structured else ""),
-            "imfeld",
+        cost = (
+            _choice(
+                "1 - Pearson correlation of activations on the calibration text, divided by its maximum; "
+                "MLP neurons: down_proj inputs; heads: residual-stream contributions; V dims: head outputs",
+                ours,
+            )
+            if activation
+            else _choice(
+                "rows scaled to unit L2 norm, Euclidean (not squared) distance, divided by its maximum"
+                + ("; MLP: [gate | up | down column] parts each unit-normalised" if structured else ""),
+                "imfeld",
+            )
         )
         if exact:
             reg = _choice("unused (exact plan)", ours)
@@ -85,7 +96,8 @@ def ot_choices(ot: OTOptions, zero_init: bool) -> dict[str, dict[str, Any]]:
             "hidden_axis": _choice("never permuted (A and B share the residual stream's basis)", ours),
             "attention": _choice(
                 "whole heads by exact assignment (a KV head with its query heads), q/k dims never "
-                "permuted (RoPE), V dims by a plan per head with o's columns following",
+                "permuted (RoPE), V dims by a plan per head with o's columns following"
+                + ("; matched on activation correlations" if activation else ""),
                 ours,
             ),
             "mlp": _choice("one plan per neuron: gate row, up row and down column together", ours),
@@ -109,6 +121,16 @@ def ot_choices(ot: OTOptions, zero_init: bool) -> dict[str, dict[str, Any]]:
             ours if structured else ("released" if official else "paper"),
         )
     )
+    if activation:
+        calib_source = "user" if (ot.calib, ot.calib_tokens) != _DEFAULT_CALIB else ours
+        choices["calibration"] = _choice(
+            f"{ot.calib}, at most {ot.calib_tokens} tokens (whole windows of 256), streamed through the "
+            "source layer by layer",
+            calib_source,
+        )
+    else:
+        weights_only = "none (plans from weights only)"
+        choices["calibration"] = _choice(weights_only, "released" if official else "paper")
     choices |= {
         "biases": _choice(
             f"with their weight's plan: 1/2 (({scale} T)^T b_A + b_B); o/down biases on the hidden axis",

@@ -28,7 +28,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["euclidean_distances", "paper_cost", "paper_cost_of_parts", "raw_cost", "unit_rows"]
+__all__ = [
+    "correlation_cost",
+    "euclidean_distances",
+    "paper_cost",
+    "paper_cost_of_parts",
+    "raw_cost",
+    "unit_rows",
+]
 
 _EPS = 1e-12
 
@@ -112,3 +119,19 @@ def paper_cost_of_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> t
 def raw_cost(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
     """The released code's cost: Euclidean distance between raw rows (``torch.cdist``, p = 2)."""
     return torch.cdist(xa, xb, p=2)
+
+
+def correlation_cost(corr: torch.Tensor) -> torch.Tensor:
+    """The `activation` variant's cost: 1 - Pearson correlation, divided by its maximum.
+
+    1 - C[i, j] is half the squared Euclidean distance between the standardised activation
+    vectors of A's unit i and B's unit j (|z_a - z_b|^2 = 2 - 2 C), i.e. the squared-Euclidean
+    ground metric on activations; it is linear in C, so the exact plan (``--solver emd``) is the
+    pairing with the highest total correlation. Divided by its maximum (cost in [0, 1]) so that
+    ``reg`` is relative, as for the weight costs. A fresh float32 matrix.
+    """
+    cost = torch.ones_like(corr, dtype=torch.float32).sub_(corr.to(torch.float32)).clamp_(min=0.0)
+    peak = cost.max()
+    if peak > 0:
+        cost.div_(peak)
+    return cost
