@@ -11,6 +11,9 @@ For adjacent base layers (A = f_i, B = f_{i+1}) of a checkpoint, on real text:
     one-to-one, the permutation that keeps most of the plan's mass (comparable with the baselines);
   - same-index pairing, and random pairings as the exact mean and standard deviation over all
     permutations (the null distribution a pairing's score is read against);
+  - the activation variant's plan (``--ot-variant activation``: cost 1 - correlation, Sinkhorn at
+    ``reg``), chosen on half of the windows and scored on the other half, both readings
+    (``activation`` / ``activation_1to1``), the same protocol as ``best_held_out``;
   - the best pairing the activations allow (an exact assignment on the correlations): chosen on
     half of the windows and scored on the other half (``best_held_out``), because chosen and scored
     on the same tokens (``best_in_sample``) it is biased upwards; ``best_misaligned`` is that
@@ -19,7 +22,8 @@ For adjacent base layers (A = f_i, B = f_{i+1}) of a checkpoint, on real text:
   input times its ``o_proj`` columns, centred per hidden dimension), correlated between A's head
   and B's head over every token and hidden dimension, under a weight-based head matching (exact
   assignment on q/k/v rows and o columns), same-index and random pairings (the random mean is the
-  mean over all head pairs), and the activation-based best matching (held out, in-sample,
+  mean over all head pairs), the activation variant's head matching (whole GQA groups, held out
+  as above: ``activation``), and the activation-based best matching (held out, in-sample,
   misaligned as above). Every pair of heads correlates somewhat on the same tokens (their writes
   share residual directions), so a head score means something only as a margin over the all-pairs
   mean, in units of its spread.
@@ -66,12 +70,13 @@ class PairDiagnosis:
     a: int
     b: int
     # pairing -> mean correlation of paired MLP neurons: ot_gate, ot_up, ot_joint (plan-weighted),
-    # ot_gate_1to1, ot_up_1to1, ot_joint_1to1 (one-to-one reading), same_index, random_mean,
-    # random_sd (over all permutations), best_held_out, best_in_sample, best_misaligned
+    # ot_gate_1to1, ot_up_1to1, ot_joint_1to1 (one-to-one reading), activation, activation_1to1
+    # (the activation variant's plan, held out), same_index, random_mean, random_sd (over all
+    # permutations), best_held_out, best_in_sample, best_misaligned
     mlp: dict[str, float]
-    # pairing -> mean correlation of paired heads' residual contributions: matched, same_index,
-    # random_mean (= the mean over all head pairs), random_sd, best_held_out, best_in_sample,
-    # best_misaligned
+    # pairing -> mean correlation of paired heads' residual contributions: matched, activation (the
+    # activation variant's group matching, held out), same_index, random_mean (= the mean over all
+    # head pairs), random_sd, best_held_out, best_in_sample, best_misaligned
     heads: dict[str, float]
     head_match: list[int]  # A's head i -> B's head head_match[i] (weight-based)
     entropy: dict[str, dict[str, float]]  # module -> entropy, entropy_normalized, permutation_closeness
@@ -229,6 +234,47 @@ def pairing_scores(xa: torch.Tensor, xb: torch.Tensor, group: int) -> tuple[torc
     return c, scores
 
 
+def held_out(
+    xa: torch.Tensor, xb: torch.Tensor, group: int, choose: Callable[[torch.Tensor], Any], score: Callable
+) -> float:
+    """A pairing chosen by ``choose`` on the correlations of one half of the windows and scored by
+    ``score(c, chosen)`` on the other half, both ways, averaged (the protocol of best_held_out)."""
+    half = _halves(xa.shape[0], group)
+    c0 = correlation_matrix(xa[~half], xb[~half])
+    c1 = correlation_matrix(xa[half], xb[half])
+    return (score(c1, choose(c0)) + score(c0, choose(c1))) / 2
+
+
+def activation_scores(
+    down_a: torch.Tensor,
+    down_b: torch.Tensor,
+    ha: torch.Tensor,
+    hb: torch.Tensor,
+    seq_len: int,
+    hidden: int,
+    heads: tuple[int, int],
+    reg: float,
+) -> tuple[dict[str, float], float]:
+    """Held-out scores of the activation variant's choices: MLP (plan-weighted, one-to-one) and the
+    heads' group matching (``ha``/``hb``: heads x (tokens * hidden) contributions)."""
+    from otdus_cli.methods.ot import Heads, OTSettings, activation_plan, match_head_groups  # noqa: PLC0415
+
+    s = OTSettings(variant="activation", reg=reg)
+    plans: dict[int, TransportPlan] = {}
+
+    def plan(c: torch.Tensor) -> TransportPlan:
+        if id(c) not in plans:
+            plans[id(c)] = activation_plan(c.float(), s)
+        return plans[id(c)]
+
+    weighted = held_out(down_a, down_b, seq_len, plan, _plan_weighted)
+    one = held_out(down_a, down_b, seq_len, lambda c: one_to_one(plan(c)), _paired)
+    n_q, n_kv = heads
+    geometry = Heads(n_q, n_kv, 1)
+    matched = held_out(ha.T, hb.T, seq_len * hidden, lambda c: match_head_groups(c, geometry)[1], _paired)
+    return {"activation": weighted, "activation_1to1": one}, matched
+
+
 # -- weights --------------------------------------------------------------------------------------
 def _weights(layer) -> dict[str, torch.Tensor]:
     w = {k: getattr(layer.self_attn, v).weight.detach().float().cpu() for k, v in _ATTN.items()}
@@ -365,14 +411,18 @@ def diagnose(
         for name, plan in (("ot_gate", plans["gate"]), ("ot_up", plans["up"]), ("ot_joint", joint)):
             mlp[name] = _plan_weighted(c, plan)
             mlp[f"{name}_1to1"] = _paired(c, one_to_one(plan))
-        mlp.update(baselines)
         ha = _head_contributions(acts[a]["o_in"], wa["o"], n_q)
         hb = _head_contributions(acts[b]["o_in"], wb["o"], n_q)
         hidden = wa["o"].shape[0]
+        act_mlp, act_heads = activation_scores(
+            acts[a]["down_in"], acts[b]["down_in"], ha, hb, seq_len, hidden, (n_q, n_kv), reg
+        )
+        mlp.update(act_mlp)
+        mlp.update(baselines)
         # samples are (token, hidden dimension) entries; a window is seq_len tokens of them
         ch, head_baselines = pairing_scores(ha.T, hb.T, seq_len * hidden)
         match = head_matching(wa, wb, n_q, n_kv)
-        heads = {"matched": _paired(ch, match), **head_baselines}
+        heads = {"matched": _paired(ch, match), "activation": act_heads, **head_baselines}
         entropy = {}
         for m, plan in plans.items():
             st = plan.stats()
@@ -431,13 +481,14 @@ def diagnose_tables(result: DiagnoseResult):
 
     mlp = Table(
         title=f"MLP neuron correlation of paired neurons ({result.tokens} tokens of {result.text})",
-        caption="plan: weighted sum T∘C / one-to-one reading of the plan; random: mean ± sd over all "
-        "permutations (a pairing is signal only as a margin over it, in sd); best: chosen on half the "
-        "windows and scored on the other, in-sample (biased up), and in-sample on misaligned tokens "
-        "(the bias alone)",
+        caption="plan: weighted sum T∘C / one-to-one reading of the plan (activation: the "
+        "--ot-variant activation plan, chosen on half the windows, scored on the other); random: mean ± "
+        "sd over all permutations (a pairing is signal only as a margin over it, in sd); best: chosen "
+        "on half the windows and scored on the other, in-sample (biased up), and in-sample on "
+        "misaligned tokens (the bias alone)",
     )
     mlp.add_column("pair")
-    for k in ("ot_gate", "ot_up", "ot_joint"):
+    for k in ("ot_gate", "ot_up", "ot_joint", "activation"):
         mlp.add_column(f"{k} w / 1:1", justify="right")
     for k in ("same index", "random", "best held-out", "in-sample", "misaligned"):
         mlp.add_column(k, justify="right")
@@ -447,7 +498,7 @@ def diagnose_tables(result: DiagnoseResult):
         "directions), so only a margin over it, in sd, shows a match",
     )
     heads.add_column("pair")
-    for k in ("matched", "same index", "random", "best held-out", "in-sample", "misaligned"):
+    for k in ("matched", "activation", "same index", "random", "best held-out", "in-sample", "misaligned"):
         heads.add_column(k, justify="right")
     heads.add_column("head match (A -> B)")
     ent = Table(title=f"transport plan entropy (paper variant, reg {result.reg}); normalised in brackets")
@@ -459,7 +510,7 @@ def diagnose_tables(result: DiagnoseResult):
         m, h = p.mlp, p.heads
         mlp.add_row(
             name,
-            *[f"{m[k]:.3f} / {m[k + '_1to1']:.3f}" for k in ("ot_gate", "ot_up", "ot_joint")],
+            *[f"{m[k]:.3f} / {m[k + '_1to1']:.3f}" for k in ("ot_gate", "ot_up", "ot_joint", "activation")],
             f"{m['same_index']:.3f}",
             f"{m['random_mean']:.3f} ± {m['random_sd']:.3f}",
             *[f"{m[k]:.3f}" for k in ("best_held_out", "best_in_sample", "best_misaligned")],
@@ -467,6 +518,7 @@ def diagnose_tables(result: DiagnoseResult):
         heads.add_row(
             name,
             f"{h['matched']:.3f}",
+            f"{h['activation']:.3f}",
             f"{h['same_index']:.3f}",
             f"{h['random_mean']:.3f} ± {h['random_sd']:.3f}",
             *[f"{h[k]:.3f}" for k in ("best_held_out", "best_in_sample", "best_misaligned")],
