@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_causal_lm, logits, one_error_line
+from conftest import DENSE_TYPES, build_tiny, load_causal_lm, logits, one_error_line
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -210,3 +210,50 @@ def test_bad_calibration_is_one_error_line(tmp_path, extra, message):
     result = CliRunner().invoke(app, [*cmd, *args])
     one_error_line(result, message=message)
     assert not out.exists()
+
+
+def test_moe_models_are_refused_in_one_line(tmp_path):
+    from conftest import MOE_TYPES
+
+    from otdus_cli.errors import OtdusError
+
+    src = build_tiny(MOE_TYPES[0], tmp_path / "moe")
+    with pytest.raises(OtdusError, match="mixture of experts"):
+        expand(
+            str(src),
+            tmp_path / "out",
+            ExpandOptions(method="ot", layers=1, ot=OTOptions(variant="activation")),
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def _word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the bundled sample's most frequent words (ids < vocab_size), so
+    a tiny random model of any family can read calibration text."""
+    import collections
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from otdus_cli.bundled import TINYSTORIES_SAMPLE
+
+    words = re.findall(r"\w+|[^\w\s]", TINYSTORIES_SAMPLE.read_text(encoding="utf-8"))
+    common = [w for w, _ in collections.Counter(words).most_common(vocab_size - 2)]
+    vocab = {"<unk>": 0, "<s>": 1, **{w: i + 2 for i, w in enumerate(common)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>").save_pretrained(folder)
+
+
+@pytest.mark.parametrize("model_type", DENSE_TYPES)
+def test_every_dense_family_builds_function_preserving(tmp_path, model_type):
+    """The hooks find o_proj / down_proj in every dense family's transformers classes (sliding
+    windows, Gemma's sandwich norms, Phi-3's fused tensors), and the output keeps the function."""
+    src = build_tiny(model_type, tmp_path / "src")
+    base = load_causal_lm(src)
+    _word_tokenizer(src, base.config.vocab_size)
+    out = tmp_path / "out"
+    result = expand(str(src), out, ExpandOptions(method="ot", layers=1, ot=OTOptions(variant="activation")))
+    assert result.manifest["ot"]["calibration"]["tokens"] >= MIN_CALIB_TOKENS
+    assert torch.equal(logits(base), logits(load_causal_lm(out)))
