@@ -101,11 +101,14 @@ def test_official_variant_warns_with_what_applies_and_marks_ignored_options(tmp_
     )
     manifest = json.loads((out / "otdus.json").read_text())
     lesa = {"variant", "hidden", "epochs", "batch_size", "lr", "weight_decay", "norm_weight", "rank", "loo"}
-    assert set(manifest["ignored_options"]) == {"ot.tol", "ot.max_iter"} | {f"lesa.{name}" for name in lesa}
+    calib = {"ot.calib", "ot.calib_tokens"}  # only the activation variant reads calibration text
+    assert set(manifest["ignored_options"]) == {"ot.tol", "ot.max_iter"} | calib | {
+        f"lesa.{name}" for name in lesa
+    }
     copied = run_cli("expand", "bundled:stories260k", "--out", tmp_path / "copy", "--method", "copy")
     assert copied.exit_code == 0, copied.output
     ignored = json.loads((tmp_path / "copy" / "otdus.json").read_text())["ignored_options"]
-    assert set(ignored) == {"ot.variant", "ot.solver", "ot.reg", "ot.tol", "ot.max_iter"} | {
+    assert set(ignored) == {"ot.variant", "ot.solver", "ot.reg", "ot.tol", "ot.max_iter"} | calib | {
         f"lesa.{name}" for name in lesa
     }
 
