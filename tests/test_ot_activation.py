@@ -257,3 +257,33 @@ def test_every_dense_family_builds_function_preserving(tmp_path, model_type):
     result = expand(str(src), out, ExpandOptions(method="ot", layers=1, ot=OTOptions(variant="activation")))
     assert result.manifest["ot"]["calibration"]["tokens"] >= MIN_CALIB_TOKENS
     assert torch.equal(logits(base), logits(load_causal_lm(out)))
+
+
+def test_calibration_memory_is_bounded_whatever_the_number_of_pairs():
+    """Kept activations + running sums peak at two layers' inputs + one pair's cross-products,
+    the same for a chain of 2 pairs as of 4 (every adjacent pair of the model): statistics of a
+    finished pair leave memory at once, and no layer's inputs outlive its pair."""
+    from otdus_cli.arch.families import family_for
+    from otdus_cli.methods.ot_calibration import (
+        DEFAULT_CALIB,
+        calibration_windows,
+        capture_pair_activations,
+    )
+
+    config = json.loads((STORIES260K / "config.json").read_text())
+    family = family_for(config)
+    windows = calibration_windows(STORIES260K, DEFAULT_CALIB, 4096, config["max_position_embeddings"])
+    n_q, hd, inter = config["num_attention_heads"], config["head_dim"], config["intermediate_size"]
+    tokens, dq = windows.numel(), n_q * hd
+    got: list = []
+
+    def peak(pairs):
+        return capture_pair_activations(STORIES260K, pairs, windows, family.roles, n_q, got.append)
+
+    chain4 = peak([(0, 1), (1, 2), (2, 3), (3, 4)])
+    chain2 = peak([(2, 3), (3, 4)])
+    assert [(p.a, p.b) for p in got] == [(0, 1), (1, 2), (2, 3), (3, 4), (2, 3), (3, 4)]
+    layer_inputs = tokens * (inter + dq) * 4
+    one_pair = (inter**2 + dq**2 + 2 * n_q * hd * hd) * 4 + 4 * (inter + dq) * 8
+    assert chain4 == chain2
+    assert 2 * layer_inputs < chain4 <= 2 * layer_inputs + one_pair

@@ -71,11 +71,17 @@ class PairMoments:
         self.auto_b: torch.Tensor | None = None
         self.seen = 0
 
+    def nbytes(self) -> int:
+        """Bytes of the tensors this accumulator holds now."""
+        held = (self.a, self.var_a, self.auto_a, self.cross, self.shift, self.sum_b, self.sq_b, self.auto_b)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
     def set_a(self, a: torch.Tensor) -> None:
+        """A's samples (float32, centred in place: the caller hands them over)."""
         a = a.to(torch.float32)
-        a -= a.to(torch.float64).mean(dim=0).to(torch.float32)
+        a -= (_column_sums(a)[0] / a.shape[0]).to(torch.float32)
         self.a = a
-        self.var_a = (a.to(torch.float64) ** 2).sum(dim=0)
+        self.var_a = _column_sums(a)[1]
         if self.blocks:
             n, p = a.shape
             ab = a.reshape(n, self.blocks, p // self.blocks).transpose(0, 1)  # (blocks, n, hd)
@@ -125,6 +131,17 @@ class PairMoments:
             out["auto_b"] = self.auto_b - n * m[:, :, None] * m[:, None, :]
         self.a = None
         return out
+
+
+def _column_sums(x: torch.Tensor, rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-column sum and sum of squares in float64, a block of rows at a time (no full copy)."""
+    total = torch.zeros(x.shape[1], dtype=torch.float64)
+    squares = torch.zeros(x.shape[1], dtype=torch.float64)
+    for s in range(0, x.shape[0], rows):
+        block = x[s : s + rows].to(torch.float64)
+        total += block.sum(dim=0)
+        squares += (block * block).sum(dim=0)
+    return total, squares
 
 
 def correlation_from(cross: torch.Tensor, var_a: torch.Tensor, var_b: torch.Tensor) -> torch.Tensor:
@@ -222,9 +239,10 @@ def capture_pair_activations(
     sink: Callable[[PairActivations], None],
     device: str | torch.device = "cpu",
     batch_size: int = 8,
-) -> None:
+) -> int:
     """Run ``windows`` through the source layer by layer; hand each pair's statistics to ``sink``
     as soon as its second layer has run (so at most the open pairs' statistics are in memory).
+    Returns the peak bytes of kept activations and statistics (measured after every batch).
 
     ``roles``: the family's role -> module path inside a layer ("o" and "down" are hooked).
     """
@@ -239,9 +257,11 @@ def capture_pair_activations(
     closing = {b: [p for p in pairs if p[1] == b] for _, b in pairs}
     moments: dict[tuple[int, int], dict[str, PairMoments]] = {}
     last = max(b for _, b in pairs)
+    peak = 0
+    total_rows = int(windows.numel())
     for i in range(last + 1):
         layer = model.load_layer(i)
-        kept: dict[str, list[torch.Tensor]] = {"o": [], "down": []}
+        kept: dict[str, torch.Tensor] = {}  # this layer's inputs, when it opens a pair
         rows = {"o": 0, "down": 0}
 
         def hook(key: str, i: int = i, kept=kept, rows=rows) -> Callable:
@@ -250,8 +270,13 @@ def capture_pair_activations(
                 for pair in closing.get(i, []):
                     moments[pair][key].add_b(x, rows[key])
                 if i in opening:
-                    kept[key].append(x.clone())
+                    if key not in kept:  # one buffer for all the tokens: no concatenation later
+                        kept[key] = torch.empty(total_rows, x.shape[1], dtype=torch.float32)
+                    kept[key][rows[key] : rows[key] + x.shape[0]] = x
                 rows[key] += x.shape[0]
+                nonlocal peak
+                held = sum(t.numel() * t.element_size() for t in kept.values())
+                peak = max(peak, held + sum(m.nbytes() for d in moments.values() for m in d.values()))
 
             return fn
 
@@ -284,10 +309,11 @@ def capture_pair_activations(
             del done, o, down
         for pair in opening.get(i, []):
             moments[pair] = {"o": PairMoments(blocks=n_heads), "down": PairMoments()}
-            moments[pair]["o"].set_a(torch.cat(kept["o"]))
-            moments[pair]["down"].set_a(torch.cat(kept["down"]))
+            moments[pair]["o"].set_a(kept["o"])  # shared by pairs opening here (centring is idempotent)
+            moments[pair]["down"].set_a(kept["down"])
         del kept
     model.free_shell()
+    return peak
 
 
 def calibrate(pairs: Sequence[tuple[int, int]], ctx, settings, scratch: Path) -> tuple[dict, dict]:
@@ -319,7 +345,9 @@ def calibrate(pairs: Sequence[tuple[int, int]], ctx, settings, scratch: Path) ->
         saved[stats.a, stats.b] = path
 
     device = settings.device if settings.device.type != "meta" else "cpu"
-    capture_pair_activations(ctx.source_folder, pairs, windows, family.roles, n_heads, sink, device=device)
+    peak = capture_pair_activations(
+        ctx.source_folder, pairs, windows, family.roles, n_heads, sink, device=device
+    )
     report = {
         "calibration": {
             "text": calib,
@@ -329,6 +357,7 @@ def calibrate(pairs: Sequence[tuple[int, int]], ctx, settings, scratch: Path) ->
             "seq_len": int(windows.shape[1]),
             "pairs": [list(p) for p in sorted(saved)],
             "seconds": round(time.perf_counter() - start, 3),
+            "peak_statistics_bytes": peak,  # kept activations + running sums, at their largest
         }
     }
     return report, saved
