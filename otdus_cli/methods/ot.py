@@ -6,7 +6,7 @@ B's; A is aligned to B and the two are averaged:
     W_new = 1/2 ( (s T)^T (W_A T_in) + W_B ),   s = n (paper, structured) or 1 (official)
 
 where T_in is the plan already applied to the module's input side ("transport matrix flow").
-Three variants (docs/ot.md has the full tables and the reasons):
+Four variants (docs/ot.md has the full tables and the reasons):
 
 * ``paper`` (default): the paper's transport-matrix flow (an own plan for each of q, k, v, o,
   gate, up, down; post-attention norm T_in = 1/2 (T_O + I), gate/up T_in = T_O; o/down zero)
