@@ -3,7 +3,9 @@
 With --noise 0 the widened model computes the base's function: its logits equal the base's to within
 rounding. Not bit for bit: the router's softmax now sums 2E terms and the expert outputs are added
 in another order, so a few ulps move (measured: max |diff| 9e-8 on logits of magnitude ~0.5 for all
-four families); ATOL allows 20 times that and is still 100 times below what the default noise does.
+four families); ATOL allows 20 times that and is still 10 times below what the default noise does
+(the smallest: 5.5e-5 on the tiny Qwen2-MoE that transformers 4.57 draws, 27 ATOL; 5e-4 to 5e-3 on
+the others and under transformers 5).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def test_noise_zero_keeps_the_function_and_noise_moves_it(tiny_models, tmp_path,
     )
     assert count == 8 and config["num_experts_per_tok"] == 4
     assert (logits(grown) - base).abs().max() <= ATOL
-    assert (logits(load_causal_lm(tmp_path / "w1")) - base).abs().max() > 100 * ATOL
+    assert (logits(load_causal_lm(tmp_path / "w1")) - base).abs().max() > 10 * ATOL
     assert exact.plan.moe_layers == [0, 1, 2, 3]
     # expert e + 4 is expert e; originals keep their bytes; router rows copied
     b, w0, w1 = _tensors(base_dir), _tensors(tmp_path / "w0"), _tensors(tmp_path / "w1")
