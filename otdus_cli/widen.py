@@ -11,7 +11,8 @@ both selects, and their outputs add up to e's (equal in exact arithmetic; the su
 another order, so logits agree to rounding, not bit for bit).
 
 Streaming as in expand: tensors outside the MoE blocks and unperturbed copies move as bytes; a
-noisy copy or an expert-indexed tensor (router weight: [E, hidden] -> [m E, hidden]) is built alone.
+noisy copy or an expert-indexed tensor (router weight: [E, hidden] -> [m E, hidden]) is built alone,
+from its source read once for the original and all its copies.
 """
 
 from __future__ import annotations
@@ -226,26 +227,32 @@ class WidenResult:
 
 
 def _write(plan: WidenPlan, folder: Path, progress: ProgressFn) -> None:
+    """Each source tensor is read once for all the outputs made from it (the original and its m - 1
+    copies): moved as bytes when none of them changes it, else decoded once and written m times."""
     reader = plan.source.reader
     writer = ShardedWriter(folder, plan.tensors, parse_size(plan.options.max_shard_size))
+    by_source: dict[str, list[_Job]] = {}
+    for job in plan.jobs:
+        by_source.setdefault(job.src, []).append(job)
     try:
-        for job in plan.jobs:
-            if job.kind == "copy":
-                raw = reader.raw(job.src)
-                n = (
-                    writer.copy_raw(job.out, raw)
-                    if raw is not None
-                    else writer.write_tensor(job.out, reader.get(job.src))
-                )
-            elif job.kind == "noisy":
-                gen = _generator(plan.options.seed, job.out)
-                n = writer.write_tensor(job.out, _perturbed(reader.get(job.src), plan.options.noise, gen))
-            else:
-                gen = _generator(plan.options.seed, job.out)
-                t = _tiled(reader.get(job.src), plan.options.factor, plan.options.noise, gen)
-                n = writer.write_tensor(job.out, t)
-                del t
-            progress(n)
+        for src, jobs in by_source.items():
+            raw = reader.raw(src)
+            if raw is not None and all(job.kind == "copy" for job in jobs):
+                for job in jobs:
+                    progress(writer.copy_raw(job.out, raw))
+                continue
+            t = reader.get(src)
+            for job in jobs:
+                if job.kind == "copy":  # the same bytes: the planned dtype is the source's
+                    n = writer.write_tensor(job.out, t)
+                elif job.kind == "noisy":
+                    gen = _generator(plan.options.seed, job.out)
+                    n = writer.write_tensor(job.out, _perturbed(t, plan.options.noise, gen))
+                else:
+                    gen = _generator(plan.options.seed, job.out)
+                    n = writer.write_tensor(job.out, _tiled(t, plan.options.factor, plan.options.noise, gen))
+                progress(n)
+            del t
         writer.finish()
     finally:
         writer.close()

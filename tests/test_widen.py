@@ -100,6 +100,29 @@ def test_noise_is_seeded_and_reproducible(tiny_models, tmp_path):
     assert not torch.equal(a[copy], c[copy])
 
 
+def test_each_expert_tensor_is_read_once_for_all_its_copies(tiny_models, tmp_path, monkeypatch):
+    """factor 3, noise on: an expert matrix feeds three outputs (itself, two noisy copies) from one
+    read; the original's bytes are unchanged. (The old writer read it once per noisy copy.)"""
+    src = tiny_models["mixtral"]
+    reads: dict[str, int] = {}
+    get = CheckpointReader.get
+
+    def counting_get(self, name):
+        reads[name] = reads.get(name, 0) + 1
+        return get(self, name)
+
+    monkeypatch.setattr(CheckpointReader, "get", counting_get)
+    widen(str(src), tmp_path / "w", WidenOptions(factor=3))
+    expert = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    assert reads[expert] == 1 and reads["model.layers.0.block_sparse_moe.gate.weight"] == 1
+    assert all(count == 1 for count in reads.values()), reads
+    monkeypatch.undo()
+    out, base = CheckpointReader(tmp_path / "w"), CheckpointReader(src)
+    assert torch.equal(out.get(expert), base.get(expert))
+    copies = [out.get(expert.replace("experts.1.", f"experts.{e}.")) for e in (5, 9)]
+    assert not torch.equal(copies[0], copies[1]) and all(not torch.equal(c, base.get(expert)) for c in copies)
+
+
 def test_factor_three(tiny_models, tmp_path):
     result = widen(str(tiny_models["olmoe"]), tmp_path / "w", WidenOptions(factor=3, noise=0))
     grown = load_causal_lm(tmp_path / "w")
