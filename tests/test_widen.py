@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import MOE_TYPES, load_causal_lm, logits, no_output_left, one_error_line
+from conftest import MOE_TYPES, build_tiny, load_causal_lm, logits, no_output_left, one_error_line
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -156,6 +156,31 @@ def test_expand_then_widen_records_both(tiny_models, tmp_path):
     assert [m["method"] for m in result.manifest["history"]] == ["interpose"]
     base = logits(load_causal_lm(tiny_models["mixtral"]))
     assert (logits(load_causal_lm(tmp_path / "wide")) - base).abs().max() <= ATOL
+
+
+def test_expand_then_widen_verifies_against_the_original_base(tiny_models, tmp_path):
+    """OT depth growth, then widen: verify against the ORIGINAL base composes the two recorded layer
+    maps (the old code refused that base: 'not the model this expansion was made from')."""
+    src = tiny_models["mixtral"]
+    deeper = tmp_path / "deeper"
+    expand(str(src), deeper, ExpandOptions(method="ot", layers=2))
+    plan = random_plan()
+    for noise in (0.0, 0.01):
+        out = tmp_path / f"wide-{noise}"
+        widen(str(deeper), out, WidenOptions(noise=noise))
+        proof = static_check(src, out)
+        assert "layer map composed through the recorded steps (ot then widen)" in proof.base_checks
+        new = [e["new"] for e in proof.claimed]
+        assert len(new) == 6 and sum(new) == 2
+        assert [f.identity for f in proof.layers] == new  # OT's zero-init layers, widened: still zero
+        assert proof.claims_preserving is (noise == 0) and proof.preserving is (noise == 0)
+        report = verify_expansion(src, out, plan)
+        assert report.expect_parity is (noise == 0) and report.exit_code == 0
+        assert report.verdict.startswith("PARITY" if noise == 0 else "no parity expected"), report.verdict
+        assert static_check(deeper, out).preserving is (noise == 0)  # the last step's source still works
+    other = build_tiny("mixtral", tmp_path / "other", seed=1)
+    with pytest.raises(OtdusError, match="neither the model the last step was made from nor the first"):
+        static_check(other, tmp_path / "wide-0.0")
 
 
 def test_dense_models_are_refused_with_one_line_and_nothing_written(tiny_models, tmp_path):
