@@ -183,6 +183,40 @@ def test_expand_then_widen_verifies_against_the_original_base(tiny_models, tmp_p
         static_check(other, tmp_path / "wide-0.0")
 
 
+def test_expand_experts_grows_depth_and_width_in_one_command(tiny_models, tmp_path):
+    """`expand --experts 2`: one output, its manifest seen from the original model (verify's default
+    base), the expansion's record in history, no scratch folder left; OT zero-init + noise 0 keeps the
+    function. Dense models are refused before any expansion; --expert-noise alone is refused."""
+    src = tiny_models["qwen3_moe"]
+    out = tmp_path / "both"
+    args = ["expand", str(src), "--out", str(out), "--method", "ot", "--layers", "2", "--experts", "2"]
+    result = runner.invoke(app, [*args, "--expert-noise", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert (
+        summary["num_hidden_layers"] == 6 and summary["experts"] == [4, 8] and summary["function_preserving"]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["both"]  # the deeper model's scratch is gone
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert manifest["source"]["path"] == str(src) and manifest["method"] == "widen"
+    assert [m["method"] for m in manifest["history"]] == ["ot"]
+    assert [e["new"] for e in manifest["layers"]].count(True) == 2
+    assert all(e.get("widened") for e in manifest["layers"] if not e["new"])
+    assert (logits(load_causal_lm(out)) - logits(load_causal_lm(src))).abs().max() <= ATOL
+    report = verify_expansion(src, out, random_plan())
+    assert report.verdict.startswith("PARITY") and report.proof.preserving, report.verdict
+    assert "layer map composed" not in " ".join(report.proof.base_checks)  # recorded against src itself
+    noisy = runner.invoke(app, [*args[:3], str(tmp_path / "noisy"), *args[4:], "--json"])
+    assert noisy.exit_code == 0 and not json.loads(noisy.stdout)["function_preserving"]
+    shutil.rmtree(tmp_path / "noisy")
+    shutil.rmtree(out)
+    dense = runner.invoke(app, ["expand", str(tiny_models["llama"]), "--out", str(out), "--experts", "2"])
+    one_error_line(dense, message="llama is a dense model")
+    no_output_left(tmp_path, "both")
+    alone = runner.invoke(app, [*args[:-2], "--expert-noise", "0"])
+    one_error_line(alone, message="give --experts too")
+
+
 def test_dense_models_are_refused_with_one_line_and_nothing_written(tiny_models, tmp_path):
     result = runner.invoke(app, ["widen", str(tiny_models["llama"]), "--out", str(tmp_path / "out")])
     one_error_line(result, message="llama is a dense model")
