@@ -22,6 +22,7 @@ from otdus_cli.arch.config_rules import (
     rewrite_config,
     validate_with_transformers,
 )
+from otdus_cli.arch.experts import expert_layout
 from otdus_cli.arch.families import family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import stack_fingerprints
@@ -351,7 +352,9 @@ def _ot_choices(plan: Plan) -> dict:
     if plan.method.builder != "ot":
         return {}
     zero_init = plan.method.zero_init_default if plan.options.zero_init is None else plan.options.zero_init
-    return {"ot_choices": ot_choices(plan.options.ot, zero_init)}
+    family = plan.source.family
+    moe = expert_layout(family.name) if family.moe else None
+    return {"ot_choices": ot_choices(plan.options.ot, zero_init, moe)}
 
 
 def expand(

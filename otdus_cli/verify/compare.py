@@ -444,8 +444,8 @@ def verify_expansion(
     claimed = list(layer_map) if layer_map is not None and not callable(layer_map) else None
     proof = static_check(base_reader, expd_reader, claimed)
     manifest = read_manifest(expanded_dir)
-    if layer_map is None:
-        layer_map = manifest["layers"] if manifest else proof.layer_map()
+    if layer_map is None:  # the manifest's map as the static check read it (through expand + widen)
+        layer_map = proof.claimed if manifest else proof.layer_map()
     base = StreamedModel(
         base_reader,
         device=device,
