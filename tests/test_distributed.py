@@ -1,0 +1,120 @@
+"""Several processes (torchrun, srun) as one run: the same figures as one process, failures everywhere.
+
+The multi-process tests start real processes on the gloo backend (CPU), two ranks, on the bundled
+stories260K model: `torchrun` for the runs users start, and two hand-launched ranks (the variables
+torchrun sets) where one rank must differ from the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from otdus_cli.distributed import Launch, World, launch_from_env, shard
+from otdus_cli.errors import OtdusError
+
+OTDUS = [sys.executable, "-m", "otdus_cli.cli"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+QUICK = ["--max-tokens", "1500", "--device", "cpu", "--json"]
+# figures that vary run to run or with the number of processes, by design
+VARYING = ("timings", "compute")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", OTDUS_DIST_TIMEOUT="120", **extra)
+    return env
+
+
+def one_process(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([*OTDUS, *args], capture_output=True, text=True, env=env_for(), timeout=600)
+
+
+def two_ranks(args: list[str]) -> subprocess.CompletedProcess:
+    port = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    return subprocess.run(
+        [*TORCHRUN, *port, "-m", "otdus_cli.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env_for(),
+        timeout=600,
+    )
+
+
+def hand_launched(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Rank r runs commands[r], with the variables torchrun would set."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_for(
+                WORLD_SIZE=str(len(commands)),
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+        )
+        for r, cmd in enumerate(commands)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def figures(stdout: str) -> dict:
+    report = json.loads(stdout)  # exactly one JSON object, or this fails
+    return {k: v for k, v in report.items() if k not in VARYING}
+
+
+# -- where a process stands -------------------------------------------------------------------------
+def test_launchers_environment_gives_the_rank():
+    assert launch_from_env({}) == Launch()
+    torchrun = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}
+    assert launch_from_env(torchrun) == Launch(3, 4, 1, "torchrun")
+    step = {"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"}
+    assert launch_from_env(step) == Launch(5, 8, 1, "srun")
+    # a batch script's own shell has the job's task count but no step: one process, not a world
+    assert launch_from_env({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}) == Launch()
+    with pytest.raises(OtdusError, match="rank 4 of world size 4"):
+        launch_from_env({"WORLD_SIZE": "4", "RANK": "4"})
+    with pytest.raises(OtdusError, match="not an integer"):
+        launch_from_env({"WORLD_SIZE": "two"})
+
+
+def test_shards_cover_every_item_once_in_order_and_balance_the_cost():
+    costs = [5, 1, 1, 1, 1, 1, 4, 2]
+    for size in (1, 2, 3, 8, 11):
+        blocks = [shard(costs, World(Launch(r, size))) for r in range(size)]
+        assert [i for b in blocks for i in b] == list(range(len(costs)))
+        if size == 2:
+            assert [sum(costs[i] for i in b) for b in blocks] == [8, 8]
+
+
+def test_a_world_of_one_runs_its_work_and_keeps_its_exceptions():
+    world = World()
+    assert world.exchange(lambda: 7) == [7]
+    assert world.sum_float64([0.1, 2.0]) == [0.1, 2.0] and world.all_true(True)
+    world.barrier()
+
+    def broken() -> None:
+        raise ValueError("as it was")
+
+    with pytest.raises(ValueError, match="as it was"):
+        world.exchange(broken)
