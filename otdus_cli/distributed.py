@@ -109,7 +109,8 @@ class World:
 
     def device(self, requested: str | None) -> str | None:
         """This rank's compute device for ``requested`` (auto, cpu, cuda, cuda:N): with several ranks,
-        "auto" and a bare "cuda" mean the GPU of index LOCAL_RANK (one GPU per rank on a node)."""
+        "auto" and a bare "cuda" mean the GPU of index LOCAL_RANK (one GPU per rank on a node), or
+        the one GPU a rank sees (Slurm's --gpus-per-task binds one to each rank as cuda:0)."""
         if self.size == 1 or requested is None:
             return requested
         if str(requested) in ("auto", "cuda"):
@@ -117,6 +118,8 @@ class World:
 
             if torch.cuda.is_available():
                 count = torch.cuda.device_count()
+                if count == 1:
+                    return "cuda:0"
                 if self.local_rank >= count:
                     raise OtdusError(
                         f"rank {self.rank}: local rank {self.local_rank} but this node has {count} GPU(s); "

@@ -12,11 +12,14 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from otdus_cli.distributed import Launch, World, launch_from_env, shard
 from otdus_cli.errors import OtdusError
+from otdus_cli.expand import expand
+from otdus_cli.options import ExpandOptions
 
 OTDUS = [sys.executable, "-m", "otdus_cli.cli"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
@@ -118,3 +121,62 @@ def test_a_world_of_one_runs_its_work_and_keeps_its_exceptions():
 
     with pytest.raises(ValueError, match="as it was"):
         world.exchange(broken)
+
+
+# -- verify and ppl on two ranks ----------------------------------------------------------------------
+def test_ppl_on_two_ranks_reports_the_figures_of_one_process():
+    args = ["ppl", "bundled:stories260k", *QUICK]  # lm-eval wikitext: word and byte counts too
+    single, double = one_process(args), two_ranks(args)
+    assert single.returncode == 0 and double.returncode == 0, double.stderr[-2000:]
+    assert figures(double.stdout) == figures(single.stdout)  # float64 sums, bit for bit
+    assert json.loads(double.stdout)["compute"]["ranks"] == 2
+    assert json.loads(single.stdout)["compute"]["ranks"] == 1
+
+
+def test_verify_on_two_ranks_reports_the_figures_of_one_process(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "pro"
+    expand("bundled:stories260k", out, ExpandOptions(method="llama-pro", layers=5))
+    # base layer 3's copy damaged: the lockstep comparison must find the same first divergence
+    shard_file = out / "model.safetensors"
+    tensors = load_file(str(shard_file))
+    name = next(n for n in tensors if n.startswith("model.layers.4.") and n.endswith("mlp.down_proj.weight"))
+    tensors[name] = tensors[name] * 1.01
+    save_file(tensors, str(shard_file), metadata={"format": "pt"})
+    args = ["verify", str(out), "--protocol", "token", "--seq-len", "64", *QUICK]
+    single, double = one_process(args), two_ranks(args)
+    assert single.returncode == 1 and double.returncode != 0, double.stderr[-2000:]
+    report = figures(double.stdout)
+    assert report == figures(single.stdout)
+    assert report["verdict"].startswith("BROKEN") and report["first_divergence"]["max_abs_diff"] > 0
+    assert not report["logits_equal"] and report["base"]["n_windows"] > 2
+
+
+# -- failures ----------------------------------------------------------------------------------------
+def test_a_failing_rank_fails_every_rank_with_its_line(stories, tmp_path):
+    # rank 1's copy of the model is damaged (a node-local copy gone bad): both ranks say so, exit 2
+    damaged = Path(stories)
+    config = json.loads((damaged / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (damaged / "config.json").write_text(json.dumps(config))
+    args = ["--max-tokens", "500", "--device", "cpu", "--json"]
+    ranks = hand_launched(
+        [[*OTDUS, "ppl", "bundled:stories260k", *args], [*OTDUS, "ppl", str(damaged), *args]]
+    )
+    for r in ranks:
+        assert r.returncode == 2 and r.stdout == "", r.stderr[-2000:]
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: rank 1: "), r.stderr[-2000:]
+        assert str(damaged) in lines[0]
+
+
+def test_a_dead_rank_does_not_leave_the_other_waiting(tmp_path):
+    # rank 1 joins the group, then dies without a word: rank 0 must end with one line, not hang
+    dies = "import os, torch.distributed as dist; dist.init_process_group('gloo'); os._exit(9)"
+    args = ["ppl", "bundled:stories260k", "--max-tokens", "500", "--device", "cpu", "--json"]
+    rank0, rank1 = hand_launched([[*OTDUS, *args], [sys.executable, "-c", dies]])
+    assert rank1.returncode == 9
+    assert rank0.returncode == 2 and rank0.stdout == "", rank0.stderr[-2000:]
+    lines = [line for line in rank0.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: lost the other ranks"), lines
