@@ -180,3 +180,66 @@ def test_a_dead_rank_does_not_leave_the_other_waiting(tmp_path):
     assert rank0.returncode == 2 and rank0.stdout == "", rank0.stderr[-2000:]
     lines = [line for line in rank0.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: lost the other ranks"), lines
+
+
+# -- expand on two ranks -----------------------------------------------------------------------------
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def without_times(value):
+    """A manifest less what varies run to run: its creation time and the solvers' seconds."""
+    if isinstance(value, dict):
+        return {k: without_times(v) for k, v in value.items() if k not in ("created", "seconds")}
+    return value
+
+
+def same_output(one: Path, two: Path) -> None:
+    a, b = files_of(one), files_of(two)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        if name == "otdus.json":
+            assert without_times(json.loads(a[name])) == without_times(json.loads(b[name]))
+        else:
+            assert a[name] == b[name], name
+
+
+@pytest.mark.parametrize("method", ["ot", "lesa"])
+def test_expand_on_two_ranks_writes_the_bytes_of_one_process(tmp_path, method):
+    # small shards, so both ranks own shard files; new layers built on both ranks
+    args = ["--method", method, "--layers", "3", "--max-shard-size", "300KB", "--json"]
+    if method == "lesa":
+        args += ["--lesa-epochs", "2"]
+    single = one_process(["expand", "bundled:stories260k", "--out", str(tmp_path / "one"), *args])
+    double = two_ranks(["expand", "bundled:stories260k", "--out", str(tmp_path / "two"), *args])
+    assert single.returncode == 0 and double.returncode == 0, double.stderr[-2000:]
+    assert json.loads(double.stdout)["out"] == str(tmp_path / "two")  # one JSON object, rank 0's
+    assert len([p for p in (tmp_path / "one").iterdir() if p.suffix == ".safetensors"]) > 2
+    same_output(tmp_path / "one", tmp_path / "two")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # no temporary folder left
+
+
+@pytest.mark.parametrize("fault", ["truncated source", "no GPU"])
+def test_a_failing_rank_fails_the_expansion_everywhere_and_leaves_nothing(stories, tmp_path, fault):
+    # rank 1 fails where rank 0 does not: its copy of the source has a truncated shard (found while
+    # planning, while rank 0 claims the output), or it is asked for a GPU it lacks (found
+    # when it starts writing, after rank 0 made the temporary folder and shard files)
+    import torch
+
+    if fault == "no GPU" and torch.cuda.is_available():
+        pytest.skip("the fault is a missing GPU")
+    args = ["--method", "ot", "--layers", "3", "--max-shard-size", "300KB"]
+    out = tmp_path / "deeper"
+    rank0 = [*OTDUS, "expand", "bundled:stories260k", "--out", str(out), *args]
+    if fault == "truncated source":
+        shard_file = Path(stories) / "model.safetensors"
+        shard_file.write_bytes(shard_file.read_bytes()[:-4096])
+        rank1 = [*OTDUS, "expand", str(stories), "--out", str(out), *args]
+    else:
+        rank1 = [*rank0, "--device", "cuda"]
+    expected = {"truncated source": "truncated file", "no GPU": "no CUDA GPU"}[fault]
+    for r in hand_launched([rank0, rank1]):
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+        assert lines[0].startswith("error: rank 1: ") and expected in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stories260k"]  # no output, no temporary folder
