@@ -1,8 +1,9 @@
-"""Several processes (torchrun, srun) as one run: the same figures as one process, failures everywhere.
+"""Several processes (torchrun, srun) as one run: the output and figures of one process, failures
+everywhere.
 
 The multi-process tests start real processes on the gloo backend (CPU), two ranks, on the bundled
-stories260K model: `torchrun` for the runs users start, and two hand-launched ranks (the variables
-torchrun sets) where one rank must differ from the other.
+stories260K model and a tiny Mixtral: `torchrun` for the runs users start, and two hand-launched
+ranks (the variables torchrun sets) where one rank must differ from the other.
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ def without_times(value):
     """A manifest less what varies run to run: its creation time and the solvers' seconds."""
     if isinstance(value, dict):
         return {k: without_times(v) for k, v in value.items() if k not in ("created", "seconds")}
+    if isinstance(value, list):
+        return [without_times(v) for v in value]
     return value
 
 
@@ -204,12 +207,10 @@ def same_output(one: Path, two: Path) -> None:
             assert a[name] == b[name], name
 
 
-@pytest.mark.parametrize("method", ["ot", "lesa"])
-def test_expand_on_two_ranks_writes_the_bytes_of_one_process(tmp_path, method):
-    # small shards, so both ranks own shard files; new layers built on both ranks
-    args = ["--method", method, "--layers", "3", "--max-shard-size", "300KB", "--json"]
-    if method == "lesa":
-        args += ["--lesa-epochs", "2"]
+def test_expand_on_two_ranks_writes_the_bytes_of_one_process(tmp_path):
+    # small shards, so both ranks own shard files; new layers built on both ranks, after LESA's
+    # pre-pass on each (OT-DUS: the MoE test below)
+    args = ["--method", "lesa", "--layers", "3", "--max-shard-size", "300KB", "--json", "--lesa-epochs", "2"]
     single = one_process(["expand", "bundled:stories260k", "--out", str(tmp_path / "one"), *args])
     double = two_ranks(["expand", "bundled:stories260k", "--out", str(tmp_path / "two"), *args])
     assert single.returncode == 0 and double.returncode == 0, double.stderr[-2000:]
@@ -243,3 +244,44 @@ def test_a_failing_rank_fails_the_expansion_everywhere_and_leaves_nothing(storie
         assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
         assert lines[0].startswith("error: rank 1: ") and expected in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stories260k"]  # no output, no temporary folder
+
+
+# -- a tiny MoE model, through the library -------------------------------------------------------------
+VERIFY_SCRIPT = """
+import json, sys
+import torch
+from otdus_cli.distributed import current_world
+from otdus_cli.verify.compare import verify_expansion
+from otdus_cli.verify.metrics import EvalPlan, Window
+
+gen = torch.Generator().manual_seed(0)
+ids = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (40, 40, 23, 31, 40)]
+plan = EvalPlan("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 40)
+report = verify_expansion(sys.argv[1], sys.argv[2], plan, device="cpu", batch_size=1).to_dict()
+if current_world().is_main:
+    print(json.dumps({k: v for k, v in report.items() if k not in ("timings", "compute")}))
+"""
+
+
+def test_a_tiny_moe_model_expands_and_verifies_on_two_ranks_as_on_one(tmp_path):
+    from conftest import build_tiny
+
+    base = build_tiny("mixtral", tmp_path / "moe")
+    args = ["--method", "ot", "--layers", "2", "--max-shard-size", "40KB", "--json"]
+    single = one_process(["expand", str(base), "--out", str(tmp_path / "one"), *args])
+    double = two_ranks(["expand", str(base), "--out", str(tmp_path / "two"), *args])
+    assert single.returncode == 0 and double.returncode == 0, double.stderr[-2000:]
+    assert len([p for p in (tmp_path / "one").iterdir() if p.suffix == ".safetensors"]) > 2
+    same_output(tmp_path / "one", tmp_path / "two")
+    script = tmp_path / "verify_moe.py"
+    script.write_text(VERIFY_SCRIPT)
+    run = [str(script), str(base), str(tmp_path / "two")]
+    alone = subprocess.run([sys.executable, *run], capture_output=True, text=True, env=env_for(), timeout=600)
+    port = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    pair = subprocess.run(
+        [*TORCHRUN, *port, *run], capture_output=True, text=True, env=env_for(), timeout=600
+    )
+    assert alone.returncode == 0 and pair.returncode == 0, pair.stderr[-2000:]
+    report = json.loads(pair.stdout)
+    assert report == json.loads(alone.stdout)
+    assert report["parity"] and report["logits_equal"] and report["base"]["n_windows"] == 5
