@@ -311,9 +311,11 @@ def expand(
     json_out: JsonFlag = False,
 ) -> None:
     """Insert new decoder layers and write the deeper checkpoint (streamed, atomic)."""
+    from otdus_cli.distributed import current_world
     from otdus_cli.expand import expand as run_expand
 
     with user_errors():
+        world = current_world()  # under torchrun/srun: this process's rank (see distributed.py)
         model, options, recipe_obj = _options(
             model,
             flags,
@@ -345,10 +347,13 @@ def expand(
         if experts is None and expert_noise is not None:
             raise OtdusError("--expert-noise is the noise of --experts; give --experts too")
         if experts is not None:
+            if world.size > 1:  # grow.py's scratch folder and widen step are one process's
+                raise OtdusError("--experts runs in one process: start it without torchrun/srun")
             noise = 0.01 if expert_noise is None else expert_noise
             _expand_and_widen(model, out, options, experts, noise, force, json_out, say)
             return
-        with byte_progress(show_progress(json_out), "expanding") as (set_total, advance):
+        # every rank reports its errors; only rank 0 its progress and results
+        with byte_progress(show_progress(json_out) and world.is_main, "expanding") as (set_total, advance):
             result = run_expand(
                 model,
                 out,
@@ -358,6 +363,8 @@ def expand(
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
                 on_note=say,  # stale temporary folders, said when removed (a later Ctrl-C keeps it said)
             )
+    if not world.is_main:
+        return
     transport = _transport_warnings(result.manifest.get("transport", {}))
     warnings = list(result.warnings)  # the manifest's, and the notes already said
     given = {
