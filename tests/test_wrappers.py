@@ -65,14 +65,14 @@ WRAPPERS: dict[str, dict] = {
 }
 
 
-def build_wrapper(model_type: str, folder: Path) -> Path:
+def build_wrapper(model_type: str, folder: Path, fields: dict | None = None) -> Path:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForImageTextToText.from_config(
-            AutoConfig.for_model(model_type, **WRAPPERS[model_type])
+            AutoConfig.for_model(model_type, **(fields or WRAPPERS[model_type]))
         )
     with torch.no_grad():
         for p in model.parameters():
@@ -188,3 +188,55 @@ def test_wrapper_with_layers_under_two_prefixes_is_refused(wrappers, tmp_path):
     result = CliRunner().invoke(app, ["expand", str(src), "--out", str(out), "--method", "copy"])
     one_error_line(result, message="both model. and language_model.model.")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("model_type", list(WRAPPERS) + ["gemma3-v5-names"])
+def test_verify_scores_the_text_model_of_a_wrapper(wrappers, tmp_path, model_type, single_thread):
+    """verify streams a wrapper's text model (the vision tower left aside by the text-only forward): a
+    zero-init expansion holds bitwise PARITY and the static proof shows it, from the library."""
+    from test_verify_families import random_plan
+
+    from otdus_cli.verify.compare import verify_expansion
+
+    if model_type == "gemma3-v5-names":
+        src = to_transformers5_names(wrappers["gemma3"], tmp_path / "src")
+    else:
+        src = wrappers[model_type]
+    out = tmp_path / "out"
+    expand(str(src), out, ExpandOptions(method="copy", layers=2, zero_init=True))
+    report = verify_expansion(src, out, random_plan())
+    assert report.expect_parity and report.proof.preserving, report.proof.reason
+    assert report.verdict.startswith("PARITY") and "bitwise" in report.verdict
+    assert report.logits_equal and report.first_divergence is None and report.exit_code == 0
+    # the embeddings and every expanded text layer, compared with the base's in lockstep
+    depth = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    assert [c.expanded_layer for c in report.checks] == list(range(-1, depth + 2))
+
+
+def test_verify_cli_on_a_wrapper_with_a_tokenizer(tmp_path, single_thread):
+    """`otdus verify OUT` as users run it on an expanded Gemma 3 wrapper (the stories260K tokenizer, a
+    512-token text vocabulary, image tokens above it): PARITY, exit 0; --static proves it too."""
+    from typer.testing import CliRunner
+
+    from otdus_cli.bundled import STORIES260K
+    from otdus_cli.cli import app
+
+    fields = dict(WRAPPERS["gemma3"], image_token_index=515, boi_token_index=516, eoi_token_index=517)
+    fields["text_config"] = {**fields["text_config"], "vocab_size": 520}
+    src = tmp_path / "gemma3"
+    build_wrapper("gemma3", src, fields)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        (src / name).write_bytes((STORIES260K / name).read_bytes())
+    out = tmp_path / "out"
+    expand(str(src), out, ExpandOptions(method="copy", layers=2, zero_init=True))
+    runner = CliRunner()
+    result = runner.invoke(app, ["verify", str(out), "--max-tokens", "512", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["parity"] and report["logits_equal"] and report["verdict"].startswith("PARITY")
+    assert Path(report["base_model"]).resolve() == src.resolve()  # the source the manifest recorded
+    static = runner.invoke(app, ["verify", str(out), "--static", "--json"])
+    assert static.exit_code == 0, static.output
+    proof = json.loads(static.stdout)
+    assert proof["preserving"] and proof["outside_equal"]
+    assert [f["base"] for f in proof["layers"]].count(False) == 2
