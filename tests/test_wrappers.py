@@ -9,6 +9,7 @@ from the Gemma 3 save by renaming its tensors as transformers 5 does when loadin
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -48,6 +49,31 @@ WRAPPERS: dict[str, dict] = {
         image_token_id=90,
         video_token_id=91,
         vision_start_token_id=92,
+    ),
+    # deepstack: the vision blocks listed feed visual features into text layers 0 and 1
+    "qwen3_vl": dict(
+        text_config={
+            **COMMON,
+            "model_type": "qwen3_vl_text",
+            "head_dim": 8,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True},
+        },
+        vision_config=dict(
+            depth=3,
+            hidden_size=16,
+            out_hidden_size=32,
+            num_heads=2,
+            intermediate_size=32,
+            patch_size=4,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 2],
+        ),
+        image_token_id=90,
+        video_token_id=91,
+        vision_start_token_id=92,
+        vision_end_token_id=93,
     ),
     "llava": dict(
         text_config={**COMMON, "model_type": "llama"},
@@ -240,3 +266,48 @@ def test_verify_cli_on_a_wrapper_with_a_tokenizer(tmp_path, single_thread):
     proof = json.loads(static.stdout)
     assert proof["preserving"] and proof["outside_equal"]
     assert [f["base"] for f in proof["layers"]].count(False) == 2
+
+
+def image_logits(model) -> torch.Tensor:
+    """Qwen3-VL logits on a prompt with one 16x16 image (4 image tokens after merging): the path on
+    which the deepstack features join text layers 0 and 1."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[5, 6, 92, 90, 90, 90, 90, 93, 7, 8, 9]])
+    pixels = torch.randn(16, 3 * 2 * 4 * 4, generator=gen)  # 4x4 patches of 3x2x4x4 values
+    image = dict(pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]))
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # transformers 5: 1 = image
+        image["mm_token_type_ids"] = (ids == 90).int()
+    with torch.no_grad():
+        return model(input_ids=ids, **image).logits
+
+
+def test_qwen3_vl_deepstack_layers_stay_in_place(wrappers, tmp_path, single_thread):
+    """New layers after the deepstack layers: the image path too is bit-identical (a zero-init layer
+    adds nothing, and the visual features still join base layers 0 and 1)."""
+    src = wrappers["qwen3_vl"]
+    out = tmp_path / "out"
+    result = expand(str(src), out, ExpandOptions(method="copy", after=[1, 3], zero_init=True))
+    assert [lay.source for lay in result.plan.layer_map[:2]] == [0, 1]
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"]["deepstack_visual_indexes"] == [0, 2]  # vision blocks: unchanged
+    base, grown = load_wrapper(src), load_wrapper(out)
+    assert type(grown).__name__ == "Qwen3VLForConditionalGeneration"
+    assert torch.equal(image_logits(base), image_logits(grown))
+    # the deepstack features do reach the text layers on this input (without them the logits change)
+    with torch.no_grad():
+        for p in base.model.visual.deepstack_merger_list.parameters():
+            p.zero_()
+    assert not torch.equal(image_logits(base), image_logits(grown))
+
+
+@pytest.mark.parametrize("position", ["bottom", "top-bottom"])
+def test_qwen3_vl_layer_map_that_moves_deepstack_layers_is_refused(wrappers, tmp_path, position):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    out = tmp_path / "out"
+    args = ["expand", str(wrappers["qwen3_vl"]), "--out", str(out), "--method", "copy", "--layers", "2"]
+    result = CliRunner().invoke(app, [*args, "--position", position, "--zero-init"])
+    one_error_line(result, message="vision_config.deepstack_visual_indexes has 2 entries")
+    assert not out.exists()

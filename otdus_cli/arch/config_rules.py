@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from otdus_cli.arch.families import DEPTH_FIELDS
-from otdus_cli.arch.wrappers import depth_parts, text_config
+from otdus_cli.arch.wrappers import LEADING_LAYER_FIELDS, depth_parts, text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import read_json_object
 from otdus_cli.plan.layer_map import OutputLayer
@@ -50,6 +50,7 @@ def rewrite_config(
     Family.derives_layer_types); if not, only an explicit layer_types list is carried over.
     ``per_layer_fields``: more fields with one entry per layer (Family.per_layer_fields).
     """
+    check_leading_layers(config, layer_map)
     out = copy.deepcopy(config)
     for key in depth_parts(config):
         if key is None:
@@ -57,6 +58,24 @@ def rewrite_config(
         else:
             out[key] = _rewrite_stack_config(config[key], layer_map, derives_layer_types, per_layer_fields)
     return out
+
+
+def check_leading_layers(config: dict, layer_map: list[OutputLayer]) -> None:
+    """Refuse a layer map that moves or replaces a text layer the wrapper addresses by position
+    (LEADING_LAYER_FIELDS: Qwen3-VL's deepstack injections after text layers 0 .. K-1)."""
+    for (part, name), what in LEADING_LAYER_FIELDS.items():
+        value = (config.get(part) or {}).get(name) if isinstance(config.get(part), dict) else None
+        if not isinstance(value, list) or not value:
+            continue
+        leading = len(value)
+        moved = next((lay for lay in layer_map[:leading] if lay.new or lay.source != lay.index), None)
+        if moved is not None:
+            where = f"0-{leading - 1}" if leading > 1 else "0"
+            found = f"new layer {moved.index}" if moved.new else f"base layer {moved.source} at {moved.index}"
+            raise OtdusError(
+                f"{part}.{name} has {leading} entries: {what} {where} by position, and this layer map puts "
+                f"{found} there; place the new layers after layer {leading - 1} (e.g. --position top)"
+            )
 
 
 def _rewrite_stack_config(
