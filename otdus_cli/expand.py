@@ -112,7 +112,11 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
             "add --no-zero-init"
         )
     config = rewrite_config(
-        source.config, layer_map, source.family.derives_layer_types, source.family.per_layer_fields
+        source.config,
+        layer_map,
+        source.family.derives_layer_types,
+        source.family.per_layer_fields,
+        source.family.derived_fields,
     )
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype

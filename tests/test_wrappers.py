@@ -75,6 +75,43 @@ WRAPPERS: dict[str, dict] = {
         vision_start_token_id=92,
         vision_end_token_id=93,
     ),
+    # Llama 3.2 Vision: cross-attention layers 1 and 3 inside the text stack
+    "mllama": dict(
+        text_config={**COMMON, "cross_attention_layers": [1, 3], "pad_token_id": 0},
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_global_layers=1,
+            attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=32,
+            intermediate_layers_indices=[0],
+            max_num_tiles=1,
+            supported_aspect_ratios=[[1, 1]],
+        ),
+        image_token_index=90,
+    ),
+    # Llama 4: dense / MoE layers interleaved, NoPE and chunked attention (conftest's llama4_text)
+    "llama4": dict(
+        text_config={**COMMON, **TINY_CONFIGS["llama4_text"]},
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            projector_input_dim=32,
+            projector_output_dim=32,
+            vision_output_dim=32,
+            pixel_shuffle_ratio=0.5,
+        ),
+        image_token_index=90,
+        boi_token_index=91,
+        eoi_token_index=92,
+    ),
     "llava": dict(
         text_config={**COMMON, "model_type": "llama"},
         vision_config=dict(
@@ -118,6 +155,10 @@ def load_wrapper(folder: Path):
 
 def text_logits(model) -> torch.Tensor:
     ids = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(0))  # no image tokens
+    # Llama4ForConditionalGeneration.forward fails in transformers 5.24 (it reads image_outputs off its
+    # language model's output, which has none): its text-only path is that language model
+    if type(model).__name__ == "Llama4ForConditionalGeneration":
+        model = model.language_model
     with torch.no_grad():
         return model(input_ids=ids).logits
 
@@ -311,3 +352,65 @@ def test_qwen3_vl_layer_map_that_moves_deepstack_layers_is_refused(wrappers, tmp
     result = CliRunner().invoke(app, [*args, "--position", position, "--zero-init"])
     one_error_line(result, message="vision_config.deepstack_visual_indexes has 2 entries")
     assert not out.exists()
+
+
+def mllama_image_logits(model) -> torch.Tensor:
+    """Mllama logits on a prompt with one 28x28 image (one tile): the path through the cross-attention
+    layers, which text-only inputs skip."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[5, 90, 6, 7, 8, 9, 10]])
+    image = dict(
+        pixel_values=torch.randn(1, 1, 1, 3, 28, 28, generator=gen),
+        aspect_ratio_ids=torch.tensor([[1]]),
+        aspect_ratio_mask=torch.tensor([[[1]]]),
+        cross_attention_mask=torch.ones(1, 7, 1, 1, dtype=torch.long),
+    )
+    with torch.no_grad():
+        return model(input_ids=ids, **image).logits
+
+
+def test_mllama_cross_attention_layers_follow_the_layer_map(wrappers, tmp_path, single_thread):
+    """cross_attention_layers is renumbered through the layer map: copies of a cross-attention layer
+    are cross-attention layers, the others move with their sources; with zero-init copies the image
+    path is bit-identical too."""
+    src = wrappers["mllama"]
+    out = tmp_path / "out"
+    result = expand(str(src), out, ExpandOptions(method="copy", after=[1, 2], zero_init=True))
+    sources = [lay.source for lay in result.plan.layer_map]
+    assert sources == [0, 1, 1, 2, 2, 3]
+    config = json.loads((out / "config.json").read_text())
+    assert config["text_config"]["cross_attention_layers"] == [1, 2, 5]
+    base, grown = load_wrapper(src), load_wrapper(out)
+    assert torch.equal(mllama_image_logits(base), mllama_image_logits(grown))
+    # the cross-attention layers do shape this input (without their attention the logits change)
+    with torch.no_grad():
+        for i in (1, 3):
+            base.model.language_model.layers[i].cross_attn.o_proj.weight.zero_()
+    assert not torch.equal(mllama_image_logits(base), mllama_image_logits(grown))
+
+
+def test_llama4_lists_transformers_derives_are_written_explicitly(tmp_path, tiny_models, single_thread):
+    """A Llama 4 config.json without moe_layers / no_rope_layers / layer_types (transformers derives
+    them from interleave_moe_layer_step and no_rope_layer_interval, which at the new depth would put
+    experts and NoPE on other layers): the output states them, each layer keeping its source's kind."""
+    from conftest import load_causal_lm, logits
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in tiny_models["llama4_text"].iterdir():
+        (src / path.name).write_bytes(path.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    assert config["moe_layers"] == [1, 3] and config["no_rope_layers"] == [1, 0, 1, 0]
+    for name in ("moe_layers", "no_rope_layers", "layer_types"):
+        del config[name]
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = expand(str(src), out, ExpandOptions(method="copy", layers=2, zero_init=True))
+    sources = [lay.source for lay in result.plan.layer_map]
+    assert sources == [0, 1, 1, 2, 2, 3]
+    written = json.loads((out / "config.json").read_text())
+    assert written["moe_layers"] == [1, 2, 5]
+    assert written["no_rope_layers"] == [[1, 0, 1, 0][i] for i in sources]
+    types = ["chunked_attention", "full_attention"]
+    assert written["layer_types"] == [types[i % 2] for i in sources]
+    assert torch.equal(logits(load_causal_lm(src)), logits(load_causal_lm(out)))

@@ -25,6 +25,16 @@ def derived_layer_types(config: dict) -> list[str] | None:
     """
     if isinstance(config.get("layer_types"), list):
         return list(config["layer_types"])
+    return transformers_derived(config, ("layer_types",)).get("layer_types")
+
+
+def transformers_derived(config: dict, names: tuple[str, ...]) -> dict[str, list]:
+    """The list values transformers' config class derives for ``names`` absent from ``config`` (e.g.
+    Llama 4's moe_layers from interleave_moe_layer_step, no_rope_layers from no_rope_layer_interval);
+    {} for a config transformers cannot read."""
+    missing = [name for name in names if config.get(name) is None]
+    if not missing:
+        return {}
     try:
         from transformers import AutoConfig
 
@@ -32,9 +42,9 @@ def derived_layer_types(config: dict) -> list[str] | None:
             warnings.simplefilter("ignore")
             loaded = AutoConfig.for_model(**config)
     except Exception:
-        return None
-    types = getattr(loaded, "layer_types", None)
-    return list(types) if isinstance(types, list) else None
+        return {}
+    values = {name: getattr(loaded, name, None) for name in missing}
+    return {name: list(value) for name, value in values.items() if isinstance(value, list | tuple)}
 
 
 def rewrite_config(
@@ -42,6 +52,7 @@ def rewrite_config(
     layer_map: list[OutputLayer],
     derives_layer_types: bool = True,
     per_layer_fields: tuple[str, ...] = (),
+    derived_fields: tuple[str, ...] = (),
 ) -> dict:
     """A copy of `config` describing the expanded stack: where it states the depth (a multimodal
     wrapper's text_config, the top level, or both), the depth fields are rewritten.
@@ -49,14 +60,18 @@ def rewrite_config(
     ``derives_layer_types``: whether transformers may derive layer_types for this family (see
     Family.derives_layer_types); if not, only an explicit layer_types list is carried over.
     ``per_layer_fields``: more fields with one entry per layer (Family.per_layer_fields).
+    ``derived_fields``: depth fields transformers derives when absent (Family.derived_fields); written
+    explicitly, each new layer taking its source layer's entry.
     """
     check_leading_layers(config, layer_map)
     out = copy.deepcopy(config)
     for key in depth_parts(config):
         if key is None:
-            out = {**out, **_rewrite_stack_config(config, layer_map, derives_layer_types, per_layer_fields)}
+            stack = {**config, **transformers_derived(config, derived_fields)}
+            out = {**out, **_rewrite_stack_config(stack, layer_map, derives_layer_types, per_layer_fields)}
         else:
-            out[key] = _rewrite_stack_config(config[key], layer_map, derives_layer_types, per_layer_fields)
+            stack = {**config[key], **transformers_derived(config[key], derived_fields)}
+            out[key] = _rewrite_stack_config(stack, layer_map, derives_layer_types, per_layer_fields)
     return out
 
 

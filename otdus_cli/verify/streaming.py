@@ -279,6 +279,9 @@ class StreamedModel:
             _LayerStandIn(i, layer, self._hub) for i, layer in enumerate(self.layers)
         )
         self._stage_skips = self._shell_stages()
+        # decoder layers the family's forward skips on text-only input (Mllama's cross-attention layers
+        # without an image): learned at the first recording, passed through by apply_layer
+        self.skipped_layers: frozenset[int] | None = None
         self._shell_loaded: str | None = None  # "embed", "head" or "all": what is on the device
 
     # -- structure ------------------------------------------------------------------------------
@@ -551,8 +554,16 @@ class StreamedModel:
         hub.mode, hub.first_input, hub.kwargs = "record", None, {}
         try:
             self.decoder(input_ids=ids, use_cache=False)
-            if hub.first_input is None or len(hub.kwargs) != self.num_layers:
-                raise OtdusError(f"{type(self.model).__name__}: its forward did not call every decoder layer")
+            if hub.first_input is None:
+                raise OtdusError(f"{type(self.model).__name__}: its forward did not call decoder layer 0")
+            skipped = frozenset(range(self.num_layers)) - set(hub.kwargs)
+            if self.skipped_layers is None:
+                self.skipped_layers = skipped
+                hub.last_index = max(hub.kwargs)  # the final hidden states are injected there
+            elif skipped != self.skipped_layers:
+                raise OtdusError(
+                    f"{type(self.model).__name__}: its forward called other decoder layers for other inputs"
+                )
             return hub.first_input, hub.kwargs
         finally:
             hub.first_input, hub.kwargs = None, {}
@@ -567,6 +578,9 @@ class StreamedModel:
     ) -> None:
         """Run decoder layer ``index`` (already loaded, or loaded and freed here) over every window;
         ``on_batch`` is told the windows and tokens done after each batch."""
+        if self.skipped_layers and index in self.skipped_layers:  # the forward passes it by: so do we
+            acts.layers_done = max(acts.layers_done, index + 1)
+            return
         own = layer is None
         if own:
             layer = self.load_layer(index)
