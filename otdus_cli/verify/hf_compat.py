@@ -74,6 +74,23 @@ def auto_model_class(config):
     return AutoModelForCausalLM
 
 
+def skeleton_config(config):
+    """The config to build the evaluated model from: a wrapper's text config where transformers' causal
+    LM for the wrapper is its text model's class (Llama 4: Llama4ForCausalLM, which 4.57 cannot build
+    from the wrapper's config), else the config itself."""
+    from transformers.models.auto import modeling_auto  # noqa: PLC0415
+
+    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    text = config.get_text_config()
+    if (
+        text is not config
+        and names.get(config.model_type)
+        and names.get(config.model_type) == names.get(text.model_type)
+    ):
+        return text
+    return config
+
+
 def build_skeleton(
     config, dtype: torch.dtype, attn_implementation: str | None
 ) -> tuple[nn.Module, BufferValues]:
@@ -86,6 +103,7 @@ def build_skeleton(
     try:
         with _parameters_on_meta(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            config = skeleton_config(config)
             model = auto_model_class(config).from_config(config, trust_remote_code=False, **kwargs)
     except Exception as exc:
         raise OtdusError(f"cannot build {config.model_type} with transformers: {exc}") from None

@@ -638,12 +638,23 @@ class StreamedModel:
                 for p0 in range(length - k, length, step):
                     chunk = acts.hidden[g][:, p0 : p0 + step].to(self.device)
                     hub.mode, hub.final_hidden = "inject", chunk
-                    out = self.model(inputs_embeds=chunk, use_cache=False, logits_to_keep=0)
+                    out = self.model(
+                        inputs_embeds=chunk, use_cache=False, logits_to_keep=0, **self._head_args(chunk)
+                    )
                     hub.final_hidden = None
                     del chunk
                     yield group, p0, out.logits
         finally:
             hub.mode, hub.final_hidden = "record", None
+
+    def _head_args(self, states: torch.Tensor) -> dict:
+        """More arguments of the head pass (the final hidden states injected, the layers' inputs unused):
+        a wrapper gets plain position ids, which Qwen2.5-VL's forward in transformers 4.57 cannot compute
+        from embeddings alone (its multimodal rope index reads input_ids)."""
+        if self.text_config is self.config:
+            return {}
+        positions = torch.arange(states.shape[1], device=states.device)
+        return {"position_ids": positions.expand(states.shape[0], -1)}
 
     def _self_check(self, check: CheckBatch) -> None:
         """The check batch's logits, in one piece as the reference computed them, against the reference
@@ -652,7 +663,10 @@ class StreamedModel:
 
         hub = self._hub
         hub.mode, hub.final_hidden = "inject", check.hidden.to(self.device)
-        logits = self.model(inputs_embeds=hub.final_hidden, use_cache=False, logits_to_keep=0).logits
+        head_args = self._head_args(hub.final_hidden)
+        logits = self.model(
+            inputs_embeds=hub.final_hidden, use_cache=False, logits_to_keep=0, **head_args
+        ).logits
         hub.mode, hub.final_hidden = "record", None
         check_logits(self, logits[0], check.reference, check.how)
 
