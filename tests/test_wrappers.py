@@ -422,3 +422,26 @@ def test_llama4_lists_transformers_derives_are_written_explicitly(tmp_path, tiny
     if getattr(read, "layer_types", None):  # transformers 5 (4.57 has no layer_types for Llama 4)
         assert written["layer_types"] == [read.layer_types[i] for i in sources]
     assert torch.equal(logits(load_causal_lm(src)), logits(load_causal_lm(out)))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "method", "message"),
+    [
+        ("mllama", "average", "new layer 2 would be built from layers 1, 2, of different kinds in mllama"),
+        ("llama4", "average", "new layer 2 would be built from layers 1, 2, of different kinds in llama4"),
+        ("mllama", "lesa", "LESA predicts self-attention layers' projections only"),
+        ("mllama", "ot", "the OT-DUS flow knows no cross-attention roles"),
+        ("llama4", "ot", "fused experts beside a shared expert"),
+    ],
+)
+def test_methods_a_mixed_stack_cannot_take_are_refused(wrappers, tmp_path, model_type, method, message):
+    """Cross-attention / self-attention (Mllama) and dense / MoE (Llama 4) layers interleave: a layer
+    averaged from one of each has no tensor set, and OT / LESA know no roles for them."""
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    out = tmp_path / "out"
+    args = ["expand", str(wrappers[model_type]), "--out", str(out), "--method", method, "--layers", "2"]
+    one_error_line(CliRunner().invoke(app, args), message=message)
+    assert not out.exists()

@@ -228,7 +228,9 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
         layer_kind=cross_attention_layers,
         refuses={
             "ot": "cross-attention layers between the self-attention ones: the OT-DUS flow knows no "
-            "cross-attention roles"
+            "cross-attention roles",
+            "lesa": "cross-attention layers between the self-attention ones: LESA predicts self-attention "
+            "layers' projections only",
         },
     ),
     Family(
