@@ -198,7 +198,7 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
     # output is the shared expert's plus the routed experts' (each ends in a down projection).
     Family(
         "llama4",
-        ("llama4", "llama4_text"),
+        ("llama4_text",),
         {},
         zero_init=(
             r"self_attn\.o_proj\.weight",
@@ -218,7 +218,7 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
     # through the layer map) add gated image attention and MLP; text-only inputs skip them
     Family(
         "mllama",
-        ("mllama", "mllama_text_model"),
+        ("mllama_text_model",),
         {},
         zero_init=(
             r"self_attn\.o_proj\.weight",

@@ -24,6 +24,8 @@ TEXT_FAMILY_ALIASES = {
     "qwen2_5_vl": "qwen2",
     "qwen2_5_vl_text": "qwen2",
     "qwen3_vl": "qwen3",
+    "llama4": "llama4_text",
+    "mllama": "mllama_text_model",
     "qwen3_vl_text": "qwen3",
 }
 
