@@ -116,13 +116,27 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
         options.after,
         method.zero_init_for(options.method_variant()) if options.zero_init is None else options.zero_init,
     )
+    # a layer built from several parents (average) needs them of one kind: the same tensors
+    for lay in layer_map:
+        kinds = {source.family.layer_kind(source.text_config, i) for i in lay.parents}
+        if len(kinds) > 1:
+            parents, kinds_named = ", ".join(map(str, lay.parents)), ", ".join(sorted(kinds))
+            raise OtdusError(
+                f"--method {method.name}: new layer {lay.index} would be built from layers {parents}, of "
+                f"different kinds in {source.family.name} ({kinds_named}); use a copy-type method or place "
+                "the new layers between layers of one kind"
+            )
     if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
         raise OtdusError(
             f"zero-init needs an exact template (which tensors to zero), which {source.family.name} is not; "
             "add --no-zero-init"
         )
     config = rewrite_config(
-        source.config, layer_map, source.family.derives_layer_types, source.family.per_layer_fields
+        source.config,
+        layer_map,
+        source.family.derives_layer_types,
+        source.family.per_layer_fields,
+        source.family.derived_fields,
     )
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype

@@ -61,6 +61,15 @@ TINY_CONFIGS: dict[str, dict] = {
         "glm4": {"pad_token_id": 0, "head_dim": 8},
         "starcoder2": {"sliding_window": 16},
         "gpt_oss": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
+        # dense and MoE layers interleaved, NoPE layers every second, chunked attention on the others
+        "llama4_text": {
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "intermediate_size_mlp": 40,
+            "interleave_moe_layer_step": 2,
+            "no_rope_layer_interval": 2,
+            "attention_chunk_size": 8,
+        },
         "deepseek_v3": {
             "q_lora_rank": 16,
             "kv_lora_rank": 16,
@@ -90,7 +99,7 @@ BREADTH_DENSE_TYPES = [
     "glm4",
     "starcoder2",
 ]
-BREADTH_MOE_TYPES = ["gpt_oss", "deepseek_v3"]
+BREADTH_MOE_TYPES = ["gpt_oss", "deepseek_v3", "llama4_text"]
 
 
 def build_tiny(model_type: str, folder: Path, max_shard_size: str | None = None, seed: int = 0) -> Path:

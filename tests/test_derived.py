@@ -33,12 +33,14 @@ def build(model_type: str, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("derived")
-    return {mt: build(mt, root / mt) for mt in ("gemma", "opt", "gpt2")}
+    return {mt: build(mt, root / mt) for mt in ("gemma", "opt", "gpt2", "exaone")}
 
 
-# gemma: model.layers like the exact families; opt: its layers at model.decoder.layers
+# gemma: model.layers like the exact families; opt: its layers at model.decoder.layers; exaone (EXAONE 3):
+# transformers 5 builds it as LlamaForCausalLM (model.layers) but saves and reads transformer.h.N
 @pytest.mark.parametrize(
-    ("model_type", "prefix"), [("gemma", "model.layers."), ("opt", "model.decoder.layers.")]
+    ("model_type", "prefix"),
+    [("gemma", "model.layers."), ("opt", "model.decoder.layers."), ("exaone", "transformer.h.")],
 )
 def test_copy_methods_on_a_derived_template(models, tmp_path, model_type, prefix):
     from conftest import load_causal_lm
@@ -67,7 +69,7 @@ def test_copy_methods_on_a_derived_template(models, tmp_path, model_type, prefix
     [
         ("gemma", ["--method", "copy", "--zero-init"], "zero-init needs an exact template"),
         ("gemma", ["--method", "average"], "copy-type methods only"),
-        ("gpt2", ["--method", "copy"], "another field than num_hidden_layers"),
+        ("gpt2", ["--method", "copy"], "states its depth as n_layer, not num_hidden_layers"),
     ],
 )
 def test_derived_template_refusals(models, tmp_path, model_type, args, message):
@@ -91,3 +93,29 @@ def test_no_remote_code_model_type_is_derived(models, tmp_path):
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     with pytest.raises(OtdusError, match="unknown architecture"):
         family_for(config)
+
+
+def test_layers_stored_under_no_single_name_are_refused_saying_so(models, tmp_path):
+    """A derived template looks for the layers where transformers' class keeps them, then for the one
+    name numbered 0 .. depth-1; with neither, one line says so (not "holds tensors for 0 layers")."""
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in models["gemma"].iterdir():
+        (src / path.name).write_bytes(path.read_bytes())
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.startswith("model.layers."):
+            index, rest = name[len("model.layers.") :].split(".", 1)
+            name = f"{'upper' if int(index) >= 2 else 'lower'}.{index}.{rest}"
+        tensors[name] = t
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["expand", str(src), "--out", str(out), "--method", "copy"])
+    line = one_error_line(result, message="no tensors under model.layers.N")
+    assert "names numbered 0-3 elsewhere: none" in line and "cannot tell which tensors" in line
+    assert not out.exists()

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from otdus_cli.arch.families import DEPTH_FIELDS
-from otdus_cli.arch.wrappers import depth_parts, text_config
+from otdus_cli.arch.wrappers import LEADING_LAYER_FIELDS, depth_parts, text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import read_json_object
 from otdus_cli.plan.layer_map import OutputLayer
@@ -25,6 +25,16 @@ def derived_layer_types(config: dict) -> list[str] | None:
     """
     if isinstance(config.get("layer_types"), list):
         return list(config["layer_types"])
+    return transformers_derived(config, ("layer_types",)).get("layer_types")
+
+
+def transformers_derived(config: dict, names: tuple[str, ...]) -> dict[str, list]:
+    """The list values transformers' config class derives for ``names`` absent from ``config`` (e.g.
+    Llama 4's moe_layers from interleave_moe_layer_step, no_rope_layers from no_rope_layer_interval);
+    {} for a config transformers cannot read."""
+    missing = [name for name in names if config.get(name) is None]
+    if not missing:
+        return {}
     try:
         from transformers import AutoConfig
 
@@ -32,9 +42,9 @@ def derived_layer_types(config: dict) -> list[str] | None:
             warnings.simplefilter("ignore")
             loaded = AutoConfig.for_model(**config)
     except Exception:
-        return None
-    types = getattr(loaded, "layer_types", None)
-    return list(types) if isinstance(types, list) else None
+        return {}
+    values = {name: getattr(loaded, name, None) for name in missing}
+    return {name: list(value) for name, value in values.items() if isinstance(value, list | tuple)}
 
 
 def rewrite_config(
@@ -42,6 +52,7 @@ def rewrite_config(
     layer_map: list[OutputLayer],
     derives_layer_types: bool = True,
     per_layer_fields: tuple[str, ...] = (),
+    derived_fields: tuple[str, ...] = (),
 ) -> dict:
     """A copy of `config` describing the expanded stack: where it states the depth (a multimodal
     wrapper's text_config, the top level, or both), the depth fields are rewritten.
@@ -49,14 +60,37 @@ def rewrite_config(
     ``derives_layer_types``: whether transformers may derive layer_types for this family (see
     Family.derives_layer_types); if not, only an explicit layer_types list is carried over.
     ``per_layer_fields``: more fields with one entry per layer (Family.per_layer_fields).
+    ``derived_fields``: depth fields transformers derives when absent (Family.derived_fields); written
+    explicitly, each new layer taking its source layer's entry.
     """
+    check_leading_layers(config, layer_map)
     out = copy.deepcopy(config)
     for key in depth_parts(config):
         if key is None:
-            out = {**out, **_rewrite_stack_config(config, layer_map, derives_layer_types, per_layer_fields)}
+            stack = {**config, **transformers_derived(config, derived_fields)}
+            out = {**out, **_rewrite_stack_config(stack, layer_map, derives_layer_types, per_layer_fields)}
         else:
-            out[key] = _rewrite_stack_config(config[key], layer_map, derives_layer_types, per_layer_fields)
+            stack = {**config[key], **transformers_derived(config[key], derived_fields)}
+            out[key] = _rewrite_stack_config(stack, layer_map, derives_layer_types, per_layer_fields)
     return out
+
+
+def check_leading_layers(config: dict, layer_map: list[OutputLayer]) -> None:
+    """Refuse a layer map that moves or replaces a text layer the wrapper addresses by position
+    (LEADING_LAYER_FIELDS: Qwen3-VL's deepstack injections after text layers 0 .. K-1)."""
+    for (part, name), what in LEADING_LAYER_FIELDS.items():
+        value = (config.get(part) or {}).get(name) if isinstance(config.get(part), dict) else None
+        if not isinstance(value, list) or not value:
+            continue
+        leading = len(value)
+        moved = next((lay for lay in layer_map[:leading] if lay.new or lay.source != lay.index), None)
+        if moved is not None:
+            where = f"0-{leading - 1}" if leading > 1 else "0"
+            found = f"new layer {moved.index}" if moved.new else f"base layer {moved.source} at {moved.index}"
+            raise OtdusError(
+                f"{part}.{name} has {leading} entries: {what} {where} by position, and this layer map puts "
+                f"{found} there; place the new layers after layer {leading - 1} (e.g. --position top)"
+            )
 
 
 def _rewrite_stack_config(

@@ -14,6 +14,8 @@ import warnings
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
 
+# what a refused derivation tells the user to do
+_NEEDS_TEMPLATE = "copy-type methods need an exact template for it (otdus_cli/arch/families.py)"
 # module-name parts of towers that are not the text stack
 _NOT_TEXT = ("vision", "visual", "audio", "image", "speech")
 
@@ -48,9 +50,10 @@ def derive_template(config: dict) -> dict:
             f"one ({type(exc).__name__}: {str(exc)[:120]})"
         ) from None
     if not isinstance(depth, int):
+        field = type(loaded.get_text_config()).attribute_map.get("num_hidden_layers", "another field")
         raise OtdusError(
-            f"model_type={model_type!r}: config.json gives its depth in another field than "
-            "num_hidden_layers; it needs an exact template"
+            f"model_type={model_type!r} ({type(model).__name__}) states its depth as {field}, not "
+            f"num_hidden_layers, so a template derived from transformers cannot rewrite it; {_NEEDS_TEMPLATE}"
         )
     # the decoder layers: the one module list of `depth` entries outside vision / audio towers
     lists = [
@@ -63,8 +66,9 @@ def derive_template(config: dict) -> dict:
     if len(lists) != 1:
         found = f"{len(lists)} ({', '.join(lists[:3])})" if lists else "none"
         raise OtdusError(
-            f"model_type={model_type!r} ({type(model).__name__}): module lists of {depth} layers: {found}; "
-            "it needs an exact template"
+            f"model_type={model_type!r} ({type(model).__name__}): otdus looks for its decoder layers as "
+            f"the one list of {depth} modules outside vision and audio towers, and finds {found}; "
+            f"{_NEEDS_TEMPLATE}"
         )
     layer_list = lists[0]
     # a hybrid stack (attention and recurrent layers, dense and MoE ...) places its kinds by rules
@@ -76,8 +80,9 @@ def derive_template(config: dict) -> dict:
     odd = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), None)
     if odd is not None:
         raise OtdusError(
-            f"model_type={model_type!r}: layer {odd} differs from layer 0 in transformers' own class "
-            "(a hybrid stack); it needs an exact template"
+            f"model_type={model_type!r} ({type(model).__name__}): layer {odd} holds other tensors than "
+            "layer 0 (a hybrid stack: attention / recurrent or dense / MoE layers), and which kind each new "
+            f"layer must be is not in transformers' class; {_NEEDS_TEMPLATE}"
         )
     loaded_text = loaded.get_text_config()
     per_layer = sorted(
@@ -93,8 +98,8 @@ def derive_template(config: dict) -> dict:
     )
     if listing:
         raise OtdusError(
-            f"model_type={model_type!r}: config field {listing[0]} lists layers; renumbering it needs an "
-            "exact template"
+            f"model_type={model_type!r}: config field {listing[0]} lists layers, and what its entries mean "
+            f"(which layers it renumbers) is not in transformers' class; {_NEEDS_TEMPLATE}"
         )
     return {
         # layer_types is written explicitly only where the config class stores it (a field, not a property)

@@ -80,6 +80,9 @@ class Family:
     copy_only: bool = False
     # config fields with one entry per layer besides DEPTH_FIELDS' (found by a derived template)
     per_layer_fields: tuple[str, ...] = ()
+    # DEPTH_FIELDS transformers derives from other fields when config.json lacks them (Llama 4's
+    # moe_layers, no_rope_layers): read from transformers and written explicitly, like layer_types
+    derived_fields: tuple[str, ...] = ()
 
     def is_zero_target(self, suffix: str) -> bool:
         return any(re.fullmatch(p, suffix) for p in self.zero_init)
@@ -119,6 +122,21 @@ _OT_PARALLEL = (
 def first_k_dense_layers(config: dict, index: int) -> str:
     """DeepSeek-V3: the first first_k_dense_replace layers hold a dense MLP, the others experts."""
     return "dense" if index < int(config.get("first_k_dense_replace") or 0) else "sparse"
+
+
+def llama4_layers(config: dict, index: int) -> str:
+    """Llama 4: experts on the layers listed in moe_layers, else on every interleave_moe_layer_step-th
+    (transformers' Llama4TextConfig); the others hold a dense MLP."""
+    listed = config.get("moe_layers")
+    if listed is None:
+        step = int(config.get("interleave_moe_layer_step") or 1)
+        return "sparse" if index % step == step - 1 else "dense"
+    return "sparse" if index in listed else "dense"
+
+
+def cross_attention_layers(config: dict, index: int) -> str:
+    """Mllama (Llama 3.2 Vision): the layers listed in cross_attention_layers attend to the image."""
+    return "cross" if index in (config.get("cross_attention_layers") or []) else "self"
 
 
 BREADTH_FAMILIES: tuple[Family, ...] = (
@@ -174,6 +192,46 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
         moe=True,
         derives_layer_types=True,
         refuses={"ot": "fused experts with biases: OT knows no expert layout for them (arch/experts.py)"},
+    ),
+    # Llama 4: dense and MoE layers interleaved (moe_layers), NoPE layers (no_rope_layers) with chunked
+    # attention on the others (layer_types); a copy keeps its source's kind through those lists. The MoE
+    # output is the shared expert's plus the routed experts' (each ends in a down projection).
+    Family(
+        "llama4",
+        ("llama4_text",),
+        {},
+        zero_init=(
+            r"self_attn\.o_proj\.weight",
+            r"feed_forward\.down_proj\.weight",
+            r"feed_forward\.experts\.down_proj",
+            r"feed_forward\.shared_expert\.down_proj\.weight",
+        ),
+        moe=True,
+        derives_layer_types=True,
+        layer_kind=llama4_layers,
+        derived_fields=("moe_layers", "no_rope_layers"),
+        refuses={
+            "ot": "fused experts beside a shared expert: OT knows no expert layout for them (arch/experts.py)"
+        },
+    ),
+    # Mllama (Llama 3.2 Vision): cross-attention layers (listed in cross_attention_layers, renumbered
+    # through the layer map) add gated image attention and MLP; text-only inputs skip them
+    Family(
+        "mllama",
+        ("mllama_text_model",),
+        {},
+        zero_init=(
+            r"self_attn\.o_proj\.weight",
+            r"cross_attn\.o_proj\.weight",
+            r"mlp\.down_proj\.weight",
+        ),
+        layer_kind=cross_attention_layers,
+        refuses={
+            "ot": "cross-attention layers between the self-attention ones: the OT-DUS flow knows no "
+            "cross-attention roles",
+            "lesa": "cross-attention layers between the self-attention ones: LESA predicts self-attention "
+            "layers' projections only",
+        },
     ),
     Family(
         "deepseek_v3",
@@ -317,6 +375,7 @@ DEPTH_FIELDS: dict[str, str] = {
     "layer_types": "per_layer",
     "no_rope_layers": "per_layer",
     "mlp_only_layers": "index_list",
+    "cross_attention_layers": "index_list",
     "moe_layers": "index_list",
     "max_window_layers": "threshold",
     "first_k_dense_replace": "threshold",

@@ -23,6 +23,19 @@ TEXT_FAMILY_ALIASES = {
     "qwen2_vl_text": "qwen2",
     "qwen2_5_vl": "qwen2",
     "qwen2_5_vl_text": "qwen2",
+    "qwen3_vl": "qwen3",
+    "llama4": "llama4_text",
+    "mllama": "mllama_text_model",
+    "qwen3_vl_text": "qwen3",
+}
+
+# Wrapper config fields whose list length K means text layers 0 .. K-1 take inputs by their position
+# in the stack, which no config field of the expanded model could move: Qwen3-VL adds its vision
+# tower's deepstack features (from the vision blocks listed, indices into the vision tower, not the
+# text stack) to the hidden states after text layers 0 .. K-1. An expansion keeps those layers in
+# place (arch/config_rules.py: check_leading_layers), or is refused.
+LEADING_LAYER_FIELDS: dict[tuple[str, str], str] = {
+    ("vision_config", "deepstack_visual_indexes"): "visual features are added after text layers",
 }
 
 

@@ -8,6 +8,7 @@ same tensors with the same dtypes and shapes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,8 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
     found = text_model_prefix(reader.names)
     if found is not None and found + "layers.{i}." != family.layer_prefix:
         family = replace(family, layer_prefix=found + "layers.{i}.")
+    if family.copy_only and not any(n.startswith(family.layer_prefix.format(i=0)) for n in reader.names):
+        family = replace(family, layer_prefix=stored_layer_prefix(reader.names, depth, family))
     pattern = family.layer_regex()
     by_layer: dict[int, list[str]] = {}
     others: list[str] = []
@@ -131,6 +134,31 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
     head = [n for n in others if "embed" in n]
     tail = [n for n in others if "embed" not in n]
     return LayerStack(reader, family, layers, head, tail, after_stack)
+
+
+_NUMBERED = re.compile(r"(.+?\.)(\d+)\.")
+
+
+def stored_layer_prefix(names: list[str], depth: int, family: Family) -> str:
+    """Where a checkpoint stores its decoder layers when not where the template's class keeps them
+    (a template without tensor roles only): transformers renames some layouts when loading (EXAONE 3's
+    ``transformer.h.N`` becomes LlamaForCausalLM's ``model.layers.N``). The one numbered name whose
+    numbers are exactly 0 .. depth-1; otherwise OtdusError saying what was looked for."""
+    numbers: dict[str, set[int]] = {}
+    for name in names:
+        m = _NUMBERED.match(name)
+        if m:
+            numbers.setdefault(m.group(1), set()).add(int(m.group(2)))
+    found = sorted(p for p, seen in numbers.items() if seen == set(range(depth)))
+    if len(found) == 1:
+        return found[0] + "{i}."
+    expected = family.layer_prefix.format(i="N")
+    what = f"several ({', '.join(p + 'N' for p in found[:3])})" if found else "none"
+    raise OtdusError(
+        f"{family.name}: no tensors under {expected}, where transformers' class keeps the decoder layers, "
+        f"and names numbered 0-{depth - 1} elsewhere: {what}; otdus cannot tell which tensors are this "
+        "checkpoint's decoder layers (save it again with this transformers, or add an exact template)"
+    )
 
 
 def check_layers_alike(layers: list[SourceLayer], family: Family, config: dict) -> None:

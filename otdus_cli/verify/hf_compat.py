@@ -15,6 +15,12 @@ says what it uses and how the versions differ:
   When a checkpoint also stores the tied copy (``lm_head.weight`` beside the embeddings), 5.x loads it
   as stored (it unties the two when they differ) and 4.57 ties it back to the embeddings
   (``loads_stored_tied_copies``).
+* Multimodal wrappers (Gemma 3, LLaVA, Mistral 3, Qwen2.5-VL ...): some are causal LMs to the auto
+  mapping (Gemma 3), others only image-text-to-text models (LLaVA, Qwen2.5-VL); both versions build
+  them with ``AutoModelForImageTextToText``, whose text-only forward is what is scored
+  (``auto_model_class``). Their module names (``model.language_model.layers.N``) differ from older
+  saves' (``language_model.model.layers.N``), which both versions rename when loading; the evaluator
+  maps names itself (``streaming.StreamedModel.disk_name``), without their private conversion tables.
 * Decoder layer outputs: 5.x layers return the hidden states; in 4.57 most do too, but Gemma 2/3,
   OLMoE and Qwen2-MoE return a tuple and their model takes ``layer_outputs[0]``. The convention is
   learned from a real layer's output (``returns_tuple``), not tabled per family and version.
@@ -54,21 +60,51 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
+def auto_model_class(config):
+    """The auto class that builds ``config``'s model: the causal-LM one, or for a multimodal wrapper
+    that is no causal LM to transformers (LLaVA, Qwen2.5-VL), the image-text-to-text one."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: PLC0415
+    from transformers.models.auto import modeling_auto  # noqa: PLC0415
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+        model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def skeleton_config(config):
+    """The config to build the evaluated model from: a wrapper's text config where transformers' causal
+    LM for the wrapper is its text model's class (Llama 4: Llama4ForCausalLM, which 4.57 cannot build
+    from the wrapper's config), else the config itself."""
+    from transformers.models.auto import modeling_auto  # noqa: PLC0415
+
+    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    text = config.get_text_config()
+    if (
+        text is not config
+        and names.get(config.model_type)
+        and names.get(config.model_type) == names.get(text.model_type)
+    ):
+        return text
+    return config
+
+
 def build_skeleton(
     config, dtype: torch.dtype, attn_implementation: str | None
 ) -> tuple[nn.Module, BufferValues]:
     """The causal LM for ``config`` with its parameters on the meta device, and the value of every
     buffer as the constructors computed it (CPU tensors, per module and buffer name). The model's own
     buffers go to the meta device too: nothing is allocated until the evaluator loads it."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy import
-
     kwargs: dict = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
         with _parameters_on_meta(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kwargs)
+            config = skeleton_config(config)
+            model = auto_model_class(config).from_config(config, trust_remote_code=False, **kwargs)
     except Exception as exc:
         raise OtdusError(f"cannot build {config.model_type} with transformers: {exc}") from None
     values: BufferValues = {}

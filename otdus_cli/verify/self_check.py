@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.verify import hf_compat
 
 if TYPE_CHECKING:
     from otdus_cli.verify.streaming import StreamedModel
@@ -41,13 +42,11 @@ def model_bytes(model: StreamedModel) -> int:
 
 
 def _whole_model_logits(model: StreamedModel, ids: Sequence[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy import
-
     kwargs = {"attn_implementation": model.attn_implementation} if model.attn_implementation else {}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            whole = AutoModelForCausalLM.from_pretrained(
+            whole = hf_compat.auto_model_class(model.config).from_pretrained(
                 str(model.folder), dtype=model.dtype, trust_remote_code=False, **kwargs
             )
     except Exception as exc:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from otdus_cli.arch.wrappers import text_model_prefix
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.verify import hf_compat
@@ -254,15 +255,19 @@ class StreamedModel:
         self.attn_implementation = attn_implementation
         self.model, self._buffer_values = hf_compat.build_skeleton(config, self.dtype, attn_implementation)
         # tied name -> its source; a stored tied copy is its own tensor where transformers loads it so
+        self.model.eval()
+        self.config = self.model.config
+        # a multimodal wrapper's sizes (hidden, heads, experts, vocabulary) are its text model's
+        self.text_config = self.config.get_text_config()
+        self.decoder = self._find_decoder()
+        self._on_disk = set(self.reader.names)
+        self._disk_names = self._disk_name_rules()
         untie = hf_compat.loads_stored_tied_copies()
         self._tied = {
             target: source
             for target, source in hf_compat.tied_parameters(self.model).items()
-            if not (untie and target in self.reader)
+            if not (untie and self.disk_name(target) in self._on_disk)
         }
-        self.model.eval()
-        self.config = self.model.config
-        self.decoder = self._find_decoder()
         self.layers = list(self.decoder.layers)
         self.num_layers = len(self.layers)
         if self.num_layers == 0:
@@ -274,11 +279,15 @@ class StreamedModel:
             _LayerStandIn(i, layer, self._hub) for i, layer in enumerate(self.layers)
         )
         self._stage_skips = self._shell_stages()
+        # decoder layers the family's forward skips on text-only input (Mllama's cross-attention layers
+        # without an image): learned at the first recording, passed through by apply_layer
+        self.skipped_layers: frozenset[int] | None = None
         self._shell_loaded: str | None = None  # "embed", "head" or "all": what is on the device
 
     # -- structure ------------------------------------------------------------------------------
     def _find_decoder(self) -> nn.Module:
-        candidates = [getattr(self.model, "model", None)]
+        inner = getattr(self.model, "model", None)
+        candidates = [inner, getattr(inner, "language_model", None)]  # a causal LM's; a wrapper's
         with contextlib.suppress(Exception):  # best effort: some wrappers raise
             candidates.append(self.model.get_decoder())
         for cand in candidates:
@@ -287,12 +296,37 @@ class StreamedModel:
         raise OtdusError(f"{type(self.model).__name__}: cannot find its decoder layers (.model.layers)")
 
     def _layer_prefixes(self) -> list[str]:
+        """Where each decoder layer's tensors are stored (on disk, see ``disk_name``)."""
         names = {id(m): n for n, m in self.model.named_modules()}
-        return [names[id(layer)] + "." for layer in self.layers]
+        return [self.disk_name(names[id(layer)] + ".") for layer in self.layers]
+
+    def _disk_name_rules(self) -> list[tuple[str, str]]:
+        """(module-name prefix, on-disk prefix) pairs for checkpoints that store the text model under
+        another name than the class builds it: a wrapper saved as ``language_model.model.layers.N``
+        (or ``model.layers.N``) and built as ``model.language_model.layers.N``, its head as
+        ``language_model.lm_head``, its vision tower and projector at the top."""
+        decoder = next(n for n, m in self.model.named_modules() if m is self.decoder) + "."
+        stored = text_model_prefix(sorted(self._on_disk))
+        if stored is None or stored == decoder:
+            return []
+        text_root = stored.rsplit(".", 2)[0] + "." if stored.count(".") > 1 else ""
+        return [(decoder, stored), ("lm_head.", text_root + "lm_head."), ("model.", "")]
+
+    def disk_name(self, name: str) -> str:
+        """The checkpoint's name for module tensor (or prefix) ``name``: itself when stored so, else as
+        the wrapper layout rules give it (``_disk_name_rules``)."""
+        if name in self._on_disk:
+            return name
+        for built, stored in self._disk_names:
+            if name.startswith(built):
+                renamed = stored + name[len(built) :]
+                if renamed in self._on_disk or name.endswith("."):
+                    return renamed
+        return name
 
     def _check_layer_tensors(self) -> None:
         """Plan, for every layer, where each of its tensors comes from on disk; refuse unknown layouts."""
-        on_disk = set(self.reader.names)
+        on_disk = self._on_disk
         self._recipes = []
         for prefix, layer in zip(self.layer_prefixes, self.layers, strict=True):
             recipe: dict[str, tuple[str, ...]] = {}
@@ -329,7 +363,7 @@ class StreamedModel:
             sum(math.prod(self.reader.meta(n).shape) for names in r.values() for n in names)
             for r in self._recipes
         )
-        hidden = int(getattr(self.config, "hidden_size", 0) or 0)
+        hidden = int(getattr(self.text_config, "hidden_size", 0) or 0)
         return 2.0 * windows * length * (largest + length * hidden)
 
     def windows_per_batch(self, length: int) -> int:
@@ -340,14 +374,14 @@ class StreamedModel:
         widest = max((max(shape[-2:]) for shape in self._layer_shapes() if len(shape) >= 2), default=1)
         per_token = 4 * widest * element  # a few intermediate results of the widest projection
         if hf_compat.attention_materialises_scores(self.config):  # eager attention: heads x T scores
-            per_token += 2 * int(getattr(self.config, "num_attention_heads", 1) or 1) * length * element
+            per_token += 2 * int(getattr(self.text_config, "num_attention_heads", 1) or 1) * length * element
         by_tokens = AUTO_BATCH_TOKENS // max(1, length)
         by_memory = AUTO_BATCH_TEMP_BYTES // max(1, per_token * length)
         return max(1, min(by_tokens, by_memory))
 
     def _num_experts(self) -> int | None:
         for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
-            value = getattr(self.config, attr, None)
+            value = getattr(self.text_config, attr, None)
             if isinstance(value, int) and value > 0:
                 return value
         return None
@@ -434,20 +468,19 @@ class StreamedModel:
             if sub is not skip:
                 sub.to_empty(device=self.device, recurse=False)
                 hf_compat.restore_buffers(sub, self._buffer_values, recurse=False)
-        on_disk = set(self.reader.names)
         with torch.no_grad():
             for name, param in self.model.named_parameters(remove_duplicate=False):
                 if id(param) in skipped or param.is_meta or name in tied:
                     continue
                 # a tied group is read from its first name on disk (the head, if only it is stored)
-                group = [name] + [t for t, s in tied.items() if s == name]
-                stored = next((n for n in group if n in on_disk), None)
+                group = [self.disk_name(n) for n in [name, *(t for t, s in tied.items() if s == name)]]
+                stored = next((n for n in group if n in self._on_disk), None)
                 if stored is None:
                     raise OtdusError(f"{self.folder.name}: tensor {name} not found")
                 self._copy_from_disk(param, stored)
             for name, buf in self.model.named_buffers():
-                if name in on_disk:
-                    buf.copy_(self.reader.get(name))
+                if self.disk_name(name) in self._on_disk:
+                    buf.copy_(self.reader.get(self.disk_name(name)))
         for target, source in tied.items():  # to_empty gave each module its own copy: tie them again
             owner_name, _, attr = target.rpartition(".")
             setattr(self.model.get_submodule(owner_name), attr, self.model.get_parameter(source))
@@ -521,8 +554,16 @@ class StreamedModel:
         hub.mode, hub.first_input, hub.kwargs = "record", None, {}
         try:
             self.decoder(input_ids=ids, use_cache=False)
-            if hub.first_input is None or len(hub.kwargs) != self.num_layers:
-                raise OtdusError(f"{type(self.model).__name__}: its forward did not call every decoder layer")
+            if hub.first_input is None:
+                raise OtdusError(f"{type(self.model).__name__}: its forward did not call decoder layer 0")
+            skipped = frozenset(range(self.num_layers)) - set(hub.kwargs)
+            if self.skipped_layers is None:
+                self.skipped_layers = skipped
+                hub.last_index = max(hub.kwargs)  # the final hidden states are injected there
+            elif skipped != self.skipped_layers:
+                raise OtdusError(
+                    f"{type(self.model).__name__}: its forward called other decoder layers for other inputs"
+                )
             return hub.first_input, hub.kwargs
         finally:
             hub.first_input, hub.kwargs = None, {}
@@ -537,6 +578,9 @@ class StreamedModel:
     ) -> None:
         """Run decoder layer ``index`` (already loaded, or loaded and freed here) over every window;
         ``on_batch`` is told the windows and tokens done after each batch."""
+        if self.skipped_layers and index in self.skipped_layers:  # the forward passes it by: so do we
+            acts.layers_done = max(acts.layers_done, index + 1)
+            return
         own = layer is None
         if own:
             layer = self.load_layer(index)
@@ -581,7 +625,7 @@ class StreamedModel:
         budget = DEFAULT_MAX_LOGITS_BYTES if max_logits_bytes is None else max_logits_bytes
         hub = self._hub
         head = self.model.get_output_embeddings()
-        vocab = int(head.weight.shape[0]) if head is not None else int(self.config.vocab_size)
+        vocab = int(head.weight.shape[0]) if head is not None else int(self.text_config.vocab_size)
         try:
             if acts.check is not None:  # before any figure comes out
                 self._self_check(acts.check)
@@ -594,12 +638,23 @@ class StreamedModel:
                 for p0 in range(length - k, length, step):
                     chunk = acts.hidden[g][:, p0 : p0 + step].to(self.device)
                     hub.mode, hub.final_hidden = "inject", chunk
-                    out = self.model(inputs_embeds=chunk, use_cache=False, logits_to_keep=0)
+                    out = self.model(
+                        inputs_embeds=chunk, use_cache=False, logits_to_keep=0, **self._head_args(chunk)
+                    )
                     hub.final_hidden = None
                     del chunk
                     yield group, p0, out.logits
         finally:
             hub.mode, hub.final_hidden = "record", None
+
+    def _head_args(self, states: torch.Tensor) -> dict:
+        """More arguments of the head pass (the final hidden states injected, the layers' inputs unused):
+        a wrapper gets plain position ids, which Qwen2.5-VL's forward in transformers 4.57 cannot compute
+        from embeddings alone (its multimodal rope index reads input_ids)."""
+        if self.text_config is self.config:
+            return {}
+        positions = torch.arange(states.shape[1], device=states.device)
+        return {"position_ids": positions.expand(states.shape[0], -1)}
 
     def _self_check(self, check: CheckBatch) -> None:
         """The check batch's logits, in one piece as the reference computed them, against the reference
@@ -608,7 +663,10 @@ class StreamedModel:
 
         hub = self._hub
         hub.mode, hub.final_hidden = "inject", check.hidden.to(self.device)
-        logits = self.model(inputs_embeds=hub.final_hidden, use_cache=False, logits_to_keep=0).logits
+        head_args = self._head_args(hub.final_hidden)
+        logits = self.model(
+            inputs_embeds=hub.final_hidden, use_cache=False, logits_to_keep=0, **head_args
+        ).logits
         hub.mode, hub.final_hidden = "record", None
         check_logits(self, logits[0], check.reference, check.how)
 
