@@ -2,10 +2,18 @@
 
 Base layers and copies move bytes (no decode); built layers are made one at a time from their
 parents, read lazily; only the current tensor (and what a builder's formulas need) is in memory.
+
+Under torchrun or srun (see distributed.py) the ranks share the work: the built layers are split
+across them (each on its own device), every other tensor is copied by the rank that owns its shard
+file; rank 0 claims the output and creates the temporary folder and the shard files, every rank
+writes its tensors into them, and once all have, rank 0 writes the index, config and manifest and
+swaps the folder into place. The bytes are those of a single process (every builder is seeded per
+output layer). A world of one goes through the same steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import shutil
@@ -22,7 +30,9 @@ from otdus_cli.arch.config_rules import (
     rewrite_config,
     validate_with_transformers,
 )
+from otdus_cli.arch.experts import expert_layout
 from otdus_cli.arch.families import family_for
+from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import stack_fingerprints
 from otdus_cli.io.output_dir import OutputReport, staged_output
@@ -174,22 +184,54 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-class _Engine:
-    """Writes one planned expansion into a folder."""
+def _built(lay: OutputLayer) -> bool:
+    return lay.builder not in ("base", "copy")
 
-    def __init__(self, plan: Plan, folder: Path, progress: ProgressFn | None):
+
+def rank_tensors(plan: Plan, writer: ShardedWriter, world: World) -> tuple[set[str], set[int]]:
+    """The output tensors this rank writes and the output layers it builds: a contiguous block of
+    the built layers (balanced by their tensors' bytes), and every other tensor of the shard files
+    it owns (file k: rank k mod world size)."""
+    prefix = plan.source.family.layer_prefix
+    built = [lay for lay in plan.layer_map if _built(lay)]
+    sizes = {t.name: t.nbytes for t in plan.tensors}
+    suffixes = {lay.index: plan.source.layers[lay.source].suffixes() for lay in built}
+    names = {i: {prefix.format(i=i) + s for s in sfx} for i, sfx in suffixes.items()}
+    block = shard([sum(sizes[n] for n in names[lay.index]) for lay in built], world)
+    mine = {built[k].index for k in block}
+    of_built = {n: i for i, group in names.items() for n in group}
+    owner = {f: k % world.size for k, f in enumerate(writer.files)}
+    tensors = {
+        name
+        for name, slot in writer.slots.items()
+        if (of_built[name] in mine if name in of_built else owner[slot.file] == world.rank)
+    }
+    return tensors, mine
+
+
+class _Engine:
+    """Writes this rank's part of one planned expansion into a folder (all of it in a world of one)."""
+
+    def __init__(self, plan: Plan, folder: Path, progress: ProgressFn | None, world: World | None = None):
         self.plan = plan
         self.src = plan.source
-        self.writer = ShardedWriter(folder, plan.tensors, parse_size(plan.options.max_shard_size))
+        self.world = world = world if world is not None else World()
+        # rank 0 creates the shard files (headers included) before any other rank opens them
+        self.writer = ShardedWriter(
+            folder, plan.tensors, parse_size(plan.options.max_shard_size), create=world.is_main
+        )
+        self.mine, self.my_layers = rank_tensors(plan, self.writer, world)
         self.progress = progress or (lambda n: None)
         self.stats: dict[int, dict] = {}
         # builders that need the whole source first (LESA) predict into this folder, removed after
-        self.scratch = folder / SCRATCH
+        self.scratch = folder / (SCRATCH if world.is_main else f"{SCRATCH}-rank{world.rank}")
         self.reports: dict[str, dict] = {}  # builder name -> what its pre-pass reports (manifest)
         self.first_byte_at: float | None = None  # time.time() when the work proper started
         self.first_byte_cpu_s: float | None = None  # this process's CPU seconds (all threads) by then
 
     def _copy(self, src_name: str, out_name: str) -> None:
+        if out_name not in self.mine:
+            return
         raw = self.src.reader.raw(src_name)
         planned = self.writer.slots[out_name].tensor
         if raw is not None and raw.dtype == planned.dtype:
@@ -199,14 +241,11 @@ class _Engine:
         self.progress(n)
 
     def run(self) -> None:
-        builders = {
-            lay.builder: make_builder(lay.builder)
-            for lay in self.plan.layer_map
-            if lay.builder not in ("base", "copy")
-        }
+        builders = {lay.builder: make_builder(lay.builder) for lay in self.plan.layer_map if _built(lay)}
         # copy-type plans move bytes only: no torch (seconds of import) unless a device was named
         named = self.plan.options.device
-        device = resolve_device(named) if builders or named != "auto" else None
+        # several ranks: "auto"/"cuda" is this rank's GPU (distributed.World.device)
+        device = resolve_device(self.world.device(named)) if builders or named != "auto" else None
         # start-up ends here: for copy-type methods the next thing is the first tensor byte moving
         self.first_byte_at = time.time()
         self.first_byte_cpu_s = time.process_time()
@@ -244,9 +283,9 @@ class _Engine:
         for name in self.src.head:
             self._copy(name, name)
         for lay in self.plan.layer_map:
-            if lay.builder in ("base", "copy"):
+            if not _built(lay):
                 self._copy_layer(lay)
-            else:
+            elif lay.index in self.my_layers:
                 self._build_layer(lay, builders[lay.builder], device)
         for name in self.src.after_stack:
             self._copy(name, self.src.after_stack_name(name, len(self.plan.layer_map)))
@@ -261,7 +300,8 @@ class _Engine:
         for suffix in src.suffixes():
             out = self._out_name(lay, suffix)
             if lay.zero_init and self.src.family.is_zero_target(suffix):
-                self.progress(self.writer.write_zeros(out))
+                if out in self.mine:
+                    self.progress(self.writer.write_zeros(out))
             else:
                 self._copy(src.name(suffix), out)
 
@@ -348,7 +388,9 @@ def _ot_choices(plan: Plan) -> dict:
     if plan.method.builder != "ot":
         return {}
     zero_init = plan.method.zero_init_default if plan.options.zero_init is None else plan.options.zero_init
-    return {"ot_choices": ot_choices(plan.options.ot, zero_init)}
+    family = plan.source.family
+    moe = expert_layout(family.name) if family.moe else None
+    return {"ot_choices": ot_choices(plan.options.ot, zero_init, moe)}
 
 
 def expand(
@@ -359,49 +401,91 @@ def expand(
     progress: ProgressFn | None = None,
     on_plan: Callable[[Plan], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    world: World | None = None,
 ) -> ExpandResult:
-    """Expand `model` (folder or hub id) into `out` atomically; returns what was written."""
+    """Expand `model` (folder or hub id) into `out` atomically; returns what was written.
+
+    ``world`` (default: this process's, see distributed.py): its ranks share the work (module
+    docstring); every rank returns the result, and a failure on any rank fails every rank with
+    nothing left behind."""
     options = options or ExpandOptions()
+    world = current_world() if world is None else world
     start = time.perf_counter()
-    source = open_source(model, options.revision, options.allow_unknown_arch)
-    plan = make_plan(source, options)
-    if on_plan:
-        on_plan(plan)
     out = Path(out)
     report = OutputReport(notify=on_note)
-    timings: dict = {"plan_s": time.perf_counter() - start}
-    # otdus's own depth rules first (pure Python), so a wrong rewrite fails before any output exists
-    check_depth_rules(plan.config, source.config, len(plan.layer_map), source.family.per_layer_fields)
-    with staged_output(out, protected=[source.resolved.folder], force=force, report=report) as tmp:
-        engine = _Engine(plan, tmp, progress)
-        try:
+    timings: dict = {}
+    engines: list[_Engine] = []
+    planned: list[Plan] = []
+    with contextlib.ExitStack() as claimed:
+
+        def claim() -> Path | None:
+            """Every rank: the plan. Rank 0: the claim and the temporary folder (io/output_dir.py),
+            held open until the swap, and the shard files."""
+            source = open_source(model, options.revision, options.allow_unknown_arch)
+            plan = make_plan(source, options)
+            planned.append(plan)
+            if on_plan:
+                on_plan(plan)
+            timings["plan_s"] = time.perf_counter() - start
+            # otdus's own depth rules first (pure Python): a wrong rewrite fails before any output exists
+            check_depth_rules(plan.config, source.config, len(plan.layer_map), source.family.per_layer_fields)
+            if not world.is_main:
+                return None
+            staged = staged_output(out, protected=[source.resolved.folder], force=force, report=report)
+            tmp = claimed.enter_context(staged)
+            engines.append(_Engine(plan, tmp, progress, world))  # creates the shard files
+            return tmp
+
+        tmp = world.exchange(claim)[0]
+        plan = planned[0]
+        source = plan.source
+
+        def write_mine() -> dict[int, dict]:
+            """This rank's tensors, flushed to disk; the transport statistics of its built layers."""
+            engine = engines[0] if engines else _Engine(plan, tmp, progress, world)
+            engines[:] = [engine]
+            try:
+                t = time.perf_counter()
+                engine.run()
+                engine.writer.finish(engine.mine, index=world.is_main)
+                timings["copy_s"] = time.perf_counter() - t
+            finally:
+                engine.writer.close()
+            return engine.stats
+
+        stats = {k: v for part in world.exchange(write_mine) for k, v in part.items()}
+
+        def finish() -> dict | None:
+            """Rank 0, once every rank's tensors are on disk: config, side files, manifest, swap."""
+            if not world.is_main:
+                return None
+            engine = engines[0]
+            (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+            side_files = copy_side_files(source.resolved.folder, tmp)
             t = time.perf_counter()
-            engine.run()
-            engine.writer.finish()
-            timings["copy_s"] = time.perf_counter() - t
-        finally:
-            engine.writer.close()
-        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-        side_files = copy_side_files(source.resolved.folder, tmp)
-        t = time.perf_counter()
-        config_check, skipped = "otdus depth rules", None
-        # transformers loads the written config when it derives fields of this family from the depth
-        # (or knows nothing of an unknown one), or is imported already; otherwise otdus's depth rules
-        # are the whole check, and copies never pay transformers' import (seconds, torch included)
-        if source.family.derives_layer_types or "transformers" in sys.modules:
-            config_check, skipped = "transformers", validate_with_transformers(tmp, len(plan.layer_map))
-        timings["config_check_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        manifest = build_manifest(plan, engine.stats, side_files, skipped, engine.reports, config_check)
-        timings["manifest_s"] = time.perf_counter() - t  # mostly the source's tensor fingerprints
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            config_check, skipped = "otdus depth rules", None
+            # transformers loads the written config when it derives fields of this family from the
+            # depth (or knows nothing of an unknown one), or is imported already; otherwise otdus's
+            # depth rules are the whole check, and copies never pay transformers' import (seconds)
+            if source.family.derives_layer_types or "transformers" in sys.modules:
+                config_check, skipped = "transformers", validate_with_transformers(tmp, len(plan.layer_map))
+            timings["config_check_s"] = time.perf_counter() - t
+            timings["config_check"] = config_check
+            t = time.perf_counter()
+            manifest = build_manifest(plan, stats, side_files, skipped, engine.reports, config_check)
+            timings["manifest_s"] = time.perf_counter() - t  # mostly the source's tensor fingerprints
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            claimed.close()  # the swap into place (or, on any failure before, the clean-up)
+            return manifest
+
+        manifest = world.exchange(finish)[0]
+    engine = engines[0]
     timings.update(
         first_byte_at=engine.first_byte_at,
         startup_cpu_s=engine.first_byte_cpu_s,
         sync_s=engine.writer.sync_s,
-        config_check=config_check,
     )
     written = sum(t.nbytes for t in plan.tensors)
     seconds = time.perf_counter() - start
     notes = list(manifest["warnings"]) + report.notes
-    return ExpandResult(out, plan, manifest, written, seconds, engine.stats, notes, timings)
+    return ExpandResult(out, plan, manifest, written, seconds, stats, notes, timings)

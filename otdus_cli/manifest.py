@@ -90,3 +90,40 @@ def manifest_source(folder: str | os.PathLike[str]) -> tuple[str, str | None, st
         f"the base model recorded in {Path(folder) / MANIFEST} ({path or ident}) no longer exists; "
         "give it with --base"
     )
+
+
+def seen_from_first_source(manifest: dict) -> dict | None:
+    """A manifest of chained otdus steps (``expand`` then ``widen``: each step keeps the earlier
+    steps' records under ``history``) as one step from the first step's source: that source, and the
+    final layers mapped onto its layers. None when there is no history, or it is not a chain of
+    valid records whose layer maps fit together (then only the last step's source can be checked).
+
+    A layer that is new in any step is new; a base layer widened in a later step stays that base
+    layer, widened (with the later step's noise). A new layer widened later is still new: its output
+    projections decide whether it is an identity, and noise added to copies of zeros leaves zeros.
+    """
+    history = manifest.get("history")
+    if not isinstance(history, list) or not history:
+        return None
+    layers = [dict(entry) for entry in manifest["layers"]]
+    for record in reversed(history):
+        try:
+            earlier = Manifest.model_validate(record)
+        except ValidationError:
+            return None
+        mapped = []
+        for entry in layers:
+            source = entry["source"]
+            if not 0 <= source < len(earlier.layers):
+                return None
+            below = earlier.layers[source].model_dump()
+            if entry["new"]:
+                mapped.append({**entry, "source": below["source"]})
+                continue
+            out = {**below, "index": entry["index"]}
+            if entry.get("widened") and not below["new"]:
+                noise = entry.get("noise") or below.get("noise") or 0.0
+                out |= {"widened": True, "noise": noise}
+            mapped.append(out)
+        layers = mapped
+    return {**manifest, "source": history[0]["source"], "layers": layers}

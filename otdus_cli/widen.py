@@ -11,7 +11,8 @@ both selects, and their outputs add up to e's (equal in exact arithmetic; the su
 another order, so logits agree to rounding, not bit for bit).
 
 Streaming as in expand: tensors outside the MoE blocks and unperturbed copies move as bytes; a
-noisy copy or an expert-indexed tensor (router weight: [E, hidden] -> [m E, hidden]) is built alone.
+noisy copy or an expert-indexed tensor (router weight: [E, hidden] -> [m E, hidden]) is built alone,
+from its source read once for the original and all its copies.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.expand import SourceModel, copy_side_files, open_source, source_record
 from otdus_cli.io.output_dir import OutputReport, staged_output
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
-from otdus_cli.manifest import MANIFEST, read_manifest
+from otdus_cli.manifest import MANIFEST, read_manifest, seen_from_first_source
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +109,8 @@ def check_routing(config: dict) -> None:
             raise OtdusError(f"config {name}={value}: this router cannot be widened exactly")
 
 
-def make_widen_plan(source: SourceModel, options: WidenOptions) -> WidenPlan:
+def check_widenable(source: SourceModel) -> ExpertLayout:
+    """The family's expert layout, or one error line: dense models and unknown or ungrowable routers."""
     family = source.family
     layout = expert_layout(family.name)
     if not family.moe:
@@ -118,8 +120,14 @@ def make_widen_plan(source: SourceModel, options: WidenOptions) -> WidenPlan:
         )
     if layout is None:
         raise OtdusError(f"widen does not know the router of {family.name} yet; nothing was written")
+    check_routing(source.config)
+    return layout
+
+
+def make_widen_plan(source: SourceModel, options: WidenOptions) -> WidenPlan:
+    family = source.family
+    layout = check_widenable(source)
     config = source.config
-    check_routing(config)
     experts = layout.expert_count(config)
     top_k = config.get(layout.topk_field)
     if not isinstance(top_k, int) or top_k < 1:
@@ -226,26 +234,32 @@ class WidenResult:
 
 
 def _write(plan: WidenPlan, folder: Path, progress: ProgressFn) -> None:
+    """Each source tensor is read once for all the outputs made from it (the original and its m - 1
+    copies): moved as bytes when none of them changes it, else decoded once and written m times."""
     reader = plan.source.reader
     writer = ShardedWriter(folder, plan.tensors, parse_size(plan.options.max_shard_size))
+    by_source: dict[str, list[_Job]] = {}
+    for job in plan.jobs:
+        by_source.setdefault(job.src, []).append(job)
     try:
-        for job in plan.jobs:
-            if job.kind == "copy":
-                raw = reader.raw(job.src)
-                n = (
-                    writer.copy_raw(job.out, raw)
-                    if raw is not None
-                    else writer.write_tensor(job.out, reader.get(job.src))
-                )
-            elif job.kind == "noisy":
-                gen = _generator(plan.options.seed, job.out)
-                n = writer.write_tensor(job.out, _perturbed(reader.get(job.src), plan.options.noise, gen))
-            else:
-                gen = _generator(plan.options.seed, job.out)
-                t = _tiled(reader.get(job.src), plan.options.factor, plan.options.noise, gen)
-                n = writer.write_tensor(job.out, t)
-                del t
-            progress(n)
+        for src, jobs in by_source.items():
+            raw = reader.raw(src)
+            if raw is not None and all(job.kind == "copy" for job in jobs):
+                for job in jobs:
+                    progress(writer.copy_raw(job.out, raw))
+                continue
+            t = reader.get(src)
+            for job in jobs:
+                if job.kind == "copy":  # the same bytes: the planned dtype is the source's
+                    n = writer.write_tensor(job.out, t)
+                elif job.kind == "noisy":
+                    gen = _generator(plan.options.seed, job.out)
+                    n = writer.write_tensor(job.out, _perturbed(t, plan.options.noise, gen))
+                else:
+                    gen = _generator(plan.options.seed, job.out)
+                    n = writer.write_tensor(job.out, _tiled(t, plan.options.factor, plan.options.noise, gen))
+                progress(n)
+            del t
         writer.finish()
     finally:
         writer.close()
@@ -300,6 +314,19 @@ def build_widen_manifest(plan: WidenPlan, side_files: list[str], config_check_sk
     }
 
 
+def _from_first_source(manifest: dict) -> dict:
+    first = seen_from_first_source(manifest)
+    if first is None:
+        raise OtdusError("widen was asked to record an earlier otdus step, but its source has no manifest")
+    earlier = manifest["history"][-1]
+    return {
+        **first,
+        # the depth step's claim and the width step's together
+        "function_preserving": bool(manifest["function_preserving"] and earlier.get("function_preserving")),
+        "intermediate": "the expanded model was widened from a scratch folder, then removed",
+    }
+
+
 def widen(
     model: str,
     out: str | Path,
@@ -308,8 +335,12 @@ def widen(
     progress: ProgressFn | None = None,
     on_plan: Callable[[WidenPlan], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    from_first_source: bool = False,
 ) -> WidenResult:
-    """Widen the MoE layers of ``model`` (folder, hub id) into ``out`` atomically."""
+    """Widen the MoE layers of ``model`` (folder, hub id) into ``out`` atomically.
+
+    ``from_first_source``: ``model`` is an otdus output about to be removed (grow.py); the manifest
+    then describes ``out`` against the model that output was made from (its layer map composed)."""
     options = options or WidenOptions()
     start = time.perf_counter()
     source = open_source(model, options.revision)
@@ -328,6 +359,8 @@ def widen(
         side_files = copy_side_files(source.resolved.folder, tmp)
         skipped = validate_with_transformers(tmp, source.depth)
         manifest = build_widen_manifest(plan, side_files, skipped)
+        if from_first_source:
+            manifest = _from_first_source(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
     return WidenResult(

@@ -432,7 +432,7 @@ def test_gemma_offset_is_aligned_on_the_scale_1_plus_w():
 
 
 def test_every_dense_family_template_has_the_roles_ot_needs():
-    from otdus_cli.methods.ot import _REQUIRED, RoleLayout
+    from otdus_cli.methods.layer_roles import DENSE_ROLES, RoleLayout
 
     # the families OT is offered for (the others refuse it at plan time: Family.refuses)
     dense = [fam for fam in FAMILIES if not fam.moe and "ot" not in fam.refuses]
@@ -441,9 +441,9 @@ def test_every_dense_family_template_has_the_roles_ot_needs():
     for fam in dense:
         suffixes = [f"{path}.weight" for path in fam.roles.values()]
         layout = RoleLayout(fam, config, suffixes)
-        assert set(_REQUIRED) <= layout.roles, fam.name
+        assert set(DENSE_ROLES) <= layout.roles, fam.name
         # each role is stored in a tensor of the layer, itself or inside a fused one (Phi-3)
-        for role in _REQUIRED:
+        for role in DENSE_ROLES:
             stored = layout.fused_in.get(role, role)
             assert layout.where[stored]["weight"] in suffixes, (fam.name, role)
         # and a layer lacking one of them is refused, naming it

@@ -8,7 +8,7 @@ import torch
 
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
-from otdus_cli.methods.ot_choices import SOURCES, ot_choices
+from otdus_cli.methods.ot_choices import MOE_CHOICES, SOURCES, ot_choices
 from otdus_cli.options import ExpandOptions, OTOptions
 from otdus_cli.transport.solve import match_rows
 
@@ -155,3 +155,105 @@ def test_methods_other_than_ot_record_no_choices(tmp_path):
 
     result = expand(str(STORIES260K), tmp_path / "avg", ExpandOptions(method="average", layers=1))
     assert "ot_choices" not in result.manifest
+
+
+# MoE layers (methods/ot_moe.py) add the choices of MOE_CHOICES; written out by hand per variant.
+MOE_PINNED = {
+    "paper": {
+        "experts_matching": (
+            "on the router rows of A moved through T_O (W_A n T_O): rows scaled to unit L2 norm, Euclidean "
+            "distance, divided by its maximum (in every variant); expert weights are not compared (their "
+            "neurons are unordered)",
+            "otdus",
+        ),
+        "expert_plan": (
+            "exact assignment (linear_sum_assignment, float64): a permutation, never a blend of experts",
+            "otdus",
+        ),
+        "expert_mlp": (
+            "each matched pair aligned as the dense `mlp` above; down: zero (no plan is solved for it)",
+            "otdus",
+        ),
+        "shared_experts": (
+            "a dense SwiGLU MLP aligned as `mlp` says (down as experts' down); its scalar gate row averaged "
+            "through T_O, 1/2 (g_A n T_O + g_B)",
+            "otdus",
+        ),
+    },
+    "structured": {
+        "experts_matching": (
+            "on the raw router rows: rows scaled to unit L2 norm, Euclidean distance, divided by its maximum "
+            "(in every variant); expert weights are not compared (their neurons are unordered)",
+            "otdus",
+        ),
+        "expert_mlp": (
+            "each matched pair aligned as the dense `mlp` above; down: zero (its columns still shape the "
+            "joint plan)",
+            "otdus",
+        ),
+        "shared_experts": ("none in this family", "otdus"),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def moe_expanded(tiny_models, tmp_path_factory):
+    """One new OT layer (from the top pair) of a tiny MoE model: (folder, manifest) per (family, variant)."""
+    cache: dict = {}
+
+    def get(model_type: str, variant: str):
+        if (model_type, variant) not in cache:
+            out = tmp_path_factory.mktemp("moe-choices") / f"{model_type}-{variant}"
+            options = ExpandOptions(method="ot", layers=1, ot=OTOptions(variant=variant))
+            cache[model_type, variant] = (out, expand(str(tiny_models[model_type]), out, options).manifest)
+        return cache[model_type, variant]
+
+    return get
+
+
+@pytest.mark.parametrize(("model_type", "variant"), [("qwen2_moe", "paper"), ("mixtral", "structured")])
+def test_moe_manifest_records_how_experts_were_matched(moe_expanded, model_type, variant):
+    _, manifest = moe_expanded(model_type, variant)
+    choices = manifest["ot_choices"]
+    got = {name: (choices[name]["value"], choices[name]["source"]) for name in MOE_PINNED[variant]}
+    assert got == MOE_PINNED[variant]
+    # the dense choices plus every MoE one, whatever the family: two MoE manifests compare key by key
+    assert set(choices) == set(ot_choices(OTOptions(variant="paper"), True)) | set(MOE_CHOICES)
+    assert "experts_matching" not in ot_choices(OTOptions(), True)  # dense manifests do not name them
+
+
+def test_moe_recorded_choices_are_what_was_built(moe_expanded):
+    """Qwen2-MoE, paper: recompute the expert permutation from the router rows moved through T_O (as
+    recorded), then the new router and the shared expert's gate: bit-identical to what was written.
+    The raw router rows (structured's recorded input) would not give the same router."""
+    from otdus_cli.transport.assignment import assignment
+    from otdus_cli.transport.cost import paper_cost
+
+    def average(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x + y) * 0.5
+
+    out, manifest = moe_expanded("qwen2_moe", "paper")
+    assert "T_O" in manifest["ot_choices"]["experts_matching"]["value"]
+    new = next(layer for layer in manifest["layers"] if layer["new"])
+    i, j = new["parents"]
+    base, built = CheckpointReader(manifest["source"]["path"]), CheckpointReader(out)
+
+    def parent(k: int, name: str) -> torch.Tensor:
+        return base.get(f"model.layers.{k}.{name}").float()
+
+    def written(name: str) -> torch.Tensor:
+        return built.get(f"model.layers.{new['index']}.{name}")
+
+    o = "self_attn.o_proj.weight"
+    plan_o = match_rows(parent(i, o), parent(j, o))
+    router, shared_gate = "mlp.gate.weight", "mlp.shared_expert_gate.weight"
+    ra, rb = plan_o.cols_to_b(parent(i, router)), parent(j, router)
+    plan = assignment(paper_cost(ra, rb))
+    perm = [int(p) for p in plan.perm]
+    record = manifest["transport"][str(new["index"])]["modules"]["experts"]
+    assert perm == record["perm"] and perm != list(range(len(perm)))  # a real permutation was applied
+    assert torch.equal(written(router), average(plan.rows_to_b(ra), rb))
+    ga, gb = plan_o.cols_to_b(parent(i, shared_gate)), parent(j, shared_gate)
+    assert torch.equal(written(shared_gate), average(ga, gb))
+    raw = assignment(paper_cost(parent(i, router), rb))
+    assert not torch.equal(written(router), average(raw.rows_to_b(parent(i, router)), rb))

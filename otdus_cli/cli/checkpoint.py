@@ -269,6 +269,20 @@ def expand(
     dtype: Dtype = None,
     max_shard_size: ShardSize = None,
     seed: Seed = None,
+    experts: Annotated[
+        int | None,
+        typer.Option(
+            min=2,
+            help="MoE only: also widen, experts E -> M E and top-k k -> M k, as `otdus widen` on the deeper "
+            "model, into the same --out (the deeper model lives in a scratch folder meanwhile).",
+        ),
+    ] = None,
+    expert_noise: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0, help="With --experts: the copies' noise alpha (`otdus widen --noise`). \\[default: 0.01]"
+        ),
+    ] = None,
     force: Annotated[
         bool,
         typer.Option(
@@ -279,9 +293,11 @@ def expand(
     json_out: JsonFlag = False,
 ) -> None:
     """Insert new decoder layers and write the deeper checkpoint (streamed, atomic)."""
+    from otdus_cli.distributed import current_world
     from otdus_cli.expand import expand as run_expand
 
     with user_errors():
+        world = current_world()  # under torchrun/srun: this process's rank (see distributed.py)
         model, options, recipe_obj = _options(
             model,
             flags,
@@ -308,7 +324,16 @@ def expand(
             printed.add(line)
             _warn(line)
 
-        with byte_progress(show_progress(json_out), "expanding") as (set_total, advance):
+        if experts is None and expert_noise is not None:
+            raise OtdusError("--expert-noise is the noise of --experts; give --experts too")
+        if experts is not None:
+            if world.size > 1:  # grow.py's scratch folder and widen step are one process's
+                raise OtdusError("--experts runs in one process: start it without torchrun/srun")
+            noise = 0.01 if expert_noise is None else expert_noise
+            _expand_and_widen(model, out, options, experts, noise, force, json_out, say)
+            return
+        # every rank reports its errors; only rank 0 its progress and results
+        with byte_progress(show_progress(json_out) and world.is_main, "expanding") as (set_total, advance):
             result = run_expand(
                 model,
                 out,
@@ -318,6 +343,8 @@ def expand(
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
                 on_note=say,  # stale temporary folders, said when removed (a later Ctrl-C keeps it said)
             )
+    if not world.is_main:
+        return
     transport = _transport_warnings(result.manifest.get("transport", {}))
     warnings = list(result.warnings)  # the manifest's, and the notes already said
     given = {
@@ -360,6 +387,49 @@ def expand(
         f"[bold green]wrote[/] {result.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} "
         f"layers with {summary['method']} ({preserved}), {human_bytes(result.bytes_written)} "
         f"in {result.seconds:.1f} s"
+    )
+
+
+def _expand_and_widen(
+    model, out, options, factor: int, noise: float, force: bool, json_out: bool, say
+) -> None:
+    """`expand --experts M`: depth, then width, into one output (grow.py)."""
+    from otdus_cli.grow import expand_and_widen  # noqa: PLC0415
+    from otdus_cli.widen import WidenOptions  # noqa: PLC0415
+
+    widen_options = WidenOptions(
+        factor=factor, noise=noise, seed=options.seed, max_shard_size=options.max_shard_size
+    )
+    with byte_progress(show_progress(json_out), "expanding, then widening") as (_, advance):
+        result = expand_and_widen(
+            model, out, options, widen_options, force=force, on_step=lambda step: advance, on_note=say
+        )
+    deep, wide = result.expanded, result.widened
+    manifest = wide.manifest
+    summary = {
+        "out": str(wide.out),
+        **{
+            k: v for k, v in _plan_json(deep.plan).items() if k not in ("output_bytes", "function_preserving")
+        },
+        "function_preserving": manifest["function_preserving"],
+        "experts": manifest["widen"]["experts"],
+        "top_k": manifest["widen"]["top_k"],
+        "noise": noise,
+        "bytes_written": wide.bytes_written,
+        "seconds": round(deep.seconds + wide.seconds, 3),
+        "warnings": [*deep.warnings, *wide.warnings],
+    }
+    for line in summary["warnings"]:
+        _warn(line)
+    if json_out:
+        emit_json(summary)
+        return
+    preserved = "function-preserving" if manifest["function_preserving"] else "not function-preserving"
+    e, k = summary["experts"], summary["top_k"]
+    out_console.print(
+        f"[bold green]wrote[/] {wide.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} layers "
+        f"with {summary['method']}, then {e[0]} -> {e[1]} experts, top-k {k[0]} -> {k[1]} ({preserved}), "
+        f"{human_bytes(wide.bytes_written)} in {summary['seconds']:.1f} s"
     )
 
 

@@ -222,6 +222,7 @@ def _evaluate(
     static: bool = False,
 ) -> None:
     """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
+    from otdus_cli.distributed import current_world
     from otdus_cli.manifest import manifest_source
     from otdus_cli.source import resolve_source
     from otdus_cli.verify.threads import sample_cpus
@@ -231,7 +232,11 @@ def _evaluate(
     run = {k: eval_options.pop(k) for k in ("device", "dtype", "batch_size", "threads")}
     quiet = eval_options.pop("quiet")
     command = "otdus verify" if find_base else "otdus ppl"
-    with user_errors(), tick_progress(command, quiet) as on_tick:
+    with user_errors():
+        world = current_world()  # under torchrun/srun: this process's rank (see distributed.py)
+        run["device"] = world.device(run["device"])
+    # every rank reports its errors; only rank 0 its progress and results
+    with user_errors(), tick_progress(command, quiet or not world.is_main) as on_tick:
         # everything the user can get wrong is checked before torch and transformers are imported
         model_dir = _local_model(model)
         claimed = parse_layer_map(layer_map)
@@ -244,7 +249,9 @@ def _evaluate(
         if static:
             from otdus_cli.verify.proof import static_check
 
-            _print_static(static_check(base_dir, model_dir, claimed), json_out)
+            proof = static_check(base_dir, model_dir, claimed)
+            if world.is_main:
+                _print_static(proof, json_out)
             return
         corpus = _corpus(eval_options.pop("text"), eval_options.pop("dataset"), eval_options["max_docs"])
         from otdus_cli.verify.compare import make_plan, perplexity, verify_expansion
@@ -256,6 +263,10 @@ def _evaluate(
             report = perplexity(model_dir, plan, **run)
         else:
             report = verify_expansion(base_dir, model_dir, plan, layer_map=claimed, **run)
+    if not world.is_main:
+        if getattr(report, "exit_code", 0):
+            raise typer.Exit(report.exit_code)
+        return
     if base_dir is None:
         _print_ppl(report, json_out)
         _note_token_count(report.metrics, flags, json_out)

@@ -3,7 +3,8 @@
 A command of its own rather than an `expand` option: expand grows depth and its options (method,
 position, layers) mean nothing for width, and a user growing a MoE model's width looks for a verb
 that says so. Depth and width compose: `otdus expand` then `otdus widen` on its output (the widened
-manifest keeps the expansion's record under ``history``).
+manifest keeps the expansion's record under ``history``), or `otdus expand --experts M` for both in one output
+(grow.py).
 """
 
 from __future__ import annotations

@@ -104,9 +104,14 @@ def partition(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[P
 
 
 class ShardedWriter:
-    """Writes tensors into pre-laid-out shard files inside a folder."""
+    """Writes tensors into pre-laid-out shard files inside a folder.
 
-    def __init__(self, folder: Path, tensors: list[PlannedTensor], max_shard_bytes: int):
+    ``create``: make the files and write their headers (one process, or rank 0 of several); False
+    opens the files another process created, to write some of the tensors into them (every process
+    computes the same layout from the same plan, so each writes its own tensors' byte ranges).
+    """
+
+    def __init__(self, folder: Path, tensors: list[PlannedTensor], max_shard_bytes: int, create: bool = True):
         self.folder = folder
         groups = partition(tensors, max_shard_bytes)
         self.files = shard_names(len(groups))
@@ -119,9 +124,12 @@ class ShardedWriter:
         self.sync_s = 0.0  # time spent in the final fsync
         for fname, group in zip(self.files, groups, strict=True):
             header, offsets = build_header([(t.name, t.dtype, t.shape) for t in group], {"format": "pt"})
-            fd = os.open(folder / fname, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            if create:
+                fd = os.open(folder / fname, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.pwrite(fd, header, 0)
+            else:
+                fd = os.open(folder / fname, os.O_RDWR)
             self._fds[fname] = fd
-            os.pwrite(fd, header, 0)
             for t, off in zip(group, offsets, strict=True):
                 self.slots[t.name] = Slot(fname, off, t)
         self.total_size = sum(t.nbytes for t in tensors)
@@ -192,18 +200,19 @@ class ShardedWriter:
         self._wrote(slot.file, slot.tensor.nbytes)
         return slot.tensor.nbytes
 
-    def finish(self) -> dict[str, str]:
-        """Check completeness, flush, close; returns the weight_map."""
-        missing = set(self.slots) - self._written
+    def finish(self, expected: set[str] | None = None, index: bool = True) -> dict[str, str]:
+        """Check completeness (of the ``expected`` tensors: all by default), flush, close; write the
+        index of a sharded output unless ``index`` is False; returns the weight_map."""
+        missing = (set(self.slots) if expected is None else expected) - self._written
         if missing:
             raise RuntimeError(
                 f"{len(missing)} planned tensors were never written, e.g. {sorted(missing)[0]}"
             )
         self.close(sync=True)
         weight_map = {name: slot.file for name, slot in self.slots.items()}
-        if len(self.files) > 1:
-            index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if index and len(self.files) > 1:
+            record = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(record, indent=2) + "\n")
         return weight_map
 
     def close(self, sync: bool = False) -> None:

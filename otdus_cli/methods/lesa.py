@@ -71,7 +71,7 @@ import torch
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
-from otdus_cli.methods.ot import ParentRoles, RoleLayout
+from otdus_cli.methods.layer_roles import ParentRoles, RoleLayout
 from otdus_cli.plan.layer_map import OutputLayer
 
 __all__ = ["LesaBuilder", "LesaSettings", "PROJECTIONS", "generator_seed", "held_out_layers"]

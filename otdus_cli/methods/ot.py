@@ -48,6 +48,21 @@ import torch
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
+from otdus_cli.methods.layer_roles import (
+    NORM_ROLES,
+    Heads,
+    ParentPair,
+    ParentRoles,
+    RoleLayout,
+    RoleOutputs,
+    Tensors,
+    add_into,
+    aligned_role,
+    average,
+    average_role,
+    f32,
+    zeros_like_role,
+)
 from otdus_cli.transport.assignment import assignment
 from otdus_cli.transport.cost import euclidean_distances, unit_rows
 from otdus_cli.transport.plan import TransportPlan
@@ -64,14 +79,6 @@ __all__ = ["OTBuilder", "OTSettings", "VARIANTS"]
 
 VARIANTS = ("paper", "official", "structured")
 SOLVERS = ("sinkhorn", "emd")
-
-# Roles the OT formulas need; every dense family template provides them (Phi-3 through its fused
-# qkv / gate_up tensors).
-_REQUIRED = ("q", "k", "v", "o", "gate", "up", "down")
-_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")
-
-# role -> {"weight": tensor, "bias": tensor} (a role without bias has no "bias" key)
-Tensors = dict[str, dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -116,31 +123,6 @@ class OTSettings:
         return cls(variant, solver, reg, tol, max_iter, device, bool(opts.get("zero_init", True)))
 
 
-@dataclass(frozen=True)
-class Heads:
-    """Attention geometry: query heads, KV heads (GQA groups) and the per-head dimension."""
-
-    n_q: int
-    n_kv: int
-    head_dim: int
-
-    @property
-    def group(self) -> int:
-        """Query heads per KV head (HF repeat_kv: query head h reads KV head h // group)."""
-        return self.n_q // self.n_kv
-
-    @classmethod
-    def from_config(cls, config: dict, q_rows: int | None = None) -> Heads:
-        if not config.get("num_attention_heads"):
-            raise OtdusError("--method ot needs num_attention_heads in config.json")
-        n_q = int(config["num_attention_heads"])
-        n_kv = int(config.get("num_key_value_heads") or n_q)
-        head_dim = config.get("head_dim") or (q_rows // n_q if q_rows else config["hidden_size"] // n_q)
-        if n_q % n_kv:
-            raise OtdusError(f"num_attention_heads={n_q} is not a multiple of num_key_value_heads={n_kv}")
-        return cls(n_q, n_kv, int(head_dim))
-
-
 class OTBuilder:
     """Builds one new layer from (f_i, f_{i+1}) by OT alignment and averaging (see module doc).
 
@@ -173,13 +155,13 @@ class OTBuilder:
             yield from build_moe_layer(a, b, ctx, settings, stats)
             return
         layout = RoleLayout(family, ctx.config, suffixes_a)
-        pair = _ParentPair(ParentRoles(a, layout, settings.device), ParentRoles(b, layout, settings.device))
+        pair = ParentPair(ParentRoles(a, layout, settings.device), ParentRoles(b, layout, settings.device))
         heads = Heads.from_config(ctx.config)
         if settings.variant == "structured":
             roles = _structured(pair, heads, settings, stats)  # plain averages: offset-free
         else:
             roles = _paper(pair, heads, settings, float(family.norm_offset), stats)
-        outputs = _Outputs(layout)
+        outputs = RoleOutputs(layout)
         done: set[str] = set()
         for role, tensors in roles:
             ready = outputs.put(role, tensors)
@@ -192,129 +174,8 @@ class OTBuilder:
         for suffix in suffixes_a:
             if suffix not in done:  # no role: the plain average (e.g. tensors a template does not describe)
                 dev = settings.device
-                yield suffix, _avg(a.get(suffix).to(dev, torch.float32), b.get(suffix).to(dev, torch.float32))
-
-
-# --------------------------------------------------------------------------------------------
-# Tensor layout: roles <-> suffixes, fused tensors split and re-fused.
-
-
-class RoleLayout:
-    """Where each role's weight/bias lives in a layer, and how fused tensors split."""
-
-    def __init__(
-        self,
-        family,
-        config: dict,
-        suffixes: list[str],
-        required: tuple[str, ...] = _REQUIRED,
-        roles: dict[str, str] | None = None,
-        method: str = "ot",
-    ):
-        self.family = family
-        self.config = config
-        present = set(suffixes)
-        self.where: dict[str, dict[str, str]] = {}
-        for role, path in (family.roles if roles is None else roles).items():
-            found = {kind: f"{path}.{kind}" for kind in ("weight", "bias") if f"{path}.{kind}" in present}
-            if "weight" in found:
-                self.where[role] = found
-        # part role -> the fused role that stores it (Phi-3: q -> qkv, gate -> gate_up)
-        self.fused_in: dict[str, str] = {
-            part: fused for fused, parts in family.fused.items() if fused in self.where for part in parts
-        }
-        self.roles = set(self.where) | set(self.fused_in)
-        lacking = [r for r in required if r not in self.roles]
-        if lacking:
-            raise OtdusError(
-                f"--method {method} needs the {'/'.join(lacking)} tensors, which this {family.name} layer "
-                "lacks (is the family template right?)"
-            )
-
-    def sizes(self, fused: str, rows: int) -> list[int]:
-        parts = self.family.fused[fused]
-        if parts == ("q", "k", "v"):
-            heads = Heads.from_config(self.config)
-            sizes = [heads.n_q * heads.head_dim, heads.n_kv * heads.head_dim, heads.n_kv * heads.head_dim]
-        elif len(parts) == 2:
-            sizes = [rows // 2, rows - rows // 2]
-        else:
-            raise OtdusError(f"cannot split fused tensor {fused} into {parts}")
-        if sum(sizes) != rows:
-            raise OtdusError(f"fused {fused} has {rows} rows, the config implies {sum(sizes)} ({sizes})")
-        return sizes
-
-
-class ParentRoles:
-    """One parent layer's roles, each read when first asked for (storage dtype, compute device).
-
-    A fused tensor is read once; its parts not asked for yet wait here until they are.
-    """
-
-    def __init__(self, layer: ParentLayer, layout: RoleLayout, device: torch.device):
-        self.layer = layer
-        self.layout = layout
-        self.device = device
-        self._waiting: Tensors = {}
-
-    def _read(self, role: str) -> dict[str, torch.Tensor]:
-        return {kind: self.layer.get(name).to(self.device) for kind, name in self.layout.where[role].items()}
-
-    def take(self, role: str) -> dict[str, torch.Tensor]:
-        if role in self._waiting:
-            return self._waiting.pop(role)
-        fused = self.layout.fused_in.get(role)
-        if fused is None:
-            return self._read(role)
-        parts = self.layout.family.fused[fused]
-        for kind, t in self._read(fused).items():
-            sizes = self.layout.sizes(fused, t.shape[0])
-            for part, piece in zip(parts, torch.split(t, sizes, dim=0), strict=True):
-                self._waiting.setdefault(part, {})[kind] = piece
-        return self._waiting.pop(role)
-
-
-@dataclass
-class _ParentPair:
-    a: ParentRoles
-    b: ParentRoles
-
-    def has(self, role: str) -> bool:
-        return role in self.a.layout.roles
-
-    def take(self, role: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(A's, B's) tensors of ``role``; their shapes must agree."""
-        ta, tb = self.a.take(role), self.b.take(role)
-        for kind, t in ta.items():
-            if tb[kind].shape != t.shape:
-                raise OtdusError(
-                    f"{role}.{kind}: shapes differ between the layers ({t.shape} vs {tb[kind].shape})"
-                )
-        return ta, tb
-
-
-class _Outputs:
-    """Finished roles -> (suffix, tensor); the parts of a fused tensor wait for each other."""
-
-    def __init__(self, layout: RoleLayout):
-        self.layout = layout
-        self._parts: dict[str, Tensors] = {}
-
-    def put(self, role: str, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        fused = self.layout.fused_in.get(role)
-        if fused is None:
-            where = self.layout.where.get(role, {})
-            return [(where[kind], t) for kind, t in tensors.items() if kind in where]
-        group = self._parts.setdefault(fused, {})
-        group[role] = tensors
-        parts = self.layout.family.fused[fused]
-        if not all(p in group for p in parts):
-            return []
-        del self._parts[fused]
-        return [
-            (name, torch.cat([group[p][kind] for p in parts], dim=0))
-            for kind, name in self.layout.where[fused].items()
-        ]
+                ta, tb = a.get(suffix).to(dev, torch.float32), b.get(suffix).to(dev, torch.float32)
+                yield suffix, average(ta, tb)
 
 
 def _check_heads(q_rows: int, k_rows: int, heads: Heads) -> None:
@@ -323,58 +184,6 @@ def _check_heads(q_rows: int, k_rows: int, heads: Heads) -> None:
             f"q/k have {q_rows}/{k_rows} rows; the config implies {heads.n_q}x{heads.head_dim} and "
             f"{heads.n_kv}x{heads.head_dim}"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# Small helpers. Inputs taken from a parent are never modified in place (a parent may hand out
-# tensors it keeps); results of products are fresh and updated in place to save a buffer.
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float32)
-
-
-def _avg(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (x + y) * 0.5
-
-
-def _avg_role(ta: dict[str, torch.Tensor], tb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {kind: _avg(_f32(t), tb[kind]) for kind, t in ta.items()}
-
-
-def _zeros_like_role(ta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """All-zero tensors of ``ta``'s shapes as broadcast views (no memory; written as zeros)."""
-    return {
-        kind: torch.zeros((), dtype=torch.float32, device=t.device).expand(t.shape) for kind, t in ta.items()
-    }
-
-
-def _aligned_role(
-    plan: TransportPlan, ta: dict[str, torch.Tensor], tb: dict[str, torch.Tensor], scale: float | None
-) -> dict[str, torch.Tensor]:
-    """1/2 ((s T)^T X_A + X_B) for the weight (already input-aligned) and the bias of one role.
-
-    The bias moves with its weight's output plan, as in Imfeld et al.'s fusion code; the paper and
-    the released script have no biases (Llama), so for them this is our extension.
-    """
-    out = {}
-    for kind, t in ta.items():
-        moved = plan.rows_to_b(_f32(t), scale)  # fresh: safe to update in place
-        out[kind] = _add_into(moved, tb[kind]).mul_(0.5)
-    return out
-
-
-_ADD_BLOCK_ELEMENTS = 1 << 22
-
-
-def _add_into(out: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """out += other, in row blocks when ``other`` needs converting (no full float32 copy of it)."""
-    if other.dtype == out.dtype or other.dim() < 2:
-        return out.add_(other)
-    step = max(1, _ADD_BLOCK_ELEMENTS // max(1, other[0].numel()))
-    for s in range(0, other.shape[0], step):
-        out[s : s + step].add_(other[s : s + step])
-    return out
 
 
 def _norm_through(
@@ -390,13 +199,13 @@ def _norm_through(
     columns sum to exactly 1 (a permutation); with the released code's unscaled T they sum to
     ~1/n and the offset term matters.
     """
-    g_a, g_b = _f32(g_a), _f32(g_b)
+    g_a, g_b = f32(g_a), f32(g_b)
 
     def through(x: torch.Tensor) -> torch.Tensor:
         moved = plan.cols_to_b(x, scale)
-        return _avg(moved, x) if mix else moved
+        return average(moved, x) if mix else moved
 
-    out = _avg(through(g_a), g_b)
+    out = average(through(g_a), g_b)
     if offset:
         out = out + 0.5 * offset * (through(torch.ones_like(g_a)) - 1.0)
     return out
@@ -408,7 +217,7 @@ def _norm_through(
 Roles = Iterator[tuple[str, dict[str, torch.Tensor]]]
 
 
-def _paper(pair: _ParentPair, heads: Heads, s: OTSettings, offset: float, stats: dict) -> Roles:
+def _paper(pair: ParentPair, heads: Heads, s: OTSettings, offset: float, stats: dict) -> Roles:
     """The paper's transport-matrix-flow table, yielding each module as soon as it is built.
 
     paper:    cost "paper" (Imfeld et al.'s), chosen solver, plans applied as n T (Imfeld et
@@ -440,7 +249,7 @@ def paper_matcher(s: OTSettings, stats: dict) -> tuple[Callable[..., TransportPl
 
 
 def paper_attention(
-    pair: _ParentPair, heads: Heads, s: OTSettings, offset: float, stats: dict
+    pair: ParentPair, heads: Heads, s: OTSettings, offset: float, stats: dict
 ) -> Generator[tuple[str, dict[str, torch.Tensor]], None, TransportPlan]:
     """The attention half of the paper's flow, up to the pre-MLP norm; returns T_O (the MLP's T_in)."""
     official = s.variant == "official"
@@ -449,7 +258,7 @@ def paper_attention(
     def plain(role: str) -> Roles:
         if pair.has(role):
             ta, tb = pair.take(role)
-            yield role, _avg_role(ta, tb)
+            yield role, average_role(ta, tb)
 
     yield from plain("attn_norm")
     rows: dict[str, int] = {}
@@ -459,7 +268,7 @@ def paper_attention(
         if role == "k":
             _check_heads(rows["q"], rows["k"], heads)
         plan = match(ta["weight"], tb["weight"], role)
-        out = _aligned_role(plan, ta, tb, scale)
+        out = aligned_role(plan, ta, tb, scale)
         del ta, tb, plan
         yield role, out
         del out  # the consumer has written it: do not hold it through the next module
@@ -468,7 +277,7 @@ def paper_attention(
     ta, tb = pair.take("o")
     plan_o = match(ta["weight"], tb["weight"], "o")
     # o's own alignment (only kept when zero_init is off): T_in = I per the paper's table.
-    out = _zeros_like_role(ta) if s.zero_init else _aligned_role(plan_o, ta, tb, scale)
+    out = zeros_like_role(ta) if s.zero_init else aligned_role(plan_o, ta, tb, scale)
     del ta, tb
     yield "o", out
     del out
@@ -485,35 +294,35 @@ def paper_attention(
     return plan_o
 
 
-def _paper_mlp(pair: _ParentPair, plan_o: TransportPlan, s: OTSettings, offset: float, stats: dict) -> Roles:
+def _paper_mlp(pair: ParentPair, plan_o: TransportPlan, s: OTSettings, offset: float, stats: dict) -> Roles:
     official = s.variant == "official"
     match, scale = paper_matcher(s, stats)
     for role in ("gate", "up"):
         ta, tb = pair.take(role)
-        inputs = {**ta, "weight": plan_o.cols_to_b(_f32(ta["weight"]), scale)}  # W_A T_in, T_in = s T_O
+        inputs = {**ta, "weight": plan_o.cols_to_b(f32(ta["weight"]), scale)}  # W_A T_in, T_in = s T_O
         del ta
         plan = match(inputs["weight"], tb["weight"], role)
-        out = _aligned_role(plan, inputs, tb, scale)
+        out = aligned_role(plan, inputs, tb, scale)
         del inputs, tb, plan
         yield role, out
         del out
     del plan_o
     ta, tb = pair.take("down")
     plan_d = match(ta["weight"], tb["weight"], "down")
-    out = _zeros_like_role(ta) if s.zero_init else _aligned_role(plan_d, ta, tb, scale)
+    out = zeros_like_role(ta) if s.zero_init else aligned_role(plan_d, ta, tb, scale)
     del ta, tb
     yield "down", out
     yield from _output_norm(pair, "mlp_out_norm", plan_d, offset, scale, official)
 
 
 def _output_norm(
-    pair: _ParentPair, role: str, plan: TransportPlan, offset: float, scale: float | None, official: bool
+    pair: ParentPair, role: str, plan: TransportPlan, offset: float, scale: float | None, official: bool
 ) -> Roles:
     if not pair.has(role):
         return
     ta, tb = pair.take(role)
     if official:
-        yield role, _avg_role(ta, tb)
+        yield role, average_role(ta, tb)
     else:
         yield role, {"weight": _norm_through(plan, ta["weight"], tb["weight"], offset, scale, mix=False)}
 
@@ -522,7 +331,7 @@ def _output_norm(
 # Variant "structured".
 
 
-def _structured(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> Roles:
+def _structured(pair: ParentPair, heads: Heads, s: OTSettings, stats: dict) -> Roles:
     """Alignment along the layer's real symmetries only (reference.md section 2.2, docs/ot.md).
 
     * Residual (hidden) axis: identity. A and B read and write the same residual stream, whose
@@ -537,10 +346,10 @@ def _structured(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> 
       dims d and d + head_dim/2 together at a fixed frequency), while V dims, which only meet
       O's columns, get their own plan, and O's columns follow both head and V-dim plans.
     """
-    for role in _NORMS:
+    for role in NORM_ROLES:
         if pair.has(role):
             ta, tb = pair.take(role)
-            yield role, _avg_role(ta, tb)
+            yield role, average_role(ta, tb)
 
     # --- MLP: one plan per neuron (gate row, up row, down column), on the three parts' cost.
     mlp = {role: pair.take(role) for role in ("gate", "up", "down")}
@@ -555,28 +364,28 @@ def _structured(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> 
     stats["gate_up"] = plan.stats()
     for role in ("gate", "up"):
         ta, tb = mlp.pop(role)
-        out = _aligned_role(plan, ta, tb, None)
+        out = aligned_role(plan, ta, tb, None)
         del ta, tb
         yield role, out
         del out
     ta, tb = mlp.pop("down")
     if s.zero_init:
-        down = _zeros_like_role(ta)
+        down = zeros_like_role(ta)
     else:
-        down = {"weight": _add_into(plan.cols_to_b(_f32(ta["weight"])), tb["weight"]).mul_(0.5)}
+        down = {"weight": add_into(plan.cols_to_b(f32(ta["weight"])), tb["weight"]).mul_(0.5)}
         if "bias" in ta:  # down's bias lives on the hidden axis: not permuted
-            down["bias"] = _avg(_f32(ta["bias"]), tb["bias"])
+            down["bias"] = average(f32(ta["bias"]), tb["bias"])
     del ta, tb, plan
     yield "down", down
 
     yield from structured_attention(pair, heads, s, stats)
 
 
-def structured_attention(pair: _ParentPair, heads: Heads, s: OTSettings, stats: dict) -> Roles:
+def structured_attention(pair: ParentPair, heads: Heads, s: OTSettings, stats: dict) -> Roles:
     """Attention of the structured variant: head-level assignment, then V dims inside matched heads."""
     att = {role: pair.take(role) for role in ("q", "k", "v", "o")}
-    ta = {role: {kind: _f32(t) for kind, t in att[role][0].items()} for role in att}
-    tb = {role: {kind: _f32(t) for kind, t in att[role][1].items()} for role in att}
+    ta = {role: {kind: f32(t) for kind, t in att[role][0].items()} for role in att}
+    tb = {role: {kind: f32(t) for kind, t in att[role][1].items()} for role in att}
     del att
     _check_heads(ta["q"]["weight"].shape[0], ta["k"]["weight"].shape[0], heads)
     yield from _structured_attention(ta, tb, heads, s, stats)
@@ -589,8 +398,8 @@ def _structured_attention(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings,
     device = ta["q"]["weight"].device
     q_rows = _head_rows(q_perm, hd, device)  # B's head j takes the rows of A's head perm^-1(j)
     kv_rows = _head_rows(kv_perm, hd, device)
-    yield "q", {kind: _avg(t[q_rows], tb["q"][kind]) for kind, t in ta["q"].items()}
-    yield "k", {kind: _avg(t[kv_rows], tb["k"][kind]) for kind, t in ta["k"].items()}
+    yield "q", {kind: average(t[q_rows], tb["q"][kind]) for kind, t in ta["q"].items()}
+    yield "k", {kind: average(t[kv_rows], tb["k"][kind]) for kind, t in ta["k"].items()}
     # V dims: one plan per matched KV head pair; O's columns of that group's query heads follow.
     v_a = {kind: t[kv_rows] for kind, t in ta["v"].items()}  # A's KV heads in B's head order
     # A's query-head column blocks in B's head order (not needed when o comes out zero)
@@ -611,18 +420,18 @@ def _structured_attention(ta: Tensors, tb: Tensors, heads: Heads, s: OTSettings,
         )
         v_stats.append(plan.stats())
         for kind, t in v_a.items():
-            v_new[kind][rows] = _avg(plan.rows_to_b(t[rows]), tb["v"][kind][rows])
+            v_new[kind][rows] = average(plan.rows_to_b(t[rows]), tb["v"][kind][rows])
         for h in range(j * g, (j + 1) * g) if o_new is not None else ():
             cols = slice(h * hd, (h + 1) * hd)
-            o_new[:, cols] = _avg(plan.cols_to_b(o_a[:, cols]), tb["o"]["weight"][:, cols])
+            o_new[:, cols] = average(plan.cols_to_b(o_a[:, cols]), tb["o"]["weight"][:, cols])
     stats["v"] = _mean_stats(v_stats)
     yield "v", v_new
     if o_new is None:
-        yield "o", _zeros_like_role(ta["o"])
+        yield "o", zeros_like_role(ta["o"])
         return
     o_out = {"weight": o_new}
     if "bias" in ta["o"]:  # hidden axis: not permuted
-        o_out["bias"] = _avg(ta["o"]["bias"], tb["o"]["bias"])
+        o_out["bias"] = average(ta["o"]["bias"], tb["o"]["bias"])
     yield "o", o_out
 
 

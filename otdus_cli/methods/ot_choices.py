@@ -11,7 +11,7 @@ compared choice by choice. Each choice has a ``value`` (what is computed) and a 
 * ``otdus``: our own choice (the paper and the released script cover Llama tensors only);
 * ``user``: an option the user set away from the variant's default.
 
-The builder (methods/ot.py) is what computes; this table says what it computes.
+The builder (methods/ot.py, methods/ot_moe.py) is what computes; this table says what it computes.
 tests/test_ot_choices.py checks the two against each other.
 """
 
@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from otdus_cli.arch.experts import ExpertLayout
 from otdus_cli.options import OTOptions
 
-__all__ = ["SOURCES", "ot_choices"]
+__all__ = ["MOE_CHOICES", "SOURCES", "ot_choices"]
 
 SOURCES = ("paper", "imfeld", "released", "otdus", "user")
 
@@ -34,8 +35,13 @@ def _choice(value: Any, source: str) -> dict[str, Any]:
     return {"value": value, "source": source}
 
 
-def ot_choices(ot: OTOptions, zero_init: bool) -> dict[str, dict[str, Any]]:
-    """choice -> {"value", "source"} for ``--method ot`` with these options."""
+# The choices only a mixture-of-experts layer has (methods/ot_moe.py): every MoE manifest names them all.
+MOE_CHOICES = ("experts_matching", "expert_plan", "expert_mlp", "router", "router_biases", "shared_experts")
+
+
+def ot_choices(ot: OTOptions, zero_init: bool, moe: ExpertLayout | None = None) -> dict[str, dict[str, Any]]:
+    """choice -> {"value", "source"} for ``--method ot`` with these options; ``moe``: the family's
+    expert layout when the new layers are MoE layers (adds MOE_CHOICES)."""
     variant, exact = ot.variant, ot.solver == "emd"
     official, structured = variant == "official", variant == "structured"
     # Where this variant's conventions come from when they are not the paper's own.
@@ -122,4 +128,52 @@ def ot_choices(ot: OTOptions, zero_init: bool) -> dict[str, dict[str, Any]]:
         "fused_tensors": _choice("split (qkv; gate_up), aligned as separate roles, re-fused", ours),
         "other_tensors": _choice("1/2 (A + B)", ours),
     }
+    if moe is not None:
+        choices |= _moe_choices(scale, structured, zero_init, moe)
     return choices
+
+
+def _moe_choices(
+    scale: str, structured: bool, zero_init: bool, moe: ExpertLayout
+) -> dict[str, dict[str, Any]]:
+    """How ot_moe.py matches experts and treats the router and shared experts (none of it is in the
+    paper or the released script, which cover dense Llama layers only: all ours)."""
+    ours = "otdus"
+    router_input = (
+        "raw router rows" if structured else f"router rows of A moved through T_O (W_A {scale} T_O)"
+    )
+    if zero_init:
+        down = (
+            "zero (its columns still shape the joint plan)"
+            if structured
+            else "zero (no plan is solved for it)"
+        )
+    else:
+        down = "aligned with the joint plan" if structured else "aligned average with its own plan"
+    shared = (
+        "none in this family"
+        if not moe.shared
+        else "a dense SwiGLU MLP aligned as `mlp` says (down as experts' down); its scalar gate row "
+        + (
+            "averaged, 1/2 (g_A + g_B)"
+            if structured
+            else f"averaged through T_O, 1/2 (g_A {scale} T_O + g_B)"
+        )
+    )
+    return {
+        "experts_matching": _choice(
+            f"on the {router_input}: rows scaled to unit L2 norm, Euclidean distance, divided by its "
+            "maximum (in every variant); expert weights are not compared (their neurons are unordered)",
+            ours,
+        ),
+        "expert_plan": _choice(
+            "exact assignment (linear_sum_assignment, float64): a permutation, never a blend of experts",
+            ours,
+        ),
+        "expert_mlp": _choice(f"each matched pair aligned as the dense `mlp` above; down: {down}", ours),
+        "router": _choice(
+            "rows follow the expert permutation: 1/2 (P R_A' + R_B), R_A' the matched rows", ours
+        ),
+        "router_biases": _choice("router bias and score-correction bias follow P: 1/2 (P b_A + b_B)", ours),
+        "shared_experts": _choice(shared, ours),
+    }

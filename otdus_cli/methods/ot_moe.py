@@ -40,23 +40,20 @@ import torch
 from otdus_cli.arch.experts import ExpertLayout, expert_layout
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
-from otdus_cli.methods.ot import (
-    _NORMS,
+from otdus_cli.methods.layer_roles import (
+    NORM_ROLES,
     Heads,
-    OTSettings,
+    ParentPair,
     ParentRoles,
     RoleLayout,
-    _aligned_role,
-    _avg,
-    _avg_role,
-    _f32,
-    _Outputs,
-    _ParentPair,
-    _zeros_like_role,
-    paper_attention,
-    paper_matcher,
-    structured_attention,
+    RoleOutputs,
+    aligned_role,
+    average,
+    average_role,
+    f32,
+    zeros_like_role,
 )
+from otdus_cli.methods.ot import OTSettings, paper_attention, paper_matcher, structured_attention
 from otdus_cli.transport.assignment import assignment
 from otdus_cli.transport.cost import paper_cost
 from otdus_cli.transport.plan import TransportPlan
@@ -81,9 +78,9 @@ def build_moe_layer(
             "--method ot reads experts stored one matrix per expert; this checkpoint stores them fused"
         )
     attention = RoleLayout(family, ctx.config, suffixes, required=_ATTENTION_REQUIRED)  # family.roles
-    pair = _ParentPair(ParentRoles(a, attention, s.device), ParentRoles(b, attention, s.device))
+    pair = ParentPair(ParentRoles(a, attention, s.device), ParentRoles(b, attention, s.device))
     heads = Heads.from_config(ctx.config)
-    outputs = _Outputs(attention)
+    outputs = RoleOutputs(attention)
     done: set[str] = set()
 
     def emit(roles: Generator) -> Generator[tuple[str, torch.Tensor], None, Any]:
@@ -98,7 +95,7 @@ def build_moe_layer(
                 yield suffix, tensor
 
     if s.variant == "structured":
-        yield from emit((role, _avg_role(*pair.take(role))) for role in _NORMS if pair.has(role))
+        yield from emit((role, average_role(*pair.take(role))) for role in NORM_ROLES if pair.has(role))
         plan_o = None
     else:
         offset = float(family.norm_offset)
@@ -112,7 +109,7 @@ def build_moe_layer(
         yield from emit(structured_attention(pair, heads, s, stats))
     for suffix in suffixes:  # no role: the plain average
         if suffix not in done:
-            yield suffix, _avg(_f32(a.get(suffix).to(s.device)), _f32(b.get(suffix).to(s.device)))
+            yield suffix, average(f32(a.get(suffix).to(s.device)), f32(b.get(suffix).to(s.device)))
 
 
 class _MoEBlock:
@@ -140,7 +137,7 @@ class _MoEBlock:
 
     def _input_aligned(self, w: torch.Tensor) -> torch.Tensor:
         """W_A (s T_O): A's weight on the residual axis, moved to B's basis (paper/official)."""
-        w = _f32(w)
+        w = f32(w)
         return w if self.plan_o is None else self.plan_o.cols_to_b(w, self.scale)
 
     def build(self) -> Out:
@@ -168,12 +165,12 @@ class _MoEBlock:
         }
         del cost
         # router rows follow the expert plan: B's row f averaged with A's row perm^-1(f)
-        yield f"{router}.weight", _avg(plan.rows_to_b(ra), rb)
+        yield f"{router}.weight", average(plan.rows_to_b(ra), rb)
         del ra, rb
         for kind in ("bias", "e_score_correction_bias"):
             name = f"{router}.{kind}"
             if name in self.suffixes:
-                yield name, _avg(plan.rows_to_b(_f32(self._get(self.a, name))), self._get(self.b, name))
+                yield name, average(plan.rows_to_b(f32(self._get(self.a, name))), self._get(self.b, name))
         source_of = [0] * self.experts
         for e, f in enumerate(perm):
             source_of[f] = e
@@ -204,30 +201,30 @@ class _MoEBlock:
                 [(ga, gb), (ua, ub), (da.T, db.T)], solver=s.solver, reg=s.reg, tol=s.tol, max_iter=s.max_iter
             )
             record["gate_up"] = plan.stats()
-            yield nb["gate"], _aligned_role(plan, {"weight": ga}, {"weight": gb}, None)["weight"]
+            yield nb["gate"], aligned_role(plan, {"weight": ga}, {"weight": gb}, None)["weight"]
             del ga, gb
-            yield nb["up"], _aligned_role(plan, {"weight": ua}, {"weight": ub}, None)["weight"]
+            yield nb["up"], aligned_role(plan, {"weight": ua}, {"weight": ub}, None)["weight"]
             del ua, ub
             if s.zero_init:
-                yield nb["down"], _zeros_like_role({"weight": da})["weight"]
+                yield nb["down"], zeros_like_role({"weight": da})["weight"]
             else:
-                yield nb["down"], _avg(plan.cols_to_b(_f32(da)), db)
+                yield nb["down"], average(plan.cols_to_b(f32(da)), db)
             return
         match, scale = paper_matcher(s, record)
         for role in ("gate", "up"):
             xa = self._input_aligned(self._get(self.a, na[role]))
             xb = self._get(self.b, nb[role])
             plan = match(xa, xb, role)
-            yield nb[role], _aligned_role(plan, {"weight": xa}, {"weight": xb}, scale)["weight"]
+            yield nb[role], aligned_role(plan, {"weight": xa}, {"weight": xb}, scale)["weight"]
             del xa, xb, plan
         da = self._get(self.a, na["down"])
         if s.zero_init:  # zero either way: no plan is needed for it (nothing reads T_D here)
-            yield nb["down"], _zeros_like_role({"weight": da})["weight"]
+            yield nb["down"], zeros_like_role({"weight": da})["weight"]
         else:
             db = self._get(self.b, nb["down"])
             yield (
                 nb["down"],
-                _aligned_role(match(da, db, "down"), {"weight": da}, {"weight": db}, scale)["weight"],
+                aligned_role(match(da, db, "down"), {"weight": da}, {"weight": db}, scale)["weight"],
             )
 
     def _summarise(self) -> None:
@@ -258,4 +255,4 @@ class _MoEBlock:
                 self.stats[f"shared_expert.{key}"] = value
         gate = f"{gate_prefix}weight"
         if gate in self.suffixes:  # the shared expert's scalar gate: a row on the residual axis
-            yield gate, _avg(self._input_aligned(self._get(self.a, gate)), self._get(self.b, gate))
+            yield gate, average(self._input_aligned(self._get(self.a, gate)), self._get(self.b, gate))

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.manifest import read_manifest
@@ -104,9 +105,15 @@ class ComputeSettings:
     threads: ThreadChoice
     batch_size: int
     batches: int
+    ranks: int = 1  # processes the windows were split across (torchrun / srun; see distributed.py)
 
     def to_dict(self) -> dict:
-        return {"threads": self.threads.to_dict(), "batch_size": self.batch_size, "batches": self.batches}
+        return {
+            "threads": self.threads.to_dict(),
+            "batch_size": self.batch_size,
+            "batches": self.batches,
+            "ranks": self.ranks,
+        }
 
 
 def compute_settings(
@@ -126,6 +133,29 @@ def compute_settings(
             torch.get_num_threads(), 0, None, f"device {model.device.type}: left as they are"
         )
     return ComputeSettings(choice, batch, batches)
+
+
+def rank_windows(model: StreamedModel, plan: EvalPlan, world: World) -> list[int]:
+    """The windows this rank evaluates: whole batches of the single-process grouping (a contiguous
+    block of them, balanced by tokens), so every window is computed in the very batch a single
+    process computes it in and its logits are the same bits."""
+    from otdus_cli.verify.streaming import group_windows  # noqa: PLC0415
+
+    lengths = [len(w.input_ids) for w in plan.windows]
+    groups = group_windows(lengths, model.windows_per_batch)
+    mine = shard([sum(lengths[i] for i in g) for g in groups], world)
+    return sorted(i for g in groups[mine.start : mine.stop] for i in g)
+
+
+def _in_window_order(parts: Sequence[list[tuple[int, torch.Tensor]]], n_windows: int) -> list[torch.Tensor]:
+    """Every rank's (window index, log-probs) pairs as one list in window order."""
+    out: list[torch.Tensor | None] = [None] * n_windows
+    for part in parts:
+        for i, lp in part:
+            out[i] = lp
+    if any(lp is None for lp in out):
+        raise OtdusError("internal: a window was scored by no rank")
+    return out  # type: ignore[return-value]
 
 
 class _Clock:
@@ -171,34 +201,51 @@ def perplexity(
     threads: int | None = None,
     cpu_sample: CpuSample | None = None,
     progress: Progress | None = None,
+    world: World | None = None,
 ) -> PerplexityReport:
     """Single-model perplexity (``otdus ppl``), streamed layer by layer.
 
     ``batch_size``: windows per forward pass (None: automatic); ``threads``: intra-op threads (None:
-    the policy of verify/threads.py, with other processes' CPU use measured since ``cpu_sample``)."""
+    the policy of verify/threads.py, with other processes' CPU use measured since ``cpu_sample``).
+    ``world`` (default: this process's, see distributed.py): its ranks split the windows and every
+    rank returns the same figures, those of a single process."""
     clock = _Clock()
-    model = StreamedModel(
-        model_dir,
-        device=device,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        batch_size=batch_size,
-        self_check="on",
-    )
-    compute = compute_settings(model, plan, threads, cpu_sample)
-    with intra_op_threads(compute.threads.threads):
-        inputs = [w.input_ids for w in plan.windows]
-        acts = model.start(inputs)
-        clock.lap("start")
-        ticks = LayerTicks(progress, len(inputs), plan.n_tokens, model.num_layers)
-        for i in range(model.num_layers):
-            model.apply_layer(i, acts, on_batch=ticks.layer(i))
-        clock.lap("layers")
-        logprobs = score_activations(model, acts, plan.windows, progress=progress)
-        clock.lap("scoring")
+    world = current_world() if world is None else world
+    local: dict = {}  # this rank's model and compute settings, for the report
+
+    def work() -> list[tuple[int, torch.Tensor]]:
+        """This rank's windows' log-probs (by window index); everything that can fail, the model's
+        loading included, runs here, so a failure on any rank is every rank's (World.exchange)."""
+        local["model"] = model = StreamedModel(
+            model_dir,
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            batch_size=batch_size,
+            self_check="on",
+        )
+        local["compute"] = compute = compute_settings(model, plan, threads, cpu_sample)
+        compute.ranks = world.size
+        mine = rank_windows(model, plan, world)
+        if not mine and plan.windows:  # more ranks than batches
+            return []
+        windows = [plan.windows[i] for i in mine]
+        with intra_op_threads(compute.threads.threads):
+            acts = model.start([w.input_ids for w in windows])
+            clock.lap("start")
+            ticks = LayerTicks(progress, len(windows), sum(len(w.targets) for w in windows), model.num_layers)
+            for i in range(model.num_layers):
+                model.apply_layer(i, acts, on_batch=ticks.layer(i))
+            clock.lap("layers")
+            logprobs = score_activations(model, acts, windows, progress=progress)
+            clock.lap("scoring")
+        return list(zip(mine, logprobs, strict=True))
+
+    logprobs = _in_window_order(world.exchange(work), len(plan.windows))
     metrics = metrics_from_logprobs(plan, logprobs)
+    model = local["model"]
     return PerplexityReport(
-        str(model_dir), str(model.device), _dtype_name(model.dtype), metrics, compute, clock.total()
+        str(model_dir), str(model.device), _dtype_name(model.dtype), metrics, local["compute"], clock.total()
     )
 
 
@@ -375,19 +422,20 @@ def _run_layers(
     expd: StreamedModel,
     entries: Sequence[LayerEntry],
     points: Sequence[int | None],
-    plan: EvalPlan,
+    windows: Sequence[Window],
     clock: _Clock,
     progress: Progress | None,
 ) -> tuple[Activations, Activations, list[LayerCheck]]:
-    """Both stacks over every window in lockstep, comparing hidden states at each corresponding point."""
-    inputs = [w.input_ids for w in plan.windows]
+    """Both stacks over ``windows`` in lockstep, comparing hidden states at each corresponding point."""
+    inputs = [w.input_ids for w in windows]
     acts_b = base.start(inputs)
     acts_e = expd.start(inputs)
     clock.lap("start")
     checks: list[LayerCheck] = []
     diff, eq = _max_abs_diff(acts_e, acts_b)
     checks.append(LayerCheck(-1, -1, "embeddings", diff, eq))
-    ticks = LayerTicks(progress, len(inputs), plan.n_tokens, base.num_layers + expd.num_layers)
+    n_tokens = sum(len(w.targets) for w in windows)
+    ticks = LayerTicks(progress, len(inputs), n_tokens, base.num_layers + expd.num_layers)
     passes = 0
 
     def apply(model: StreamedModel, index: int, acts: Activations, name: str) -> None:
@@ -412,6 +460,36 @@ def _run_layers(
     return acts_b, acts_e, checks
 
 
+@dataclass
+class _RankPart:
+    """What one rank computed of a verify run: its windows' log-probs, the lockstep checks on them."""
+
+    windows: list[int]
+    base: list[torch.Tensor]
+    expanded: list[torch.Tensor]
+    logits_equal: bool
+    checks: list[LayerCheck]
+
+
+def _combine_checks(per_rank: Sequence[list[LayerCheck]]) -> list[LayerCheck]:
+    """Each comparison point over all ranks' windows: the largest difference, equal only if equal on
+    every rank (what one process finds over all windows at once)."""
+    first, *others = per_rank
+    out = []
+    for k, check in enumerate(first):
+        same_point = [c[k] for c in others]
+        out.append(
+            LayerCheck(
+                check.expanded_layer,
+                check.base_layer,
+                check.name,
+                max([check.max_abs_diff, *(c.max_abs_diff for c in same_point)]),
+                check.equal and all(c.equal for c in same_point),
+            )
+        )
+    return out
+
+
 def verify_expansion(
     base_dir: str | os.PathLike[str],
     expanded_dir: str | os.PathLike[str],
@@ -427,6 +505,7 @@ def verify_expansion(
     cpu_sample: CpuSample | None = None,
     rtol: float | None = None,
     progress: Progress | None = None,
+    world: World | None = None,
 ) -> VerifyReport:
     """Stream base and expanded side by side over ``plan``'s windows and judge function preservation.
 
@@ -436,50 +515,75 @@ def verify_expansion(
     the map the fingerprints show. Parity is expected (unless ``expect_parity`` says) when the layer
     map claims a function-preserving expansion or the static proof shows one. ``batch_size``,
     ``threads`` and ``cpu_sample`` as for :func:`perplexity` (chosen for the expanded model, the
-    larger work; both models run with them).
+    larger work; both models run with them). ``world`` as for :func:`perplexity`: its ranks split the
+    windows; per-layer differences, logits equality and log-probs are combined into the figures
+    a single process reports.
     """
     clock = _Clock()
-    torch_dtype = parse_dtype(dtype)
-    base_reader, expd_reader = CheckpointReader(base_dir), CheckpointReader(expanded_dir)
-    claimed = list(layer_map) if layer_map is not None and not callable(layer_map) else None
-    proof = static_check(base_reader, expd_reader, claimed)
-    manifest = read_manifest(expanded_dir)
-    if layer_map is None:
-        layer_map = manifest["layers"] if manifest else proof.layer_map()
-    base = StreamedModel(
-        base_reader,
-        device=device,
-        dtype=torch_dtype,
-        attn_implementation=attn_implementation,
-        batch_size=batch_size,
-        self_check="whole-model",
-    )
-    expd = StreamedModel(
-        expd_reader,
-        device=device,
-        dtype=torch_dtype,
-        attn_implementation=attn_implementation,
-        batch_size=batch_size,
-        self_check="on",
-    )
-    entries = layer_entries(layer_map, expd.num_layers)
-    points = correspondence(entries, base.num_layers)
-    if expect_parity is None:
-        # the map's claim or the proof; never a boolean a hand edit could flip
-        expect_parity = default_function_preserving(entries, base.num_layers) or proof.preserving
+    world = current_world() if world is None else world
+    local: dict = {}  # what this rank learned on the way, for the report
 
-    compute = compute_settings(expd, plan, threads, cpu_sample)
-    base.batch_size = expd.batch_size = compute.batch_size if batch_size is None else batch_size
-    with intra_op_threads(compute.threads.threads):
-        acts_b, acts_e, checks = _run_layers(base, expd, entries, points, plan, clock, progress)
-        # Logits one model at a time (its head, one chunk of positions): the chunks are compared by
-        # digest, so neither model's head or logits need to be held next to the other's.
-        lp_b, digests_b = _score(base, acts_b, plan.windows, progress, "base")
-        del acts_b
-        lp_e, digests_e = _score(expd, acts_e, plan.windows, progress, "expanded")
-        del acts_e
-        clock.lap("scoring")
-    logits_equal = digests_b == digests_e
+    def work() -> _RankPart | None:
+        """The static check, both models and this rank's windows in lockstep; everything that can fail
+        runs here, so a failure on any rank is every rank's (World.exchange)."""
+        torch_dtype = parse_dtype(dtype)
+        base_reader, expd_reader = CheckpointReader(base_dir), CheckpointReader(expanded_dir)
+        claimed = list(layer_map) if layer_map is not None and not callable(layer_map) else None
+        proof = static_check(base_reader, expd_reader, claimed)
+        manifest = read_manifest(expanded_dir)
+        layers = layer_map
+        if layers is None:  # the manifest's map as the static check read it (through expand + widen)
+            layers = proof.claimed if manifest else proof.layer_map()
+        base = StreamedModel(
+            base_reader,
+            device=device,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+            batch_size=batch_size,
+            self_check="whole-model",
+        )
+        expd = StreamedModel(
+            expd_reader,
+            device=device,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+            batch_size=batch_size,
+            self_check="on",
+        )
+        entries = layer_entries(layers, expd.num_layers)
+        points = correspondence(entries, base.num_layers)
+        # the map's claim or the proof, unless the caller says; never a boolean a hand edit could flip
+        expected = expect_parity
+        if expected is None:
+            expected = default_function_preserving(entries, base.num_layers) or proof.preserving
+
+        compute = compute_settings(expd, plan, threads, cpu_sample)
+        compute.ranks = world.size
+        base.batch_size = expd.batch_size = compute.batch_size if batch_size is None else batch_size
+        mine = rank_windows(expd, plan, world)
+        local.update(proof=proof, entries=entries, base=base, expect_parity=expected, compute=compute)
+        if not mine and plan.windows:  # more ranks than batches
+            return None
+        windows = [plan.windows[i] for i in mine]
+        with intra_op_threads(compute.threads.threads):
+            acts_b, acts_e, checks = _run_layers(base, expd, entries, points, windows, clock, progress)
+            # Logits one model at a time (its head, one chunk of positions): the chunks are compared by
+            # digest, so neither model's head or logits need to be held next to the other's.
+            lp_b, digests_b = _score(base, acts_b, windows, progress, "base")
+            del acts_b
+            lp_e, digests_e = _score(expd, acts_e, windows, progress, "expanded")
+            del acts_e
+            clock.lap("scoring")
+        return _RankPart(mine, lp_b, lp_e, digests_b == digests_e, checks)
+
+    parts = [p for p in world.exchange(work) if p is not None]
+    proof, entries, base, compute = local["proof"], local["entries"], local["base"], local["compute"]
+    expect_parity = local["expect_parity"]
+    torch_dtype = parse_dtype(dtype)
+    checks = _combine_checks([p.checks for p in parts])
+    logits_equal = all(p.logits_equal for p in parts)
+    lp_b = _in_window_order([list(zip(p.windows, p.base, strict=True)) for p in parts], len(plan.windows))
+    lp_e = _in_window_order([list(zip(p.windows, p.expanded, strict=True)) for p in parts], len(plan.windows))
     logprob_diff = max(
         (float((x - y).abs().max()) for x, y in zip(lp_b, lp_e, strict=True) if x.numel()), default=0.0
     )

@@ -33,7 +33,7 @@ from otdus_cli.io.fingerprint import SCHEME, group_fingerprint, tensor_fingerpri
 from otdus_cli.io.reader import CheckpointReader, file_sha256
 from otdus_cli.io.safetensors_format import itemsize
 from otdus_cli.io.stack import LayerStack, read_stack
-from otdus_cli.manifest import MANIFEST
+from otdus_cli.manifest import MANIFEST, seen_from_first_source
 from otdus_cli.verify.widened import is_duplicated_experts
 
 _ZERO_CHUNK = 16 * 2**20
@@ -152,6 +152,7 @@ class StaticProof:
     reason: str  # why the proof fails ("" when it holds)
     claims_preserving: bool | None = None  # what the claimed layer map says (None: no claim)
     base_checks: list[str] = field(default_factory=list)
+    claimed: list[dict] | None = None  # the layer map checked (the manifest's, seen from the given base)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -271,7 +272,23 @@ def static_check(
 
     base_stack, expanded_stack = open_stack(base), open_stack(expanded)
     manifest = read_manifest(expanded_stack.reader.folder)
-    checks = check_recorded_base(manifest, base_stack)
+    try:
+        checks = check_recorded_base(manifest, base_stack)
+    except WrongBase:
+        # expand then widen: the base may be the first step's source rather than the last's
+        first = seen_from_first_source(manifest) if manifest else None
+        if first is None:
+            raise
+        try:
+            checks = check_recorded_base(first, base_stack)
+        except WrongBase:
+            raise WrongBase(
+                f"the base {base_stack.reader.folder} is neither the model the last step was made from "
+                f"nor the first step's source ({len(manifest['history']) + 1} otdus steps are recorded)"
+            ) from None
+        manifest = first
+        steps = " then ".join([*(r.get("method", "?") for r in manifest["history"]), manifest["method"]])
+        checks = [*checks, f"layer map composed through the recorded steps ({steps})"]
     if claimed is None and manifest is not None:
         claimed = manifest["layers"]
     if claimed is not None and len(claimed) != expanded_stack.depth:
@@ -280,6 +297,7 @@ def static_check(
         )
     proof = prove(base_stack, expanded_stack, claimed)
     proof.base_checks = checks
+    proof.claimed = None if claimed is None else list(claimed)
     return proof
 
 
