@@ -4,10 +4,12 @@
     python scripts/evidence.py study                    # both studies of recipes/study-table6.yaml
     python scripts/evidence.py study --only in-domain   # one of them (two processes: one per core)
     python scripts/evidence.py study --only in-domain --runs lesa   # add an arm to a stored study
+    python scripts/evidence.py study --recipe interpose-stack       # recipes/study-interpose-stack.yaml
     python scripts/evidence.py diagnose                 # stories260K and the two planted controls
     python scripts/evidence.py render                   # docs/evidence.md's generated blocks
 
-`study` and `diagnose` write JSON (and PNG) under docs/evidence/ and log their wall time and the
+`study` and `diagnose` write JSON (and PNG) under docs/evidence/ (a study set's results under
+docs/evidence/SET/STUDY/, SET one of RECIPES) and log their wall time and the
 machine's load average to docs/evidence/runs.json; `render` rewrites only the blocks between
 `<!-- evidence:NAME -->` and `<!-- evidence:end -->` in docs/evidence.md from that JSON (the prose
 around them is written by hand and must follow from them). tests/test_evidence.py fails when the
@@ -27,7 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE = ROOT / "docs" / "evidence"
 DOC = ROOT / "docs" / "evidence.md"
-RECIPE = ROOT / "recipes" / "study-table6.yaml"
+# study sets: the folder under docs/evidence/ -> the recipe that produces it
+RECIPES = {
+    "table6": ROOT / "recipes" / "study-table6.yaml",
+    "interpose-stack": ROOT / "recipes" / "study-interpose-stack.yaml",
+}
 DIAGNOSE_TEXT = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_train_head_2MiB.txt"
 DIAGNOSE_TOKENS = 8192
 PLANTED_TEXT = "bundled:tinystories-sample"
@@ -52,8 +58,8 @@ def _log(name: str, seconds: float, load_before: float, command: str) -> None:
     path.write_text(json.dumps(dict(sorted(runs.items())), indent=2) + "\n")
 
 
-def run_studies(only: list[str] | None, runs: list[str] | None = None) -> None:
-    """Run the recipe's studies into docs/evidence/table6/NAME/; with ``runs``, only those arms
+def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set: str = "table6") -> None:
+    """Run the set's recipe's studies into docs/evidence/SET/NAME/; with ``runs``, only those arms
     (and the reference), added to the stored study (StudyResult.with_arms checks that the
     reference's runs reproduce the stored ones)."""
     from otdus_cli.study import StudyResult, run_recipe  # noqa: PLC0415
@@ -65,23 +71,26 @@ def run_studies(only: list[str] | None, runs: list[str] | None = None) -> None:
             when = time.strftime("%H:%M:%S")
             print(f"[{when}] {event.run}/{event.runs} {event.label} seed {event.seed}: {tail}", flush=True)
 
-    recipe = load_study_recipe(RECIPE)
+    path = RECIPES[study_set]
+    recipe = load_study_recipe(path)
+    flag = "" if study_set == "table6" else f" --recipe {study_set}"
+    prefix = "study" if study_set == "table6" else study_set
     for name in only or [s.name for s in recipe.studies]:
         t0, load = time.perf_counter(), _load()
-        command = f"python scripts/evidence.py study --only {name}"
+        command = f"python scripts/evidence.py study{flag} --only {name}"
         if runs is None:
-            run_recipe(RECIPE, EVIDENCE / "table6", only=[name], progress=progress)
-            key = f"study/{name}"
+            run_recipe(path, EVIDENCE / study_set, only=[name], progress=progress)
+            key = f"{prefix}/{name}"
         else:
-            (later,) = run_recipe(RECIPE, None, only=[name], progress=progress, runs=runs).values()
+            (later,) = run_recipe(path, None, only=[name], progress=progress, runs=runs).values()
             kept = later.save(Path(tempfile.gettempdir()) / f"otdus-evidence-{name}-added", plot=False)
             print(f"the added arms' runs: {kept[0]}", flush=True)  # kept should the merge refuse them
-            stored = StudyResult.load(EVIDENCE / "table6" / name)
+            stored = StudyResult.load(EVIDENCE / study_set / name)
             wanted = {m.label for m in stored.methods} | set(runs)
             order = [r.name for r in recipe.runs if r.name in wanted]
-            stored.with_arms(later, order=order).save(EVIDENCE / "table6" / name)
+            stored.with_arms(later, order=order).save(EVIDENCE / study_set / name)
             command += f" --runs {','.join(runs)}"
-            key = f"study/{name} +{','.join(runs)}"
+            key = f"{prefix}/{name} +{','.join(runs)}"
         _log(key, time.perf_counter() - t0, load, command)
 
 
@@ -140,14 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="what", required=True)
-    st = sub.add_parser("study", help="run the recipe's studies (docs/evidence/table6/NAME/)")
+    st = sub.add_parser("study", help="run a recipe's studies (docs/evidence/SET/NAME/)")
+    st.add_argument(
+        "--recipe", choices=sorted(RECIPES), default="table6", help="the study set (default table6)"
+    )
     st.add_argument("--only", action="append", help="a study of the recipe (repeatable)")
     st.add_argument("--runs", help="comma-separated arms to add to the stored study (with the reference)")
     sub.add_parser("diagnose", help="stories260K and the planted controls (docs/evidence/diagnose/)")
     sub.add_parser("render", help="docs/evidence.md's generated blocks from the stored results")
     args = parser.parse_args(argv)
     if args.what == "study":
-        run_studies(args.only, args.runs.split(",") if args.runs else None)
+        run_studies(args.only, args.runs.split(",") if args.runs else None, args.recipe)
     elif args.what == "diagnose":
         run_diagnoses()
     else:

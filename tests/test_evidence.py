@@ -10,7 +10,9 @@ from conftest import study_from_window_losses
 from scipy import stats
 
 from otdus_cli.study.evidence import (
+    ALIGNMENT_VS_AVERAGE,
     across_studies_lines,
+    blocks,
     contrasts_markdown,
     error_markdown,
     error_parts,
@@ -32,6 +34,12 @@ def test_evidence_doc_is_what_its_stored_results_render():
         "study:in-domain",
         "study:new-domain",
         "contrasts:new-domain",
+        "alignment:in-domain",
+        "alignment:new-domain",
+        "sharpness:in-domain",
+        "sharpness:new-domain",
+        "interpose-stack:study:in-domain",
+        "interpose-stack:study:new-domain",
         "diagnose-mlp",
         "planted",
         "runs",
@@ -141,3 +149,61 @@ def test_across_studies_holm_counts_every_comparison():
     assert ("`a` (one" in kept) == (q[0] < 0.05) and "`b` (two" in kept
     # `a` alone in its study is adjusted over 1 test: significant there, lost over both when q >= 0.05
     assert ("`a` (one" in lost) == (p[0] < 0.05 <= q[0])
+
+
+def test_alignment_table_holds_the_arms_a_study_has_and_grows_with_added_arms(tmp_path):
+    """Each alignment arm minus `average+zero`, Holm over the rows present: an arm not run yet
+    (`ot:activation` before it exists) is left out, and once merged in with StudyResult.with_arms
+    its row appears and the Holm column adjusts over one more contrast."""
+    rng = np.random.default_rng(7)
+    base = rng.normal(1.5, 0.2, 32)
+    table = {
+        "average+zero": _windows(rng, base, 0.0, 0.01),
+        "ot": _windows(rng, base, 0.03, 0.01),
+        "ot/emd": _windows(rng, base, 0.0002, 0.01),
+    }
+    first = study_from_window_losses(table, reference="ot")
+    rows = [r for r in contrasts_markdown(first, ALIGNMENT_VS_AVERAGE).splitlines() if "`" in r]
+    assert [r.split("`")[1] for r in rows] == ["ot", "ot/emd"]
+    p = [first.contrast(a, "average+zero")["p"] for a in ("ot", "ot/emd")]
+    assert [r.split("|")[4].strip() for r in rows] == [_fmt(q) for q in holm(p)]
+    assert rows[0].endswith("| higher |") and rows[1].endswith("| n.s. |")
+
+    later = study_from_window_losses(
+        {"ot": table["ot"], "ot:activation": _windows(rng, base, -0.02, 0.01)}, reference="ot"
+    )
+    merged = first.with_arms(later)
+    rows = [r for r in contrasts_markdown(merged, ALIGNMENT_VS_AVERAGE).splitlines() if "`" in r]
+    assert [r.split("`")[1] for r in rows] == ["ot", "ot/emd", "ot:activation"]
+    p.append(merged.contrast("ot:activation", "average+zero")["p"])
+    assert [r.split("|")[4].strip() for r in rows] == [_fmt(q) for q in holm(p)]
+    assert rows[2].endswith("| lower |")
+
+
+def _fmt(q: float) -> str:
+    return "< 0.001" if q < 0.001 else f"{q:.3f}"
+
+
+def test_each_study_set_gets_its_own_blocks(tmp_path):
+    """docs/evidence/table6/STUDY/ gives `study:STUDY`; another set's folder SET/STUDY/ gives
+    `SET:study:STUDY` (and its own setup and across-studies blocks), never mixed with Table 6's."""
+    rng = np.random.default_rng(3)
+    base = rng.normal(1.0, 0.1, 8)
+    for folder, labels in (("table6", ("ref", "a")), ("interpose-stack", ("ref", "b"))):
+        result = study_from_window_losses(
+            {x: _windows(rng, base, 0.01 * i, 0.01) for i, x in enumerate(labels)}
+        )
+        result.config.update(lr=1e-3, batch=1, seq_len=8)
+        result.data.update(
+            train="t.txt",
+            eval="e.txt",
+            train_documents=1,
+            eval_documents=1,
+            eval_windows=8,
+            eval_tokens_scored=56,
+        )
+        result.save(tmp_path / folder / "s", plot=False)
+    made = blocks(tmp_path)
+    assert {"study:s", "study-setup", "interpose-stack:study:s", "interpose-stack:study-setup"} <= set(made)
+    assert "`a`" in made["study:s"]() and "`b`" not in made["study:s"]()
+    assert "`b`" in made["interpose-stack:study:s"]() and "`a`" not in made["interpose-stack:study:s"]()

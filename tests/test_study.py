@@ -124,6 +124,8 @@ def test_parse_method_specs():
     assert spec.options.ot.variant == "structured" and spec.options.ot.reg == 0.1 and spec.options.layers == 2
     assert parse_method("average+zero").options.zero_init is True
     assert parse_method("copy").options.zero_init is None
+    assert parse_method("interpose").options.method == "interpose"  # copy-type growth, issue 14
+    assert parse_method("stack+zero").options.method == "stack"
     with pytest.raises(OtdusError):
         parse_method("average:structured")
     with pytest.raises(OtdusError):
@@ -202,3 +204,23 @@ def test_evaluation_windows_spread_over_the_held_out_text():
     assert n > 8 and torch.equal(spread, every[[0, n // 4, n // 2, 3 * n // 4]])
     assert torch.equal(tokenize_windows(tokenizer, docs, 32, 4), every[:4])
     assert torch.equal(tokenize_windows(tokenizer, docs, 32, n + 5, spread=True), every)
+
+
+def test_interpose_stack_recipe_grows_the_same_copies_in_two_places():
+    """recipes/study-interpose-stack.yaml: 5 -> 10 layers by interposition (l0 l0' l1 l1' ...) and
+    by stacking (l0..l4 l0'..l4'), plain copies both (nothing zeroed), compared with stacking, under
+    exactly the Table 6 study's protocol (settings, texts, seeds), so the two are comparable."""
+    from otdus_cli.methods.registry import get_method, plan_layers
+
+    recipe = load_study_recipe(RECIPE.parent / "study-interpose-stack.yaml")
+    table6 = load_study_recipe(RECIPE)
+    assert recipe.reference == "stack" and [s.label for s in recipe.run_specs()] == ["stack", "interpose"]
+    assert recipe.settings == table6.settings and recipe.studies == table6.studies
+    layouts = {}
+    for spec in recipe.run_specs():
+        o = spec.options
+        plan = plan_layers(5, get_method(o.method), o.position, o.layers, o.ratio, o.after, o.zero_init)
+        assert not any(layer.zero_init for layer in plan)
+        layouts[spec.label] = [(layer.source, layer.new) for layer in plan]
+    assert layouts["interpose"] == [(i, new) for i in range(5) for new in (False, True)]
+    assert layouts["stack"] == [(i, False) for i in range(5)] + [(i, True) for i in range(5)]

@@ -74,7 +74,7 @@ def study(
         str,
         typer.Option(
             help="Comma-separated method specs method[:variant][+zero|+nozero], "
-            "e.g. ot,ot:structured,average+zero.",
+            "e.g. ot,ot:structured,average+zero, or interpose,stack (with --layers the base depth).",
             parser=method_specs,
         ),
     ] = "ot,average,average+zero,copy,random",

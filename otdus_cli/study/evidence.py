@@ -25,7 +25,15 @@ from otdus_cli.study.report import study_markdown
 from otdus_cli.study.runner import StudyResult
 from otdus_cli.study.stats import crossed_mean_ci, holm
 
-__all__ = ["TWO_BY_TWO", "contrasts_markdown", "error_parts", "render_document", "verdict_lines"]
+__all__ = [
+    "ALIGNMENT_VS_AVERAGE",
+    "SHARPNESS",
+    "TWO_BY_TWO",
+    "contrasts_markdown",
+    "error_parts",
+    "render_document",
+    "verdict_lines",
+]
 
 # The review's 2x2 (OT / Average x with / without zero-init): (label, minus, what the difference is)
 TWO_BY_TWO = (
@@ -33,6 +41,23 @@ TWO_BY_TWO = (
     ("average+zero", "average", "zero-init, with Average"),
     ("ot", "average+zero", "OT vs Average, with zero-init"),
     ("ot+nozero", "average", "OT vs Average, without zero-init"),
+)
+# Does any alignment beat the review's control, plain average with zero-init (issue 16)? Every OT
+# arm with zero-init minus `average+zero`. An arm a study lacks is left out of its table (e.g.
+# `ot:activation` until it is added to the stored studies), so the table grows when it is run.
+ALIGNMENT_VS_AVERAGE = (
+    ("ot", "average+zero", "paper, Sinkhorn reg 0.06 (OT-DUS)"),
+    ("ot:structured", "average+zero", "structured, reg 0.06"),
+    ("ot:official", "average+zero", "official (released script)"),
+    ("ot/emd", "average+zero", "paper, exact assignment"),
+    ("ot/reg0.01", "average+zero", "paper, Sinkhorn reg 0.01"),
+    ("ot:activation", "average+zero", "activation-matched"),
+)
+# Does sharper alignment help or hurt? The same paper-variant flow with ever sharper plans.
+SHARPNESS = (
+    ("ot/reg0.01", "ot", "reg 0.06 -> 0.01"),
+    ("ot/emd", "ot", "reg 0.06 -> exact assignment"),
+    ("ot/emd", "ot/reg0.01", "reg 0.01 -> exact assignment"),
 )
 ALPHA = 0.05
 
@@ -269,23 +294,34 @@ def _runs_markdown(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def blocks(evidence: Path) -> dict[str, Callable[[], str]]:
-    """Every generated block by name, computed from the results stored under ``evidence``."""
-    studies = {}
-    table6 = evidence / "table6"
-    for folder in (
-        sorted(p for p in table6.iterdir() if (p / "study.json").exists()) if table6.exists() else []
-    ):
-        # re-derived with the current statistics (a result saved by an older version is still read)
-        studies[folder.name] = StudyResult.load(folder).recompute()
+def _study_blocks(studies: dict[str, StudyResult], prefix: str) -> dict[str, Callable[[], str]]:
+    """The blocks of one study set (one recipe's studies), their names prefixed with ``prefix``."""
     out: dict[str, Callable[[], str]] = {}
     if studies:
-        out["study-setup"] = lambda: setup_markdown(studies)
-        out["across-studies"] = lambda: "\n".join(across_studies_lines(studies))
+        out[f"{prefix}study-setup"] = lambda: setup_markdown(studies)
+        out[f"{prefix}across-studies"] = lambda: "\n".join(across_studies_lines(studies))
     for name, r in studies.items():
-        out[f"study:{name}"] = lambda r=r: study_markdown(r) + "\n\n" + "\n".join(verdict_lines(r))
-        out[f"errors:{name}"] = lambda r=r: error_markdown(r)
-        out[f"contrasts:{name}"] = lambda r=r: contrasts_markdown(r)
+        out[f"{prefix}study:{name}"] = lambda r=r: study_markdown(r) + "\n\n" + "\n".join(verdict_lines(r))
+        out[f"{prefix}errors:{name}"] = lambda r=r: error_markdown(r)
+        out[f"{prefix}contrasts:{name}"] = lambda r=r: contrasts_markdown(r)
+        out[f"{prefix}alignment:{name}"] = lambda r=r: contrasts_markdown(r, ALIGNMENT_VS_AVERAGE)
+        out[f"{prefix}sharpness:{name}"] = lambda r=r: contrasts_markdown(r, SHARPNESS)
+    return out
+
+
+def blocks(evidence: Path) -> dict[str, Callable[[], str]]:
+    """Every generated block by name, computed from the results stored under ``evidence``: a study
+    set is a folder of studies (``SET/STUDY/study.json``); the Table 6 set's blocks are named
+    ``study:STUDY`` etc., another set's ``SET:study:STUDY``."""
+    out: dict[str, Callable[[], str]] = {}
+    for folder in sorted(p for p in evidence.iterdir() if p.is_dir()) if evidence.exists() else []:
+        # re-derived with the current statistics (a result saved by an older version is still read)
+        studies = {
+            p.name: StudyResult.load(p).recompute()
+            for p in sorted(folder.iterdir())
+            if (p / "study.json").exists()
+        }
+        out.update(_study_blocks(studies, "" if folder.name == "table6" else f"{folder.name}:"))
     diag = evidence / "diagnose" / "stories260k.json"
     if diag.exists():
         d = _diagnose_result(diag)

@@ -14,7 +14,8 @@ ranked against each other.
 Method specs (strings): ``method[:variant][+zero|+nozero]``, e.g. ``ot`` (OT-DUS, paper variant,
 zero-init), ``ot+nozero``, ``ot:structured``, ``ot:official``, ``average`` (Avg-DeUS, no
 zero-init), ``average+zero``, ``copy``, ``random``, ``llama-pro``, ``solar``, ``lesa`` (LESA, pair
-variant, zero-init), ``lesa:published`` (LESA as its notebook builds it, nothing zeroed). Full expand options
+variant, zero-init), ``lesa:published`` (LESA as its notebook builds it, nothing zeroed), ``interpose``
+(every chosen layer duplicated in place), ``stack`` (the whole stack repeated). Full expand options
 can be given instead with :class:`RunSpec` or in a YAML recipe (:func:`run_recipe`).
 """
 
@@ -58,8 +59,9 @@ __all__ = [
 ]
 
 DEFAULT_METHODS = ("ot", "average", "average+zero", "copy", "random")
-# Paper Table 6 ablation plus the review's 2x2 (OT / Average x zero-init), the OT variants and LESA
-# (the paper's remaining baseline), with zero-init and as published.
+# Paper Table 6 ablation plus the review's 2x2 (OT / Average x zero-init), the OT variants, sharper
+# plans (exact assignment; Sinkhorn at reg 0.01), and LESA (the paper's remaining baseline), with
+# zero-init and as published. Labels are names (recipes/study-table6.yaml), not method specs.
 TABLE6_METHODS = (
     "ot",
     "ot+nozero",
@@ -67,6 +69,8 @@ TABLE6_METHODS = (
     "average",
     "ot:structured",
     "ot:official",
+    "ot/emd",
+    "ot/reg0.01",
     "copy",
     "random",
     "lesa",
