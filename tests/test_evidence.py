@@ -152,9 +152,9 @@ def test_across_studies_holm_counts_every_comparison():
 
 
 def test_alignment_table_holds_the_arms_a_study_has_and_grows_with_added_arms(tmp_path):
-    """Each alignment arm minus `average+zero`, Holm over the rows present: an arm not run yet
-    (`ot:activation` before it exists) is left out, and once merged in with StudyResult.with_arms
-    its row appears and the Holm column adjusts over one more contrast."""
+    """Each alignment arm minus `average+zero`, Holm over the rows present: an arm not run yet is
+    left out, and once merged in with StudyResult.with_arms (as `ot:activation/emd` was) its row
+    appears and the Holm column adjusts over one more contrast."""
     rng = np.random.default_rng(7)
     base = rng.normal(1.5, 0.2, 32)
     table = {
@@ -170,12 +170,12 @@ def test_alignment_table_holds_the_arms_a_study_has_and_grows_with_added_arms(tm
     assert rows[0].endswith("| higher |") and rows[1].endswith("| n.s. |")
 
     later = study_from_window_losses(
-        {"ot": table["ot"], "ot:activation": _windows(rng, base, -0.02, 0.01)}, reference="ot"
+        {"ot": table["ot"], "ot:activation/emd": _windows(rng, base, -0.02, 0.01)}, reference="ot"
     )
     merged = first.with_arms(later)
     rows = [r for r in contrasts_markdown(merged, ALIGNMENT_VS_AVERAGE).splitlines() if "`" in r]
-    assert [r.split("`")[1] for r in rows] == ["ot", "ot/emd", "ot:activation"]
-    p.append(merged.contrast("ot:activation", "average+zero")["p"])
+    assert [r.split("`")[1] for r in rows] == ["ot", "ot/emd", "ot:activation/emd"]
+    p.append(merged.contrast("ot:activation/emd", "average+zero")["p"])
     assert [r.split("|")[4].strip() for r in rows] == [_fmt(q) for q in holm(p)]
     assert rows[2].endswith("| lower |")
 

@@ -71,6 +71,7 @@ TABLE6_METHODS = (
     "ot:official",
     "ot/emd",
     "ot/reg0.01",
+    "ot:activation/emd",
     "copy",
     "random",
     "lesa",
