@@ -21,6 +21,7 @@ from otdus_cli.cli.console import (
     err_console,
     human_bytes,
     out_console,
+    replacing_note,
     show_progress,
     user_errors,
 )
@@ -73,6 +74,7 @@ def widen(
     plan = result.plan
     summary = {
         "out": str(result.out),
+        "replaced_earlier_output": result.replaced,
         "source": plan.source.resolved.id,
         "family": plan.source.family.name,
         "experts": [plan.experts, plan.experts * options.factor],
@@ -94,7 +96,8 @@ def widen(
     )
     e, k = summary["experts"], summary["top_k"]
     out_console.print(
-        f"[bold green]wrote[/] {result.out}: {e[0]} -> {e[1]} experts, top-k {k[0]} -> {k[1]} in "
+        f"[bold green]wrote[/] {result.out}{replacing_note(result.replaced)}: "
+        f"{e[0]} -> {e[1]} experts, top-k {k[0]} -> {k[1]} in "
         f"{len(plan.moe_layers)} MoE layers, noise alpha={options.noise:g} ({preserved}), "
         f"{human_bytes(result.bytes_written)} in {result.seconds:.1f} s"
     )
