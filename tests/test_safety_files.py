@@ -24,9 +24,10 @@ import torch
 from conftest import load_causal_lm, one_error_line
 from test_safety import OTDUS, leftovers, run_cli, tree_digest
 
+from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.io import file_hashes
-from otdus_cli.io.output_dir import DEEPER_TAG, TMP_TAG
+from otdus_cli.io.output_dir import DEEPER_TAG, TMP_TAG, OutputLock
 from otdus_cli.options import ExpandOptions
 
 
@@ -214,6 +215,26 @@ def test_lock_never_follows_a_link_nor_touches_a_foreign_file(stories, tmp_path,
     assert tree_digest(tmp_path) == before and os.path.lexists(lock)
     assert precious.read_text() == "a user's file" and not (tmp_path / "would-be-created").exists()
     assert not out.exists()
+
+
+def test_lock_without_unnamed_files_is_created_exclusively_too(tmp_path, monkeypatch):
+    """Where O_TMPFILE is missing, the lock file is made with O_CREAT | O_EXCL | O_NOFOLLOW: the same
+    refusals, and release removes only that file."""
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    out = tmp_path / "out"
+    lock = OutputLock(out)
+    lock.acquire()
+    assert json.loads(_lock_of(out).read_text())["pid"] == os.getpid()
+    with pytest.raises(OtdusError, match="another otdus run"):
+        OutputLock(out).acquire()
+    lock.release()
+    assert not os.path.lexists(_lock_of(out))
+    precious = tmp_path / "precious.txt"
+    precious.write_text("a user's file")
+    _lock_of(out).symlink_to(precious)
+    with pytest.raises(OtdusError, match="is a symbolic link"):
+        OutputLock(out).acquire()
+    assert precious.read_text() == "a user's file" and _lock_of(out).is_symlink()
 
 
 def test_a_stale_otdus_lock_is_taken_over(stories, tmp_path):

@@ -305,8 +305,9 @@ def expand(
     force: Annotated[
         bool,
         typer.Option(
-            help="Replace an existing --out, only if it is an earlier otdus output (every file listed by "
-            "its otdus.json) or an empty folder, and only once the new output is complete."
+            help="Replace an existing --out, only if it is an empty folder or an earlier otdus output whose "
+            "files are all still as its otdus.json records them (sizes, hashes), and only once the new "
+            "output is complete."
         ),
     ] = False,
     json_out: JsonFlag = False,

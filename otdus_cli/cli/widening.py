@@ -49,7 +49,8 @@ def widen(
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB.")] = "5GB",
     revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
     force: Annotated[
-        bool, typer.Option(help="Replace an existing --out, only if it is an earlier otdus output.")
+        bool,
+        typer.Option(help="Replace an existing --out, only if it is an unchanged earlier otdus output."),
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:

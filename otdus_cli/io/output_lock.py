@@ -2,7 +2,8 @@
 
 An advisory ``flock``, which the kernel releases when its holder dies (even by SIGKILL), on a file
 that holds its owner's record (pid, host, start). The file is created exclusively
-(``O_CREAT | O_EXCL | O_NOFOLLOW``), so otdus never writes through a link or into a file it did not
+(unnamed with ``O_TMPFILE``, written, then linked to its name, which fails if the name exists; else
+``O_CREAT | O_EXCL | O_NOFOLLOW``), so otdus never writes through a link or into a file it did not
 make. A file already at that name is taken over only when it is a stale otdus lock: a plain file
 with one name (no hard links) holding an otdus record, that no live process holds. Anything else
 there (a link, a folder, someone's file) is refused in one line and left untouched.
@@ -25,6 +26,7 @@ from otdus_cli.errors import OtdusError
 LOCK_TAG = "otdus-lock"
 _TRIES = 20
 _PAUSE_S = 0.01  # between tries, when the file is being created or removed by another run
+_UNSUPPORTED = object()
 
 
 def _owner_record() -> bytes:
@@ -49,6 +51,16 @@ def _write_record(fd: int) -> None:
     written = 0
     while written < len(data):
         written += os.pwrite(fd, data[written:], written)
+
+
+def _link_by_fd(fd: int, path: Path) -> None:
+    """Give the unnamed file ``fd`` the name ``path`` (linkat with AT_SYMLINK_FOLLOW on its /proc
+    entry; os.link takes that call, not plain link(), only when given a directory fd)."""
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=folder, follow_symlinks=True)
+    finally:
+        os.close(folder)
 
 
 class OutputLock:
@@ -78,6 +90,41 @@ class OutputLock:
 
     def _create(self) -> int | None:
         """A new lock file, locked and holding our record; None if something is at its name."""
+        fd = self._create_whole()
+        return self._create_empty() if fd is _UNSUPPORTED else fd
+
+    def _create_whole(self) -> int | None | object:
+        """The lock file made unnamed (O_TMPFILE), locked and written, then given its name (link
+        fails if the name exists, and never follows a link there): it is never seen empty, and a
+        SIGKILL before the link leaves nothing. _UNSUPPORTED where the filesystem cannot."""
+        tmpfile = getattr(os, "O_TMPFILE", None)
+        if tmpfile is None:
+            return _UNSUPPORTED
+        try:
+            fd = os.open(self.path.parent, tmpfile | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                return _UNSUPPORTED
+            raise OtdusError(f"cannot create files in {self.path.parent} ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # unnamed: nobody else can hold it
+            _write_record(fd)  # at 0 free blocks: ENOSPC, and the unnamed file just vanishes
+            _link_by_fd(fd, self.path)
+        except FileExistsError:
+            os.close(fd)
+            return None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno == errno.ENOSPC:
+                raise
+            return _UNSUPPORTED  # no /proc, or the filesystem refuses the link: the plain way
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _create_empty(self) -> int | None:
+        """The plain way: create the file exclusively, lock it, write the record."""
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags, 0o644)
