@@ -163,6 +163,19 @@ def test_a_source_whose_shard_links_into_the_forced_output_is_protected(
     assert tree_digest(tmp_path) == before and leftovers(tmp_path) == []
 
 
+def test_a_recipe_cannot_force_over_a_linked_source_either(earlier_output, tmp_path):
+    source = tmp_path / "linked-source"
+    shutil.copytree(earlier_output, source)
+    (source / "model.safetensors").unlink()
+    (source / "model.safetensors").symlink_to(earlier_output / "model.safetensors")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {source}\nout: {earlier_output}\nexpand:\n  method: copy\n  layers: 2\n")
+    before = tree_digest(tmp_path)
+    line = one_error_line(run_cli("expand", "--recipe", recipe, "--force"))
+    assert "a file of the source model" in line
+    assert tree_digest(tmp_path) == before and leftovers(tmp_path) == []
+
+
 def test_expand_experts_never_replaces_its_own_source(tiny_models, tmp_path):
     """`expand X --experts 2 --force --out X`, X an earlier otdus output, as plain expand and widen."""
     earlier = tmp_path / "moe"
