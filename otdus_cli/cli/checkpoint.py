@@ -20,6 +20,7 @@ from otdus_cli.cli.console import (
     err_console,
     human_bytes,
     out_console,
+    replacing_note,
     show_progress,
     user_errors,
 )
@@ -304,8 +305,9 @@ def expand(
     force: Annotated[
         bool,
         typer.Option(
-            help="Replace an existing --out, only if it is an earlier otdus output (every file listed by "
-            "its otdus.json) or an empty folder, and only once the new output is complete."
+            help="Replace an existing --out, only if it is an empty folder or an earlier otdus output whose "
+            "files are all still as its otdus.json records them (sizes, hashes), and only once the new "
+            "output is complete."
         ),
     ] = False,
     json_out: JsonFlag = False,
@@ -388,6 +390,7 @@ def expand(
             _warn(line)
     summary = {
         "out": str(result.out),
+        "replaced_earlier_output": result.replaced,
         "warnings": warnings,
         "transport_warnings": transport,
         **_plan_json(result.plan),
@@ -406,7 +409,8 @@ def expand(
             out_console.print(line, highlight=False, soft_wrap=True)
     preserved = "function-preserving" if result.plan.function_preserving else "not function-preserving"
     out_console.print(
-        f"[bold green]wrote[/] {result.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} "
+        f"[bold green]wrote[/] {result.out}{replacing_note(result.replaced)}: "
+        f"{summary['base_layers']} -> {summary['num_hidden_layers']} "
         f"layers with {summary['method']} ({preserved}), {human_bytes(result.bytes_written)} "
         f"in {result.seconds:.1f} s"
     )
@@ -430,6 +434,7 @@ def _expand_and_widen(
     manifest = wide.manifest
     summary = {
         "out": str(wide.out),
+        "replaced_earlier_output": wide.replaced,
         **{
             k: v for k, v in _plan_json(deep.plan).items() if k not in ("output_bytes", "function_preserving")
         },
@@ -449,7 +454,8 @@ def _expand_and_widen(
     preserved = "function-preserving" if manifest["function_preserving"] else "not function-preserving"
     e, k = summary["experts"], summary["top_k"]
     out_console.print(
-        f"[bold green]wrote[/] {wide.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} layers "
+        f"[bold green]wrote[/] {wide.out}{replacing_note(wide.replaced)}: "
+        f"{summary['base_layers']} -> {summary['num_hidden_layers']} layers "
         f"with {summary['method']}, then {e[0]} -> {e[1]} experts, top-k {k[0]} -> {k[1]} ({preserved}), "
         f"{human_bytes(wide.bytes_written)} in {summary['seconds']:.1f} s"
     )
