@@ -35,6 +35,7 @@ from otdus_cli.arch.config_rules import (
     validate_with_transformers,
 )
 from otdus_cli.arch.experts import UNGROWABLE_ROUTING_FIELDS, ExpertLayout, expert_layout
+from otdus_cli.card import write_output_card
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import SourceModel, copy_side_files, open_source, source_record
 from otdus_cli.io.output_dir import OutputReport, staged_output
@@ -361,6 +362,7 @@ def widen(
         manifest = build_widen_manifest(plan, side_files, skipped)
         if from_first_source:
             manifest = _from_first_source(manifest)
+        write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest (card.py)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
     return WidenResult(

@@ -47,7 +47,7 @@ OLD_TAG = "otdus-old-"
 LOCK_TAG = "otdus-lock"
 # Files an otdus output holds besides those its manifest lists as copied side files.
 _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-_WRITTEN = {"config.json", "model.safetensors.index.json", MANIFEST}
+_WRITTEN = {"config.json", "model.safetensors.index.json", MANIFEST, "README.md"}  # README.md: card.py
 # The signals held back while the output is swapped into place (SIGINT, timeout/Slurm's SIGTERM, SIGHUP).
 HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
