@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from otdus_cli.bundled import TINYSTORIES_SAMPLE
 from otdus_cli.cli import app
+from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 from otdus_cli.trainable import apply
@@ -161,6 +162,18 @@ def test_moe_outputs_train_new_experts_and_router_rows(tmp_path):
     one_error_line(
         runner.invoke(app, ["trainable", str(wide), "--zero-init-only"]), message="no zero-initialised"
     )
+    # apply() on the loaded model: transformers 5 fuses Mixtral's experts into one tensor per layer,
+    # so the per-expert names are refused, never matched to the wrong tensors
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(wide)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        with pytest.raises(OtdusError, match="experts.4.w1.weight as new, but the model has no parameter"):
+            apply(model, wide)
+    else:
+        assert set(apply(model, wide)) == expected
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
 
 
 def test_interleaved_layers_are_refused_by_llama_factory_with_the_formats_that_can(ot_out, tmp_path):
@@ -270,3 +283,22 @@ def test_training_the_exported_set_changes_only_the_new_tensors(ot_out, pro_out,
 
     before, after, *losses = train_a_few_steps(pro_out, llama_factory, tmp_path)
     check_only_new_changed(before, after, layer_names(pro_out, [1, 3, 5, 7, 9]), *losses)
+
+
+def test_the_readme_quotes_what_trainable_prints(ot_out):
+    """README, After expanding: the bundled example's output, line for line (`otdus expand
+    bundled:stories260k --out demo` is ot_out's expansion)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## After expanding: train and share", 1)[1].split("\n## ", 1)[0]
+    quoted = section.split("otdus trainable demo\n", 1)[1].split("otdus trainable demo --format", 1)[0]
+    assert [line.removeprefix("# ") for line in quoted.strip().splitlines()] == trainable(ot_out).splitlines()
+    error = runner.invoke(app, ["trainable", str(ot_out), "--format", "llama-factory"]).stderr.strip()
+    block = section.split("otdus trainable demo --format llama-factory\n", 1)[1].split("```", 1)[0]
+    assert " ".join(line.removeprefix("# ") for line in block.strip().splitlines()) == error
+    for command in ("trainable", "verify"):  # every option the section gives exists
+        helptext = runner.invoke(app, [command, "--help"], env={"COLUMNS": "300"}).stdout
+        options = re.findall(rf"otdus {command} \S+ ((?:--[a-z-]+ ?)+)", section)
+        assert options, command
+        for option in options:
+            for flag in option.split():
+                assert flag in helptext, (command, flag)
