@@ -329,8 +329,11 @@ def card_summary(folder: str | os.PathLike[str]) -> dict | None:
         return None
     from huggingface_hub import ModelCard  # noqa: PLC0415
 
+    text = path.read_text(errors="replace")
+    if not text.startswith("---"):  # a README without card metadata
+        return {"metadata": None, "verified": None}
     try:
-        card = ModelCard(path.read_text(errors="replace"))
+        card = ModelCard(text)
     except Exception:
         return {"metadata": None, "verified": None}
     data = card.data.to_dict()
@@ -358,15 +361,16 @@ def check_card_target(model: str, static: bool) -> None:
         )
 
 
-def card_line(summary: dict) -> str:
+def card_line(summary: dict, otdus_output: bool) -> str:
     """card_summary() as one line for `otdus inspect`."""
     meta = summary.get("metadata")
     if meta is None:
-        return "README.md without readable metadata"
+        return "README.md without card metadata"
     parts = [f"base_model {meta.get('base_model', 'none')}", f"license {meta.get('license', 'none')}"]
     if meta.get("tags"):
         parts.append("tags " + ", ".join(meta["tags"]))
-    parts.append(
-        f"verified: {summary['verified']}" if summary.get("verified") else "not verified (verify --card)"
-    )
+    if summary.get("verified"):
+        parts.append(f"verified: {summary['verified']}")
+    elif otdus_output:
+        parts.append("no verification on it (otdus verify --card adds one)")
     return "; ".join(parts)

@@ -143,6 +143,8 @@ def test_verify_card_adds_the_verdict_once_and_only_to_an_otdus_output(stories, 
     out = tmp_path / "out"
     expand(str(stories), out, ExpandOptions(method="ot", layers=2))
     before = load(out)
+    shown = runner.invoke(app, ["inspect", str(out)]).stdout
+    assert "base_model none; license none; tags otdus, depth-up-scaling, ot; no verification on it" in shown
     args = ["verify", str(out), "--text", "bundled:tinystories-sample", "--max-tokens", "200"]
     for _ in range(2):  # a second run replaces the first section
         done = runner.invoke(app, [*args, "--card"])

@@ -624,7 +624,7 @@ def inspect(
         if "lesa" in manifest:
             table.add_row("LESA", lesa_summary(manifest["lesa"]))
     if card is not None:
-        table.add_row("model card", card_line(card))
+        table.add_row("model card", card_line(card, manifest is not None))
     out_console.print(table)
 
 
