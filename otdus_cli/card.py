@@ -16,6 +16,8 @@ manifest) can record these bytes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import shlex
 import tempfile
@@ -117,6 +119,15 @@ def _variant(manifest: dict) -> str:
     return f"{manifest['method']} ({variant})" if variant else manifest["method"]
 
 
+def _width(manifest: dict) -> str:
+    """For a widened model: its experts and top-k, before -> after."""
+    widened = manifest.get("widen")
+    if not isinstance(widened, dict):
+        return ""
+    (e0, e1), (k0, k1) = widened["experts"], widened["top_k"]
+    return f", {e0} -> {e1} experts per MoE layer, top-{k0} -> top-{k1} routing"
+
+
 def _layer_table(manifest: dict) -> list[str]:
     rows = [
         "| layer | holds base layer | new | built by | zero-initialised |",
@@ -193,7 +204,7 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
         f"Made with otdus {manifest['otdus_version']} from "
         f"**{source['id']}**"
         + (f" (revision `{source['revision']}`)" if source.get("revision") else "")
-        + f" by `{_variant(manifest)}`: {base_depth} -> {depth} layers.",
+        + f" by `{_variant(manifest)}`: {base_depth} -> {depth} layers{_width(manifest)}.",
         "",
         "## How it was made",
         "",
@@ -211,7 +222,8 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
         + (
             "yes: the new model computes the base model's function (`otdus verify` checks it)"
             if preserving
-            else "no: the new parameters change the function until they are trained"
+            else "no: the new parameters change what the base model computes (continued training is "
+            "expected to recover and improve it)"
         ),
         f"- the full record (options, source fingerprints, layer map) is in `{MANIFEST}`",
         "",
@@ -244,29 +256,39 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"))
 
 
-def write_card(folder: str | os.PathLike[str], text: str) -> bytes:
-    """Write ``text`` as ``folder``'s card atomically (temporary file in the folder, fsync, rename);
-    the bytes written."""
-    folder = Path(folder)
-    data = text.encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{CARD}.", suffix=".otdus-tmp", dir=folder)
+def _replace_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in its folder, fsync, rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".otdus-tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o644)
-        os.replace(tmp, folder / CARD)
+        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_card(folder: str | os.PathLike[str], text: str) -> bytes:
+    """Write ``text`` as ``folder``'s card atomically; the bytes written (the one writer of cards)."""
+    data = text.encode()
+    _replace_atomically(Path(folder) / CARD, data)
     return data
 
 
-def write_output_card(folder: Path, manifest: dict, source_folder: Path | None) -> bytes:
-    """The card of a new output, written into its staging folder (before its manifest)."""
-    return write_card(folder, card_text(manifest, folder, source_folder))
+def card_record(data: bytes) -> dict:
+    """What the manifest records of the card otdus wrote (``manifest["card"]``), so a card edited
+    since is told from otdus's own (io/output_dir.py, add_verification)."""
+    return {"file": CARD, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_output_card(folder: Path, manifest: dict, source_folder: Path | None) -> dict:
+    """Write the card of a new output into its staging folder; the manifest's record of it (the
+    pipelines write the manifest after the card)."""
+    return card_record(write_card(folder, card_text(manifest, folder, source_folder)))
 
 
 # -- verify --card --------------------------------------------------------------------------------
@@ -314,12 +336,32 @@ def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
     path = folder / CARD
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise OtdusError(f"--card: {path} is not a regular file; it is left alone")
+    if path.is_file() and not is_otdus_card(path, manifest):
+        raise OtdusError(
+            f"--card: {path} is not the card otdus wrote (changed since, or older); it is left alone"
+        )
     text = path.read_text() if path.is_file() else card_text(manifest, folder, None)
     kept = text.split("\n" + VERIFICATION, 1)[0].rstrip("\n")
     recorded = manifest["source"].get("path")
     if recorded and Path(report["base_model"]).resolve() == Path(recorded).resolve():
         report = {**report, "base_model": manifest["source"]["id"]}  # its name, not this machine's path
-    return write_card(folder, kept + "\n\n" + verification_section(report))
+    data = write_card(folder, kept + "\n\n" + verification_section(report))
+    # the manifest records the new card (read raw: every field kept as it was)
+    raw = json.loads((folder / MANIFEST).read_text())
+    raw["card"] = card_record(data)
+    _replace_atomically(folder / MANIFEST, (json.dumps(raw, indent=2) + "\n").encode())
+    return data
+
+
+def is_otdus_card(path: Path, manifest: dict) -> bool:
+    """Whether ``path`` holds the card the manifest records (bytes unchanged since otdus wrote them)."""
+    record = manifest.get("card")
+    if not isinstance(record, dict) or record.get("file") != CARD:
+        return False
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest() == record.get("sha256")
+    except OSError:
+        return False
 
 
 def card_summary(folder: str | os.PathLike[str]) -> dict | None:

@@ -492,7 +492,7 @@ def expand(
             t = time.perf_counter()
             manifest = build_manifest(plan, stats, side_files, skipped, engine.reports, config_check)
             timings["manifest_s"] = time.perf_counter() - t  # mostly the source's tensor fingerprints
-            write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest (card.py)
+            manifest["card"] = write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             claimed.close()  # the swap into place (or, on any failure before, the clean-up)
             return manifest

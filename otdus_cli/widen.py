@@ -362,7 +362,7 @@ def widen(
         manifest = build_widen_manifest(plan, side_files, skipped)
         if from_first_source:
             manifest = _from_first_source(manifest)
-        write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest (card.py)
+        manifest["card"] = write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     written = sum(t.nbytes for t in plan.tensors)
     return WidenResult(

@@ -102,11 +102,13 @@ def test_widen_and_experts_outputs_carry_cards(mixtral, tmp_path):
     assert card.data.tags == ["otdus", "depth-up-scaling", "widen"] and card.data.license == "apache-2.0"
     assert card.data.base_model is None and SOURCE_BODY not in card.content
     assert "router weights" in card.text and "block_sparse_moe.experts.7.w1.weight$" in card.text
+    assert "by `widen`: 4 -> 4 layers, 4 -> 8 experts per MoE layer, top-2 -> top-4 routing." in card.text
     both = tmp_path / "both"
     expand_and_widen(str(mixtral), both, ExpandOptions(method="interpose", layers=2), WidenOptions(noise=0))
     card = load(both)
     assert card.data.tags == ["otdus", "depth-up-scaling", "interpose", "widen"]
     assert card.data.license == "apache-2.0"  # through the deeper model's card
+    assert "4 -> 6 layers, 4 -> 8 experts per MoE layer" in card.text
     assert "| 2 | from 1 | yes | copy |  |" in card.text and "method: widen, after interpose" in card.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["both", "wide"]
 
@@ -169,6 +171,16 @@ def test_verify_card_adds_the_verdict_once_and_only_to_an_otdus_output(stories, 
     one_error_line(
         runner.invoke(app, ["verify", "bundled:stories260k", "--card"]), message="not a local folder"
     )
+    # the manifest records the card verify wrote: --force replaces the output as otdus's own
+    assert CARD in otdus_output_files(out)
+    again = ["expand", str(stories), "--out", str(out), "--method", "copy", "--layers", "1"]
+    assert runner.invoke(app, [*again, "--force"]).exit_code == 0
+    # a card edited since otdus wrote it is the user's: neither verify --card nor --force touch it
+    (out / CARD).write_text((out / CARD).read_text() + "\nMy own notes.\n")
+    edited = (out / CARD).read_bytes()
+    one_error_line(runner.invoke(app, [*args, "--card"]), message="is not the card otdus wrote")
+    one_error_line(runner.invoke(app, [*again, "--force"]), message="README.md, which otdus did not write")
+    assert (out / CARD).read_bytes() == edited
 
 
 def test_write_card_is_atomic_and_returns_its_bytes(tmp_path):

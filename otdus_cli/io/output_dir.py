@@ -27,6 +27,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -47,7 +48,8 @@ OLD_TAG = "otdus-old-"
 LOCK_TAG = "otdus-lock"
 # Files an otdus output holds besides those its manifest lists as copied side files.
 _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-_WRITTEN = {"config.json", "model.safetensors.index.json", MANIFEST, "README.md"}  # README.md: card.py
+_WRITTEN = {"config.json", "model.safetensors.index.json", MANIFEST}
+CARD = "README.md"  # the model card (card.py): otdus's while its bytes are those the manifest records
 # The signals held back while the output is swapped into place (SIGINT, timeout/Slurm's SIGTERM, SIGHUP).
 HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
@@ -87,7 +89,13 @@ def otdus_output_files(folder: Path) -> set[str] | None:
     copied = manifest.get("copied_files")
     side = {str(n) for n in copied} if isinstance(copied, list) else set()
     names = {e.name for e in folder.iterdir()}
-    return {n for n in names if n in _WRITTEN or n in side or _SHARD.fullmatch(n)}
+    ours = {n for n in names if n in _WRITTEN or n in side or _SHARD.fullmatch(n)}
+    card = manifest.get("card")
+    if CARD in names and isinstance(card, dict) and card.get("file") == CARD:
+        with contextlib.suppress(OSError):
+            if hashlib.sha256((folder / CARD).read_bytes()).hexdigest() == card.get("sha256"):
+                ours.add(CARD)
+    return ours
 
 
 def _replaceable(out: Path) -> str:
