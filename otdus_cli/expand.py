@@ -32,6 +32,7 @@ from otdus_cli.arch.config_rules import (
 )
 from otdus_cli.arch.experts import expert_layout
 from otdus_cli.arch.families import family_for
+from otdus_cli.card import write_output_card
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import stack_fingerprints
@@ -492,6 +493,7 @@ def expand(
             t = time.perf_counter()
             manifest = build_manifest(plan, stats, side_files, skipped, engine.reports, config_check)
             timings["manifest_s"] = time.perf_counter() - t  # mostly the source's tensor fingerprints
+            manifest["card"] = write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest
             manifest = write_manifest(tmp, manifest)  # with the size and hash of every file written
             claimed.close()  # the swap into place (or, on any failure before, the clean-up)
             return manifest

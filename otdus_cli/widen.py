@@ -35,6 +35,7 @@ from otdus_cli.arch.config_rules import (
     validate_with_transformers,
 )
 from otdus_cli.arch.experts import UNGROWABLE_ROUTING_FIELDS, ExpertLayout, expert_layout
+from otdus_cli.card import write_output_card
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import SourceModel, copy_side_files, open_source, source_record
 from otdus_cli.io.output_dir import OutputReport, staged_output
@@ -365,6 +366,7 @@ def widen(
         manifest = build_widen_manifest(plan, side_files, skipped)
         if from_first_source:
             manifest = _from_first_source(manifest)
+        manifest["card"] = write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest
         manifest = write_manifest(tmp, manifest)  # with the size and hash of every file written
     written = sum(t.nbytes for t in plan.tensors)
     notes = list(manifest["warnings"]) + report.notes

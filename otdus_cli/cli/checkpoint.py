@@ -572,6 +572,7 @@ def inspect(
 ) -> None:
     """Describe a checkpoint or manifest: layers, parameters, dtypes, size, and how it was made."""
     from otdus_cli.bundled import BUNDLED_MODELS
+    from otdus_cli.card import card_line, card_summary
     from otdus_cli.io.reader import CheckpointReader
     from otdus_cli.manifest import MANIFEST, read_manifest
 
@@ -597,6 +598,9 @@ def inspect(
             raise OtdusError(f"{path} is neither a checkpoint folder nor an otdus manifest")
         if manifest:
             info["manifest"] = manifest
+        card = card_summary(folder)
+        if card is not None:
+            info["card"] = card
     if json_out:
         emit_json(info)
         return
@@ -625,6 +629,8 @@ def inspect(
         table.add_row("new parameters", f"{len(manifest['new_parameters'])} tensors")
         if "lesa" in manifest:
             table.add_row("LESA", lesa_summary(manifest["lesa"]))
+    if card is not None:
+        table.add_row("model card", card_line(card, manifest is not None))
     out_console.print(table)
 
 
