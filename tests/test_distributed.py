@@ -206,10 +206,13 @@ def same_output(one: Path, two: Path) -> None:
     for name in a:
         if name == "otdus.json":
             # the card's record: its hash is of each output's own card (compared below)
-            (ma, ca), (mb, cb) = [(m, m.pop("card")) for m in (json.loads(a[name]), json.loads(b[name]))]
+            (ma, ca, fa), (mb, cb, fb) = [
+                (m, m.pop("card"), m["files"].pop("README.md"))
+                for m in (json.loads(a[name]), json.loads(b[name]))
+            ]
             assert without_times(ma) == without_times(mb)
-            assert ca["sha256"] == hashlib.sha256(a["README.md"]).hexdigest()
-            assert cb["sha256"] == hashlib.sha256(b["README.md"]).hexdigest()
+            for card, files, data in ((ca, fa, a["README.md"]), (cb, fb, b["README.md"])):
+                assert card["sha256"] == files["sha256"] == hashlib.sha256(data).hexdigest()
         elif name == "README.md":  # the model card names its folder and the command (its --out)
             same = a[name].replace(str(one).encode(), str(two).encode()).replace(b"# one\n", b"# two\n")
             assert same == b[name]
