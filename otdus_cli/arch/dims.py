@@ -46,7 +46,10 @@ def expected_shapes(config: dict, roles: dict[str, str]) -> dict[str, tuple[Dim,
 
 
 def check_dimensions(stack: LayerStack, config: dict) -> None:
-    """Refuse (OtdusError) a config whose dimensions disagree with the tensors' shapes."""
+    """Refuse (OtdusError) a config whose dimensions disagree with the tensors' shapes (families
+    otdus has a template for; an unknown architecture's fields may mean other things)."""
+    if stack.family.copy_only:
+        return
     hidden = _int(config, "hidden_size")
     vocab = _int(config, "vocab_size")
     reader = stack.reader
@@ -59,7 +62,7 @@ def check_dimensions(stack: LayerStack, config: dict) -> None:
                         f"config.json says {field}={want} but {name} has shape {list(shape)}; "
                         "the config does not describe these weights"
                     )
-    if stack.family.copy_only or stack.family.fused:
+    if stack.family.fused:
         return
     expected = expected_shapes(config, stack.family.roles)
     for layer in stack.layers:
