@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             if before is not None and not unchanged and "was not changed" in stderr:
                 problems.append("said the earlier output was not changed, but it was")
                 lost_outputs += 1
-            if before is not None and not unchanged and code != 0 and "already finished" not in stderr:
+            # a caught signal after the swap says so; SIGKILL after it leaves the new output, whole
+            interrupted = code == 128 + SIGNALS[sig_name]
+            if before is not None and not unchanged and interrupted and "already finished" not in stderr:
                 problems.append("an interrupted --force run changed the earlier output")
                 lost_outputs += 1
             if not unchanged:
