@@ -25,6 +25,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _MAIN = threading.main_thread().ident
 _depth = 0  # nesting of the main thread's imports in progress
 _pending: list[int] = []  # the signal that arrived during them
+_done: list[str] = []  # what a signal after an output's swap must say (the output is whole and in place)
 _original_import = builtins.__import__
 _original_import_module = importlib.import_module
 
@@ -36,7 +37,14 @@ def raise_interrupted(signum: int, frame: object) -> None:
         if not _pending:
             _pending.append(signum)
         return
-    raise Interrupted(signum)
+    raise Interrupted(signum, _done[-1] if _done else "")
+
+
+def output_in_place(detail: str | None) -> None:
+    """From now on a signal reports ``detail`` (the output is complete and in place; None: no longer)."""
+    _done.clear()
+    if detail is not None:
+        _done.append(detail)
 
 
 def _enter() -> bool:

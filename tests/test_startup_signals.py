@@ -9,12 +9,18 @@ not exit while its config prefetch thread is still importing transformers.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from otdus_cli.errors import Interrupted
+from otdus_cli.io.output_dir import staged_output
+from otdus_cli.signals import output_in_place, raise_interrupted
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -95,3 +101,19 @@ def test_an_interrupted_widen_waits_for_its_prefetch_thread(tmp_path):
     assert "fired=True" in report, (report, lines)
     assert "busy=False" in report, (report, lines)  # never torn down under a thread mid-import
     assert_clean_stop(code, lines, tmp_path)
+
+
+def test_a_signal_after_the_swap_says_the_output_is_in_place(tmp_path):
+    """Work after the output is swapped in (summaries, the success line) can still be interrupted: the
+    line must then say the output is whole and in place, not that the run was merely interrupted."""
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
+    try:
+        with staged_output(tmp_path / "out", protected=[], force=False) as tmp:
+            (tmp / "weights").write_text("whole")
+        with pytest.raises(Interrupted, match="already finished: .*out is complete and in place"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode, long before this ends
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        output_in_place(None)
+    assert (tmp_path / "out" / "weights").read_text() == "whole"
