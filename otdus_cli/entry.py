@@ -8,10 +8,24 @@ the command is over, its exit code stands.
 from __future__ import annotations
 
 import signal
-import sys
 
-from otdus_cli.errors import Interrupted
-from otdus_cli.signals import STOP_SIGNALS, exit_on_signals
+# First of all, before any other import: a signal from here to exit_on_signals is only noted
+_early: list[int] = []
+
+
+def _note_early(signum: int, frame: object) -> None:
+    if not _early:
+        _early.append(signum)
+
+
+for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(_sig) != signal.SIG_IGN:
+        signal.signal(_sig, _note_early)
+
+import sys  # noqa: E402
+
+from otdus_cli.errors import Interrupted  # noqa: E402
+from otdus_cli.signals import STOP_SIGNALS, exit_on_signals  # noqa: E402
 
 
 def _finish_background_imports() -> None:
@@ -24,6 +38,9 @@ def _finish_background_imports() -> None:
 
 def main() -> None:
     exit_on_signals()
+    if _early:
+        sys.stderr.write(f"{Interrupted(_early[0])}\n")
+        raise SystemExit(128 + _early[0])
     try:
         try:
             from otdus_cli.cli import main as cli_main  # noqa: PLC0415 - after the handlers, on purpose
