@@ -56,8 +56,13 @@ def check_dimensions(stack: LayerStack, config: dict) -> None:
     for name in stack.head + stack.tail:
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             shape = reader.meta(name).shape
+            # rows past vocab_size are allowed: Mllama's embedding holds its image tokens there
             for axis, (want, field) in enumerate(((vocab, "vocab_size"), (hidden, "hidden_size"))):
-                if want is not None and len(shape) == 2 and shape[axis] != want:
+                if (
+                    want is not None
+                    and len(shape) == 2
+                    and (shape[axis] < want if axis == 0 else shape[axis] != want)
+                ):
                     raise OtdusError(
                         f"config.json says {field}={want} but {name} has shape {list(shape)}; "
                         "the config does not describe these weights"
