@@ -224,6 +224,7 @@ def _evaluate(
     card: bool = False,
 ) -> None:
     """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
+    from otdus_cli.device import resolve_device
     from otdus_cli.distributed import current_world
     from otdus_cli.manifest import manifest_source
     from otdus_cli.source import resolve_source
@@ -236,7 +237,8 @@ def _evaluate(
     command = "otdus verify" if find_base else "otdus ppl"
     with user_errors():
         world = current_world()  # under torchrun/srun: this process's rank (see distributed.py)
-        run["device"] = world.device(run["device"])
+        # "auto"/"cuda" under several ranks: this rank's GPU; a GPU that is not there fails here
+        run["device"] = resolve_device(run["device"], world) if run["device"] != "cpu" else "cpu"
     # every rank reports its errors; only rank 0 its progress and results
     with user_errors(), tick_progress(command, quiet or not world.is_main) as on_tick:
         # everything the user can get wrong is checked before torch and transformers are imported

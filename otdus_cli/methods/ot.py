@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from otdus_cli.device import resolve_device
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.methods.layer_roles import (
@@ -80,7 +81,6 @@ from otdus_cli.transport.solve import (
     DEFAULT_TOL,
     match_parts,
     match_rows,
-    resolve_device,
     solve_cost,
 )
 
@@ -131,10 +131,7 @@ class OTSettings:
             raise OtdusError(
                 f"OT options need reg > 0, tol > 0, max_iter >= 1 (got {reg}, {tol}, {max_iter})"
             )
-        try:
-            device = resolve_device(opts["device"]) if "device" in opts else ctx.device
-        except RuntimeError:
-            raise OtdusError(f"unknown device {opts['device']!r} (auto, cpu, cuda, cuda:N)") from None
+        device = resolve_device(opts["device"]) if "device" in opts else ctx.device
         calib = opts.get("calib")
         calib_tokens = opts.get("calib_tokens")
         return cls(

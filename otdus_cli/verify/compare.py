@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from otdus_cli.arch.wrappers import text_config
+from otdus_cli.device import device_kind
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
@@ -263,7 +264,12 @@ def perplexity(
     metrics = metrics_from_logprobs(plan, logprobs)
     model = local["model"]
     return PerplexityReport(
-        str(model_dir), str(model.device), _dtype_name(model.dtype), metrics, local["compute"], clock.total()
+        str(model_dir),
+        device_kind(model.device),
+        _dtype_name(model.dtype),
+        metrics,
+        local["compute"],
+        clock.total(),
     )
 
 
@@ -654,7 +660,7 @@ def verify_expansion(
     return VerifyReport(
         base_model=str(base_dir),
         expanded_model=str(expanded_dir),
-        device=str(base.device),
+        device=device_kind(base.device),
         dtype=_dtype_name(torch_dtype),
         base=m_b,
         expanded=m_e,
