@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 from pathlib import Path
 
 from otdus_cli.errors import OtdusError
@@ -26,6 +27,13 @@ BUNDLED_TEXT_FILES = {
     "bundled:wikitext-valid": DATA / "wikitext-2-raw-valid.txt.gz",
 }
 BUNDLED_TEXTS = tuple(BUNDLED_TEXT_FILES)
+# sha256 of the uncompressed texts (the originals' as their notices give them), checked when read
+BUNDLED_TEXT_SHA256 = {
+    "bundled:tinystories-sample": "defaedb58bf28079f3e29c6142cb7f3568d331a577e0911c5d7925c465c50c43",
+    "bundled:tinystories-train-2mib": "5352b299dcb1a32898b2d779b145b5a05f3e1265953fd21c264c9f9f9c9ae33d",
+    "bundled:wikitext-test": "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08",
+    "bundled:wikitext-valid": "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7",
+}
 WIKITEXT_SPLITS = {"bundled:wikitext-test": "test", "bundled:wikitext-valid": "validation"}
 
 
@@ -38,4 +46,7 @@ def read_bundled_text(name: str) -> str:
         data = path.read_bytes()
     except OSError:
         raise OtdusError(f"bundled {path.name} is missing from the installation") from None
-    return (gzip.decompress(data) if path.suffix == ".gz" else data).decode("utf-8")
+    raw = gzip.decompress(data) if path.suffix == ".gz" else data
+    if hashlib.sha256(raw).hexdigest() != BUNDLED_TEXT_SHA256[name]:
+        raise OtdusError(f"bundled {path.name} is corrupt (sha256 mismatch)")
+    return raw.decode("utf-8")

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from otdus_cli.bundled import BUNDLED_MODELS
 from otdus_cli.cli.console import (
@@ -304,7 +305,8 @@ def _evaluate(
 
             out_console.print(summary(report.proof), highlight=False)
         colour = "green" if report.exit_code == 0 else "red"
-        out_console.print(f"[bold {colour}]{report.verdict}[/]")
+        # as plain text: rich markup would eat "[wikitext figures of lm-eval X]", leaving a trailing space
+        out_console.print(Text(report.verdict, style=f"bold {colour}"))
         _note_token_count(report.base, flags, json_out)
     if report.exit_code:
         raise typer.Exit(report.exit_code)

@@ -139,7 +139,7 @@ def study(
     }
     expand_options = {k: v for k, v in {"layers": layers, "position": position}.items() if v is not None}
     quiet_transformers()
-    with user_errors(), task_progress(show_progress(json_out), "study") as update:
+    with user_errors(), task_progress(show_progress(json_out), "study", "runs") as update:
 
         def on_event(event) -> None:
             if event.runs:
