@@ -162,7 +162,8 @@ def _environment(clone: Path, bin_dir: Path) -> dict[str, str]:
     bin_dir.mkdir()
     (bin_dir / "otdus").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m otdus_cli.cli "$@"\n')
     (bin_dir / "otdus").chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     env = {**os.environ, "PYTHONPATH": str(clone), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["OTDUS_PROGRESS_INTERVAL"] = "3600"

@@ -391,7 +391,9 @@ def expand(
         **_plan_json(result.plan),
         "bytes_written": result.bytes_written,
         "seconds": round(result.seconds, 3),
-        "new_parameters": len(result.manifest["new_parameters"]),
+        # the names, as otdus.json lists them (a count here once meant the same key as a number)
+        "new_parameters": result.manifest["new_parameters"],
+        "new_parameter_count": len(result.manifest["new_parameters"]),
         "timings": _timings_json(result.timings),
     }
     if "lesa" in result.manifest:
