@@ -68,7 +68,8 @@ SHORTEN = [
     (r"--max-tokens (20000|8192|2000)\b", "--max-tokens 1000", "fewer tokens"),
 ]
 # commands run only by the full check (minutes each under load), not by --quick
-SLOW = [r"^otdus study\b", r"scripts/evidence\.py diagnose", r"--png "]
+# (diagnose and evidence.py render have their own tests: test_cli_commands.py, test_evidence.py)
+SLOW = [r"^otdus study\b", r"scripts/evidence\.py", r"--png ", r"^otdus diagnose\b"]
 # commands that exit non-zero on purpose: pattern -> expected exit code
 EXPECTED_EXIT: list[tuple[str, int]] = []
 TIMEOUT_S = 600
