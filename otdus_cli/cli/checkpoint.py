@@ -593,7 +593,7 @@ def inspect(
             )
         elif manifest is None:
             raise OtdusError(
-                f"{path} is neither a checkpoint folder (no config.json) nor an otdus manifest; give the "
+                f"{path} is neither a checkpoint folder nor an otdus manifest (no config.json); give the "
                 "folder holding config.json and the weights, its otdus.json, a hub id or bundled:stories260k"
             )
         if manifest:
