@@ -43,6 +43,7 @@ SKIP = [
         r"^make (demo|test|test-compat|setup|lint|bench|lm-eval-check|lm-eval-record)\b",
         "a make target: sets up .venv (network) or runs for minutes to hours (make test: the suite)",
     ),
+    (r"^make check-docs\b", "this check itself"),
     (r"--install-completion", "writes to the shell's start-up file"),
     (r"expand\.json|verify\.json|train\.py", "reads the files of a cluster job (docs/cluster.md)"),
     (r"^export |^OUT=|^set -", "a line of a cluster script"),
