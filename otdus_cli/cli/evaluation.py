@@ -248,8 +248,6 @@ def _evaluate(
     command = "otdus verify" if find_base else "otdus ppl"
     with user_errors():
         world = current_world()  # under torchrun/srun: this process's rank (see distributed.py)
-        # "auto"/"cuda" under several ranks: this rank's GPU; a GPU that is not there fails here
-        run["device"] = resolve_device(run["device"], world) if run["device"] != "cpu" else "cpu"
     # every rank reports its errors; only rank 0 its progress and results
     with user_errors(), tick_progress(command, quiet or not world.is_main) as on_tick:
         # everything the user can get wrong is checked before torch and transformers are imported
@@ -259,14 +257,14 @@ def _evaluate(
             recorded = manifest_source(model_dir)
             base = str(resolve_source(*recorded).folder) if recorded else None
         base_dir = _local_model(base) if base else None
+        if card:
+            check_card_target(model, static)
         if find_base and base_dir is None:
             # parity needs a base: a perplexity table alone would look like a verdict it is not
             raise OtdusError(
                 f"{model} has no otdus.json naming its base, so there is nothing to check parity against: "
                 f"give --base BASE, or run `otdus ppl {model}` for its perplexity alone"
             )
-        if card:
-            check_card_target(model, static)
         if static:
             from otdus_cli.verify.proof import static_check
 
@@ -274,6 +272,9 @@ def _evaluate(
             if world.is_main:
                 _print_static(proof, json_out)
             return
+        # "auto"/"cuda" under several ranks: this rank's GPU; a GPU that is not there fails here (after
+        # the checks above, which need no torch)
+        run["device"] = resolve_device(run["device"], world) if run["device"] != "cpu" else "cpu"
         corpus = _corpus(eval_options.pop("text"), eval_options.pop("dataset"), eval_options["max_docs"])
         from otdus_cli.verify.compare import make_plan, perplexity, verify_expansion
 
