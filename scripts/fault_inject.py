@@ -222,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         # interpreter's to report; nothing was written yet
         if "Traceback" in stderr and "init_import_site" not in stderr:
             problems.append("traceback on stderr")
-        for name in re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", stderr):
+        removals = re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", stderr)
+        for name in sorted(set(removals)):
+            # one folder, one line: a repeated line is a defect of its own, not a second folder
+            if removals.count(name) > 1:
+                problems.append(f"said {removals.count(name)} times that it removed {name}")
             if name not in stale:
                 problems.append(f"reported removing {name}, which no killed run left")
             reported.add(name)
