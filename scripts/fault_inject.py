@@ -24,8 +24,10 @@ undisturbed run of that command. After every run:
     python scripts/fault_inject.py --dense llama-3.2-1b --layers 4   # ~1 GB dense source
 
 A signal that lands before Python runs any otdus code (the interpreter's own start-up, the first tens
-of milliseconds) kills the process with the default action: exit -signal here, 128 + signal in a
-shell, with nothing written; it is counted apart ("killed in interpreter start-up").
+of milliseconds: initialisation and `site`) ends it as the interpreter does: the default action
+(exit -signal here, 128 + signal in a shell) or, for SIGINT, Python's KeyboardInterrupt (a traceback
+with no otdus frame, exit -2, or `Fatal Python error: init_...`, exit 1), with nothing written; it is
+counted apart ("killed in interpreter start-up").
 
 Prints one line per run and a summary; exit 1 if any check failed.
 """
@@ -81,6 +83,22 @@ def leftovers(parent: Path, out_name: str) -> set[str]:
     run that takes the lock; the final check requires it gone too)."""
     lock = f".{out_name}.otdus-lock"
     return {p.name for p in parent.iterdir() if p.name.startswith(f".{out_name}.otdus-") and p.name != lock}
+
+
+def in_interpreter_startup(code: int, signum: int, stderr: str) -> bool:
+    """Did ``signum`` end the process before any otdus code ran? Then the interpreter reports it:
+    the default action (exit -signum, nothing said); or, for SIGINT, Python's KeyboardInterrupt, as
+    a traceback through the console script's first line (exit -2) or a fatal error while Python
+    initialises (`Fatal Python error: init_import_site`, `init_sys_streams`: exit 1); never with a
+    frame in otdus_cli (the console script's own line `from otdus_cli.entry import main` may show:
+    importing the package, before entry's first line)."""
+    if re.search(r'File "[^"]*otdus_cli/', stderr):
+        return False
+    if code == -signum:
+        return not stderr.strip() or (
+            signum == signal.SIGINT and stderr.rstrip().endswith("KeyboardInterrupt")
+        )
+    return code == 1 and signum == signal.SIGINT and "Fatal Python error: init_" in stderr
 
 
 def make_source(path: Path, shape: str, layers: int | None) -> None:
@@ -206,23 +224,31 @@ def main(argv: list[str] | None = None) -> int:
         for k, p in sources.items():
             if tree_digest(p) != digests[k]:
                 problems.append(f"SOURCE CHANGED ({k})")
-        # -signal for a catchable one: the default action, before otdus installed its handlers (only
-        # in the interpreter's own start-up: then nothing was written and stderr is empty)
-        caught_early = code == -SIGNALS[sig_name] and sig_name != "SIGKILL"
-        before_python += caught_early
-        if caught_early and (stderr.strip() or leftovers(out_parent, out.name)):
+        # a signal in the interpreter's own start-up, before the console script reached otdus code
+        # (otdus_cli.entry installs its handlers first thing): Python's to report, nothing written yet
+        early = sig_name != "SIGKILL" and in_interpreter_startup(code, SIGNALS[sig_name], stderr)
+        before_python += early
+        if early and leftovers(out_parent, out.name):
+            problems.append("killed in interpreter start-up, yet something was left beside --out")
+        if code == -SIGNALS[sig_name] and sig_name != "SIGKILL" and not early:
             problems.append("killed by the default action after otdus had started")
-        expected = {0, 128 + SIGNALS[sig_name], -SIGNALS[sig_name]}
-        if code not in expected:
+        allowed = {0, 128 + SIGNALS[sig_name]} | ({-signal.SIGKILL} if sig_name == "SIGKILL" else set())
+        if code not in allowed and not early:
             problems.append(f"exit {code}: {stderr.strip()[-200:]}")
         lines = [line for line in stderr.splitlines() if line.strip()]
-        if code not in (0, -SIGNALS[sig_name]) and len(lines) > 1 + stderr.count(", left by an otdus run"):
+        if (
+            code not in (0, -signal.SIGKILL)
+            and not early
+            and len(lines) > 1 + stderr.count(", left by an otdus run")
+        ):
             problems.append(f"{len(lines)} lines on stderr")
-        # a signal in Python's own start-up (before any otdus code: importing `site`) is the
-        # interpreter's to report; nothing was written yet
-        if "Traceback" in stderr and "init_import_site" not in stderr:
+        if "Traceback" in stderr and not early:
             problems.append("traceback on stderr")
-        for name in re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", stderr):
+        removals = re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", stderr)
+        for name in sorted(set(removals)):
+            # one folder, one line: a repeated line is a defect of its own, not a second folder
+            if removals.count(name) > 1:
+                problems.append(f"said {removals.count(name)} times that it removed {name}")
             if name not in stale:
                 problems.append(f"reported removing {name}, which no killed run left")
             reported.add(name)

@@ -337,3 +337,16 @@ def test_expand_experts_scratch_left_by_sigkill_is_swept_by_the_next_run(tiny_mo
     assert result.exit_code == 0, result.output
     assert f"removed {scratch[0]}" in result.stderr
     assert leftovers(tmp_path) == []
+
+
+def test_expand_experts_says_each_sweep_once(tiny_models, tmp_path):
+    """The stale folder the widen step sweeps is said when removed, and not again with the summary's
+    warnings: one removal, one line (a repeated line reads as a second folder removed)."""
+    out = tmp_path / "out"
+    stale = tmp_path / f".out.{TMP_TAG}{_dead_pid()}@{socket.gethostname()}.zzzz"
+    stale.mkdir()
+    cmd = ["expand", tiny_models["qwen3_moe"], "--out", out, "--method", "copy", "--experts", "2"]
+    result = run_cli(*cmd)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count(f"removed {stale}, left by an otdus run that died") == 1, result.stderr
+    assert not stale.exists() and leftovers(tmp_path) == []

@@ -341,8 +341,10 @@ def expand(
         printed: set[str] = set()
 
         def say(line: str) -> None:
-            printed.add(line)
-            _warn(line)
+            """Each warning once: a note said as it happened comes back with the result's warnings."""
+            if line not in printed:
+                printed.add(line)
+                _warn(line)
 
         if experts is None and expert_noise is not None:
             raise OtdusError("--expert-noise is the noise of --experts; give --experts too")
@@ -384,8 +386,7 @@ def expand(
         if given.get(option) is not None:
             warnings.append(f"{_flag(option.split('.'))} was ignored: {why}")
     for line in [*warnings, *transport]:
-        if line not in printed:
-            _warn(line)
+        say(line)
     summary = {
         "out": str(result.out),
         "replaced_earlier_output": result.replaced,
@@ -447,7 +448,7 @@ def _expand_and_widen(
         "warnings": [*deep.warnings, *wide.warnings],
     }
     for line in summary["warnings"]:
-        _warn(line)
+        say(line)  # the sweeps' notes were said when they happened: not twice
     if json_out:
         emit_json(summary)
         return
