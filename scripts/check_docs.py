@@ -72,7 +72,10 @@ SHORTEN = [
 # (diagnose and evidence.py render have their own tests: test_cli_commands.py, test_evidence.py)
 SLOW = [r"^otdus study\b", r"scripts/evidence\.py", r"--png ", r"^otdus diagnose\b"]
 # commands that exit non-zero on purpose: pattern -> expected exit code
-EXPECTED_EXIT: list[tuple[str, int]] = []
+EXPECTED_EXIT: list[tuple[str, int]] = [
+    # README shows LLaMA-Factory's refusal of interleaved layers (one error line, exit 2)
+    (r"^otdus trainable demo --format llama-factory$", 2),
+]
 TIMEOUT_S = 600
 
 
