@@ -434,8 +434,6 @@ def expand(
     nothing left behind."""
     options = options or ExpandOptions()
     world = current_world() if world is None else world
-    if options.device not in ("auto", "cpu"):
-        resolve_device(options.device, world)  # a GPU that is not there fails before the model is read
     start = time.perf_counter()
     out = Path(out)
     report = OutputReport(notify=on_note)
@@ -447,6 +445,10 @@ def expand(
         def claim() -> Path | None:
             """Every rank: the plan. Rank 0: the claim and the temporary folder (io/output_dir.py),
             held open until the swap, and the shard files."""
+            # a GPU that is not there fails before the model is read, inside the exchange so that
+            # every rank reports the failing rank's error
+            if options.device not in ("auto", "cpu"):
+                resolve_device(options.device, world)
             source = open_source(model, options.revision, options.allow_unknown_arch)
             plan = make_plan(source, options)
             planned.append(plan)
