@@ -369,11 +369,11 @@ def diagnose(
     ``max_tokens``: tokens of text run through the model (in windows of ``seq_len``); ``png``: write
     the weight-norm profile there (needs matplotlib).
     """
+    from otdus_cli.device import resolve_device  # noqa: PLC0415
     from otdus_cli.source import resolve_source  # noqa: PLC0415
     from otdus_cli.study.data import load_documents, tokenize_windows  # noqa: PLC0415
     from otdus_cli.study.train import load_model  # noqa: PLC0415
     from otdus_cli.verify.metrics import load_tokenizer  # noqa: PLC0415
-    from otdus_cli.device import resolve_device  # noqa: PLC0415
 
     say = progress or (lambda msg: None)
     folder = str(resolve_source(checkpoint).folder)
