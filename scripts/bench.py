@@ -843,7 +843,7 @@ def render_md(entries: list[dict], md_path: str) -> None:
             "# Benchmarks\n\n"
             "`otdus expand` against `cp -r` of the same checkpoint, on synthetic random-weight checkpoints\n"
             "with the exact tensor shapes of real models (`scripts/make_synthetic.py`). Reproduce with\n"
-            "`make bench` (`python scripts/bench.py`); GPU run: `scripts/bench_gpu.sh`.\n\n"
+            "`make bench` (`python scripts/bench.py`); GPU run: `scripts/device_check.sh`.\n\n"
             f"{block}\n"
         )
     os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Fetch, on a machine with package-index access, the wheels that the GPU device image lacks, so that
-# scripts/bench_gpu.sh can run otdus there with no network. The device's python3 (3.12) already holds
+# scripts/device_check.sh can run otdus there with no network. The device's python3 (3.12) already holds
 # torch, transformers, safetensors, huggingface_hub, rich, pyyaml, numpy and scipy; it has no POT
 # and no pydantic, and its typer may be older than ours. Wheels go to .whl/ (git-ignored through
-# .git/info/exclude); carry ".whl" in the device run and bench_gpu.sh installs them from there.
+# .git/info/exclude); carry ".whl" in the device run and device_check.sh installs them from there.
 #
-#   scripts/device_wheels.sh            # then: device run with carry [".whl"], command scripts/bench_gpu.sh
+#   scripts/device_wheels.sh            # then: device run with carry [".whl"], command scripts/device_check.sh
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

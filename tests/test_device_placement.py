@@ -122,3 +122,20 @@ def test_a_gpu_that_is_not_there_is_one_error_line_before_the_model_is_read(tmp_
         with emulated_cuda(2):
             result = runner.invoke(app, [*map(str, command), "--device", "cuda:2"])
         assert "cuda:2" in one_error_line(result) and "2 GPU(s)" in result.output
+
+
+def test_pot_backend_lands_on_the_ranks_gpu():
+    """The official variant's POT Sinkhorn on rank 1's GPU: POT's torch backend, made fresh in the
+    process, puts tensors on a bare "cuda" (its type list); set_device makes that the rank's GPU,
+    not GPU 0. A few iterations on a tiny cost: placement only."""
+    import ot.backend
+
+    from otdus_cli.transport.official import official_sinkhorn
+
+    with emulated_cuda(2):
+        device = resolve_device("auto", World(Launch(1, 2, 1, "torchrun")))
+        cost = torch.rand(6, 6, generator=torch.Generator().manual_seed(0)).to(device)
+        plan = official_sinkhorn(cost, num_iter_max=5)
+        assert plan.matrix.device == torch.device("cuda", 1)
+        made_on_bare_cuda = ot.backend.get_backend(plan.matrix).__type_list__[2:]
+        assert made_on_bare_cuda and {t.device for t in made_on_bare_cuda} == {torch.device("cuda", 1)}
