@@ -3,8 +3,8 @@
 import pytest
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.methods.registry import get_method, plan_layers
-from otdus_cli.plan.layer_map import is_function_preserving
+from otdus_cli.methods.registry import get_method
+from otdus_cli.plan.layer_map import is_function_preserving, plan_layers
 
 
 def new_layers(layer_map):

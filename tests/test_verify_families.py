@@ -40,7 +40,7 @@ def zero_init_expansions(model_type: str) -> list[ExpandOptions]:
         ExpandOptions(method="random", layers=2, zero_init=True),
         ExpandOptions(method="interpose", layers=2, zero_init=True),
         ExpandOptions(method="stack", layers=depth, zero_init=True),
-        ExpandOptions(method="ot", layers=depth // 2),  # MoE: experts matched, then neurons (ot_moe.py)
+        ExpandOptions(method="ot", layers=depth // 2),  # MoE: experts, then neurons (methods/ot/moe.py)
     ]
     if model_type in DENSE_TYPES:
         options.append(ExpandOptions(method="lesa", layers=depth // 2, lesa=LesaOptions(epochs=2)))
