@@ -401,7 +401,7 @@ def build_manifest(
         "new_parameters": plan.new_parameter_names,
         "transport": {str(k): v for k, v in sorted(stats.items())},
         **_method_extras(plan),
-        **(reports or {}),  # e.g. "lesa": the pre-pass's report (leave-one-out check)
+        **(reports or {}),  # a pre-pass's report, under its builder's name (LESA: its leave-one-out check)
         "copied_files": side_files,
         "config_checked_by_transformers": config_check == "transformers" and config_check_skipped is None,
         "config_check": config_check,  # "transformers" or "otdus depth rules" (see expand())

@@ -58,8 +58,8 @@ After = Annotated[
 
 
 def _zero_init_default() -> str:
-    """The zero-init defaults in words, from the method registry: "on for ot, lesa and llama-pro (off
-    for lesa published), off otherwise"."""
+    """The zero-init defaults in words, from the method registry, e.g. "on for ot and llama-pro, off
+    otherwise" (with the variants whose default is off in parentheses)."""
     on = [m.name for m in METHODS.values() if m.zero_init_default]
     text = "on for " + (f"{', '.join(on[:-1])} and {on[-1]}" if len(on) > 1 else on[0])
     off = [f"{m.name} {v}" for m in METHODS.values() for v in m.zero_init_off_for]
@@ -157,7 +157,8 @@ def _options(
 
 def _flag(loc: tuple | list) -> str:
     """The command-line flag of an ExpandOptions field: ('ot', 'variant') -> --ot-variant, ('ot', 'reg')
-    -> --reg, ('lesa', 'rank') -> --lesa-rank (options without a flag are named as in recipes)."""
+    -> --reg (the flags a method's options model declares; options without a flag are named as in
+    recipes, 'group.field')."""
     from otdus_cli.options import option_groups
 
     names = tuple(map(str, loc))
@@ -203,7 +204,7 @@ def expand(
     model: Model = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")] = None,
     flags: LayoutFlags = None,
-    method_flags: dict[str, Any] | None = None,  # the methods' own flags (--ot-variant, --lesa-epochs...)
+    method_flags: dict[str, Any] | None = None,  # the methods' own flags (--ot-variant, --reg...)
     device: Device = None,
     dtype: Dtype = None,
     max_shard_size: ShardSize = None,

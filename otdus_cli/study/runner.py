@@ -636,7 +636,7 @@ class StudyRecipe(BaseModel):
         """Each run's full expand options; ``overrides`` (ExpandOptions fields) win over the recipe's."""
         specs = []
         for r in self.runs:
-            # option groups (ot, lesa, ...) merge key by key: a run's ot.reg keeps the recipe's ot.variant
+            # option groups (ot, ...) merge key by key: a run's ot.reg keeps the recipe's ot.variant
             data = merge_options(self.expand, r.expand, overrides or {})
             try:
                 specs.append(RunSpec(r.name, ExpandOptions.model_validate(data)))
