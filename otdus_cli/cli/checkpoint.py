@@ -278,19 +278,20 @@ def expand(
     if not world.is_main:
         return
     method = result.plan.method
-    # the method's warnings on its own report (OT: transport solves that did not converge)
-    transport = method.report_warnings(result.manifest) if method.report_warnings else []
+    # the method's warnings on its own report (OT: transport solves that did not converge); the
+    # report names them "transport_warnings" for every method
+    method_warnings = method.report_warnings(result.manifest) if method.report_warnings else []
     warnings = list(result.warnings)  # the manifest's, and the notes already said
     for option, why in result.manifest.get("ignored_options", {}).items():
-        if method_flags.get(option) is not None:
+        if (method_flags or {}).get(option) is not None:
             warnings.append(f"{_flag(option.split('.'))} was ignored: {why}")
-    for line in [*warnings, *transport]:
+    for line in [*warnings, *method_warnings]:
         if line not in printed:
             _warn(line)
     summary = {
         "out": str(result.out),
         "warnings": warnings,
-        "transport_warnings": transport,
+        "transport_warnings": method_warnings,
         **_plan_json(result.plan),
         "bytes_written": result.bytes_written,
         "seconds": round(result.seconds, 3),
