@@ -114,6 +114,10 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
             f"--method {method.name} cannot build {source.family.name} layers ({refusal}); "
             "use copy, interpose, average or random"
         )
+    if method.refuses_options is not None:
+        message = method.refuses_options(source.family, options.method_options())
+        if message:
+            raise OtdusError(message)
     layer_map = plan_layers(
         source.depth,
         method,

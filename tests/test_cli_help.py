@@ -82,7 +82,7 @@ def test_shown_expand_defaults_are_the_real_defaults(command):
             shown = _shown(params[name])
             assert shown == str(value) or float(shown) == value, (name, shown, value)
             checked += 1
-    assert checked == (16 if command == "expand" else 2)
+    assert checked == (16 if command == "expand" else 4)
     zero_on = [m.name for m in METHODS.values() if m.zero_init_default]
     variants_off = [f"{m.name} {v}" for m in METHODS.values() for v in m.zero_init_off_for]
     assert zero_on == ["ot", "lesa", "llama-pro"] and variants_off == ["lesa published"]

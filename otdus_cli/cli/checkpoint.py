@@ -199,7 +199,7 @@ def _plan_json(plan) -> dict:
 
 
 @with_flags(LayoutFlags)
-@with_method_flags
+@with_method_flags()
 def expand(
     model: Model = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")] = None,
@@ -385,12 +385,18 @@ def _warn(line: str) -> None:
 
 
 @with_flags(LayoutFlags)
-def plan(model: Model = None, flags: LayoutFlags = None, json_out: JsonFlag = False) -> None:
+@with_method_flags(for_plan=True)
+def plan(
+    model: Model = None,
+    flags: LayoutFlags = None,
+    method_flags: dict[str, Any] | None = None,  # those that change the layer map (--ot-variant...)
+    json_out: JsonFlag = False,
+) -> None:
     """Show the layer map an expansion would produce; nothing is written."""
     from otdus_cli.expand import make_plan, open_source
 
     with user_errors():
-        model, options, _ = _options(model, flags)
+        model, options, _ = _options(model, flags, method_flags)
         the_plan = make_plan(open_source(model, options.revision, options.allow_unknown_arch), options)
     if json_out:
         emit_json(_plan_json(the_plan))

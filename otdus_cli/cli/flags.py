@@ -72,8 +72,9 @@ class MethodFlag:
         return f"{self.group}__{self.field}"
 
 
-def method_flags() -> list[MethodFlag]:
-    """The flags of every registered method's options, in registry and field order."""
+def method_flags(for_plan: bool = False) -> list[MethodFlag]:
+    """The flags of every registered method's options, in registry and field order (``for_plan``:
+    those of `otdus plan`, the options that change the layer map)."""
     import typer  # noqa: PLC0415
 
     from otdus_cli.options import option_groups  # noqa: PLC0415
@@ -82,7 +83,7 @@ def method_flags() -> list[MethodFlag]:
     for group, model in option_groups().items():
         for name, info in model.model_fields.items():
             flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
-            if flag is None:
+            if flag is None or (for_plan and not flag.plan):
                 continue  # set in recipes only
             shown = flag.default if flag.default is not None else str(info.default)
             option = typer.Option(flag.name, help=f"{flag.help} \\[default: {shown}]")
@@ -91,10 +92,13 @@ def method_flags() -> list[MethodFlag]:
     return flags
 
 
-def with_method_flags(fn: Command) -> Command:
+def with_method_flags(for_plan: bool = False) -> Callable[[Command], Command]:
     """Shows Typer the methods' flags in place of the parameter ``method_flags`` and hands the
     command ``method_flags={"ot.variant": value or None, ...}``."""
-    generated = method_flags()
+    return functools.partial(_with_method_flags, method_flags(for_plan))
+
+
+def _with_method_flags(generated: list[MethodFlag], fn: Command) -> Command:
     params: list[inspect.Parameter] = []
     for p in inspect.signature(fn, eval_str=True).parameters.values():
         if p.name == "method_flags":

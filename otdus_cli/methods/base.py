@@ -85,11 +85,13 @@ class LayerBuilder(Protocol):
 class Flag:
     """Marks an options field as a flag of ``otdus expand`` (``Annotated[type, Flag(...)]``); fields
     without one are set in recipes only. ``default`` is the default as --help shows it (the field's
-    own default when None)."""
+    own default when None); ``plan``: also a flag of ``otdus plan`` (the option changes the layer
+    map, as a variant's zero-init default does)."""
 
     name: str  # e.g. "--ot-variant"
     help: str
     default: str | None = None
+    plan: bool = False
 
 
 Report = Callable[[dict], Any]  # a function of the written manifest
@@ -114,6 +116,8 @@ class Method:
     make_builder: Callable[[], LayerBuilder] | None = None  # None: copy-type (the engine moves bytes)
     # family trait (arch/families.py) -> why this method cannot build such layers (refused at plan time)
     refuses: Mapping[str, str] = field(default_factory=dict)
+    # a refusal that depends on the options too: (family, options) -> the error message, or None
+    refuses_options: Callable[[Family, Any], str | None] | None = None
     # each study seed draws its own layers (otherwise a study expands once, with the recipe's seed)
     seeded_by_study: bool = False
     # options of its own group that have no effect with these values -> why (recorded in the manifest)

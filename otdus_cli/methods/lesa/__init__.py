@@ -37,6 +37,7 @@ class LesaOptions(BaseModel):
             "output: those tensors are base layer 0's and nothing is zeroed, so the new layers change the "
             "model's function (verify reports the change instead of expecting parity; add --zero-init to "
             "preserve it). README: LESA.",
+            plan=True,
         ),
     ] = "pair"
     hidden: int = Field(256, ge=1, description="hidden width of the predictor MLP")

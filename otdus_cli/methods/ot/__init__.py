@@ -24,6 +24,7 @@ from otdus_cli.methods.ot.choices import ot_choices
 from otdus_cli.methods.ot.options import OTOptions
 
 if TYPE_CHECKING:
+    from otdus_cli.arch.families import Family
     from otdus_cli.methods.base import LayerBuilder
 
 __all__ = ["OT", "OTOptions", "transport_warnings"]
@@ -50,6 +51,15 @@ def _ignored(ot: OTOptions) -> dict[str, str]:
     if ot.solver == "emd":
         return dict.fromkeys(("reg", "tol", "max_iter"), "--solver emd is exact (no Sinkhorn)") | ignored
     return ignored
+
+
+def _refuses_options(family: Family, ot: OTOptions) -> str | None:
+    if ot.variant == "activation" and family.moe:
+        return (
+            f"--ot-variant activation aligns dense MLP neurons; {family.name} is a mixture of experts "
+            "(use --ot-variant paper, official or structured)"
+        )
+    return None
 
 
 def _manifest_extras(plan: Any, zero_init: bool) -> dict:
@@ -118,6 +128,7 @@ OT = Method(
         "cross-attention roles",
         LATENT_ATTENTION: "multi-head latent attention has no q/k/v projections for the OT-DUS flow",
     },
+    refuses_options=_refuses_options,
     ignored=_ignored,
     manifest_extras=_manifest_extras,
     report_warnings=transport_warnings,

@@ -25,6 +25,7 @@ class OTOptions(BaseModel):
             "scaled by n, max-normalised cost); official: the released script's computation (unscaled "
             "plans, raw cost, POT); structured: ours; activation: structured's flow with neurons and heads "
             "matched by their activations on --calib text. Sources: docs/ot.md.",
+            plan=True,
         ),
     ] = "paper"
     solver: Annotated[OTSolver, Flag("--solver", "Transport solver; emd: exact assignment.")] = "sinkhorn"
