@@ -113,7 +113,7 @@ def _with_method_flags(generated: list[MethodFlag], fn: Command) -> Command:
 
     @functools.wraps(fn)
     def command(**kwargs: Any) -> Any:
-        given = {f.key: kwargs.pop(f.param) for f in generated}
+        given = {f.key: kwargs.pop(f.param, None) for f in generated}  # None: not given
         return fn(method_flags=given, **kwargs)
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
