@@ -126,8 +126,7 @@ def method_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> E
     try:
         return ExpandOptions.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise OtdusError(f"method spec {spec!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise OtdusError(f"method spec {spec!r}: {invalid(exc)}") from None
 
 
 class Recipe(BaseModel):
@@ -141,20 +140,33 @@ class Recipe(BaseModel):
     expand: ExpandOptions = Field(default_factory=ExpandOptions)  # type: ignore[valid-type]
 
 
-def load_recipe(path: Path) -> Recipe:
+def invalid(exc: ValidationError) -> str:
+    """A validation error in one line: where (``expand.ot``), then pydantic's message without its
+    "Value error, " prefix (a rule's own message names its options)."""
+    err = exc.errors()[0]
+    message = err["msg"].removeprefix("Value error, ")
+    where = ".".join(map(str, err["loc"]))
+    return f"{where}: {message}" if where else message
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A recipe file's YAML (expand and study recipes alike); a missing or malformed file is an
+    OtdusError naming it."""
     import yaml  # noqa: PLC0415 - only recipes need it; every command imports this module
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        return yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise OtdusError(f"recipe not found: {path}") from None
     except yaml.YAMLError as exc:
         raise OtdusError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+
+
+def load_recipe(path: Path) -> Recipe:
+    data = read_yaml(path)
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise OtdusError(f"recipe {path}: {where}: {err['msg']}") from None
+        raise OtdusError(f"recipe {path}: {invalid(exc)}") from None
     except OtdusError as exc:
         raise OtdusError(f"recipe {path}: {exc}") from None

@@ -106,3 +106,25 @@ def test_study_arms_keep_every_option(group):
     own, shared = (getattr(spec.options, group).model_dump() for spec in recipe.run_specs())
     assert own == changed
     assert shared == {**GROUPS[group]().model_dump(), **{k: changed[k] for k in rest}}
+
+
+def test_a_rule_across_options_reads_the_same_in_every_recipe(tmp_path):
+    """A model rule's message (OT's official variant has no emd solver) without pydantic's
+    "Value error, " prefix, in expand recipes, study recipes and study runs alike."""
+    from otdus_cli.errors import OtdusError
+    from otdus_cli.study.runner import load_study_recipe
+
+    rule = "expand.ot: --ot-variant official reproduces the released code's POT Sinkhorn"
+    expand_recipe = tmp_path / "e.yaml"
+    expand_recipe.write_text("model: m\nexpand: {ot: {variant: official, solver: emd}}\n")
+    with pytest.raises(OtdusError) as caught:
+        load_recipe(expand_recipe)
+    assert str(caught.value).startswith(f"recipe {expand_recipe}: {rule}"), caught.value
+    study_recipe = tmp_path / "s.yaml"
+    study_recipe.write_text(
+        "base: m\nruns: [{name: official, expand: {ot: {variant: official, solver: emd}}}]\n"
+        "studies: [{name: s, train_text: t}]\n"
+    )
+    with pytest.raises(OtdusError) as caught:
+        load_study_recipe(study_recipe)
+    assert str(caught.value).startswith("run 'official': ot: --ot-variant official reproduces"), caught.value
