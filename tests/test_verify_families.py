@@ -11,7 +11,8 @@ import torch
 from conftest import DENSE_TYPES, MOE_TYPES
 
 from otdus_cli.expand import expand
-from otdus_cli.options import ExpandOptions, LesaOptions
+from otdus_cli.methods.lesa import LesaOptions
+from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.metrics import EvalPlan, Window
 
