@@ -14,6 +14,7 @@ OLDEST_TRANSFORMERS ?= transformers==4.57.6
 COMPAT_TESTS := tests/test_verify_streaming.py tests/test_verify_compare.py tests/test_verify_cli.py \
 	tests/test_verify_families.py tests/test_verify_self_check.py tests/test_verify_static.py \
 	tests/test_arch_breadth.py tests/test_wrappers.py tests/test_verify_lm_eval_reference.py tests/test_widen.py \
+	tests/test_trainable.py \
 	--deselect tests/test_verify_cli.py::test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint
 
 .PHONY: setup setup-compat demo test test-main test-compat lint bench bench-copy bench-8b-copy faults coverage \

@@ -31,6 +31,7 @@ from otdus_cli.arch.config_rules import (
     validate_with_transformers,
 )
 from otdus_cli.arch.families import family_for
+from otdus_cli.card import write_output_card
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import stack_fingerprints
@@ -39,7 +40,7 @@ from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
 from otdus_cli.io.stack import LayerStack, read_stack
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
-from otdus_cli.manifest import MANIFEST
+from otdus_cli.manifest import MANIFEST, write_manifest
 from otdus_cli.methods.base import BuildContext, Method
 from otdus_cli.methods.registry import get_method
 from otdus_cli.options import ExpandOptions, ignored_options
@@ -193,6 +194,7 @@ class ExpandResult:
     warnings: list[str] = field(default_factory=list)
     # where the time went (seconds; "first_byte_at" is a time.time() stamp): see expand()
     timings: dict = field(default_factory=dict)
+    replaced: bool = False  # --force replaced an earlier (unchanged) otdus output at ``out``
 
 
 def resolve_device(name: str) -> torch.device:
@@ -501,7 +503,8 @@ def expand(
             t = time.perf_counter()
             manifest = build_manifest(plan, stats, side_files, skipped, engine.reports, config_check)
             timings["manifest_s"] = time.perf_counter() - t  # mostly the source's tensor fingerprints
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            manifest["card"] = write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest
+            manifest = write_manifest(tmp, manifest)  # with the size and hash of every file written
             claimed.close()  # the swap into place (or, on any failure before, the clean-up)
             return manifest
 
@@ -515,4 +518,4 @@ def expand(
     written = sum(t.nbytes for t in plan.tensors)
     seconds = time.perf_counter() - start
     notes = list(manifest["warnings"]) + report.notes
-    return ExpandResult(out, plan, manifest, written, seconds, stats, notes, timings)
+    return ExpandResult(out, plan, manifest, written, seconds, stats, notes, timings, report.replaced)

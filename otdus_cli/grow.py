@@ -1,7 +1,9 @@
 """Depth and width in one command: `otdus expand ... --experts M` (expand, then widen its output).
 
 The deeper model is written to a scratch folder beside ``out`` and widened from there into ``out``
-(atomic, as each step is); the scratch folder is removed whatever happens. Each step streams with its
+(atomic, as each step is); the scratch folder is removed whatever happens, and one a SIGKILL left
+is swept by the next run to ``out`` (io/output_dir.py). Both steps protect the original model:
+``out`` may not be it, nor hold any of its files. Each step streams with its
 own bounded memory; the cost of doing it in one command is the deeper model's size on disk for the
 duration (the same as running `otdus expand` then `otdus widen`, minus the folder left behind).
 
@@ -13,15 +15,12 @@ checks against the original model by default.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from otdus_cli.expand import ExpandResult, expand, open_source
-from otdus_cli.io.output_dir import check_target
+from otdus_cli.io.output_dir import check_target, scratch_folder
 from otdus_cli.options import ExpandOptions
 from otdus_cli.widen import WidenOptions, WidenResult, check_widenable, widen
 
@@ -45,11 +44,11 @@ def expand_and_widen(
     "expand" or "widen") returns the byte-progress callback of that step."""
     out = Path(out)
     # before the expansion: what widen would refuse must not cost a whole depth step
-    check_widenable(open_source(model, options.revision, options.allow_unknown_arch))
-    check_target(out, [], force)
-    parent = Path(os.path.abspath(out)).parent
-    scratch = Path(tempfile.mkdtemp(prefix=f".otdus-deeper-{out.name}-", dir=parent))
-    try:
+    source = open_source(model, options.revision, options.allow_unknown_arch)
+    check_widenable(source)
+    first = source.resolved.folder
+    check_target(out, [first], force)
+    with scratch_folder(out) as scratch:
         deeper = scratch / "deeper"
         step = on_step or (lambda name: None)
         expanded = expand(model, deeper, options, progress=step("expand"), on_note=on_note)
@@ -61,7 +60,6 @@ def expand_and_widen(
             progress=step("widen"),
             on_note=on_note,
             from_first_source=True,
+            protected=(first,),
         )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     return GrowResult(expanded, widened)

@@ -6,12 +6,14 @@ traceback, and nothing in it decides by itself what verify expects (see verify/p
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.file_hashes import record_files
 from otdus_cli.io.reader import read_json_object
 
 MANIFEST = "otdus.json"
@@ -50,6 +52,17 @@ class Manifest(BaseModel):
     layers: list[ManifestLayer]
     new_parameters: list[str] = []
     copied_files: list[str] = []
+    # every other file of the output as otdus wrote it: name -> size, sha256, "whole" or "sampled"
+    # (io/file_hashes.py); absent in manifests of otdus <= 0.1.x, whose outputs --force never replaces
+    files: dict[str, dict] | None = None
+
+
+def write_manifest(folder: Path, manifest: dict) -> dict:
+    """Write ``manifest`` into the staged output ``folder``, with the size and hash of every other
+    file there (what `--force` checks before it replaces this output); returns what was written."""
+    manifest = {**manifest, "files": record_files(folder, skip={MANIFEST})}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> dict | None:

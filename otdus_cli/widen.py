@@ -35,11 +35,12 @@ from otdus_cli.arch.config_rules import (
     validate_with_transformers,
 )
 from otdus_cli.arch.experts import UNGROWABLE_ROUTING_FIELDS, ExpertLayout, expert_layout
+from otdus_cli.card import write_output_card
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import SourceModel, copy_side_files, open_source, source_record
 from otdus_cli.io.output_dir import OutputReport, staged_output
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
-from otdus_cli.manifest import MANIFEST, read_manifest, seen_from_first_source
+from otdus_cli.manifest import read_manifest, seen_from_first_source, write_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -231,6 +232,7 @@ class WidenResult:
     bytes_written: int
     seconds: float
     warnings: list[str] = field(default_factory=list)
+    replaced: bool = False  # --force replaced an earlier (unchanged) otdus output at ``out``
 
 
 def _write(plan: WidenPlan, folder: Path, progress: ProgressFn) -> None:
@@ -336,11 +338,13 @@ def widen(
     on_plan: Callable[[WidenPlan], None] | None = None,
     on_note: Callable[[str], None] | None = None,
     from_first_source: bool = False,
+    protected: tuple[Path, ...] = (),
 ) -> WidenResult:
     """Widen the MoE layers of ``model`` (folder, hub id) into ``out`` atomically.
 
     ``from_first_source``: ``model`` is an otdus output about to be removed (grow.py); the manifest
-    then describes ``out`` against the model that output was made from (its layer map composed)."""
+    then describes ``out`` against the model that output was made from (its layer map composed).
+    ``protected``: folders besides the source's that ``out`` may not touch (that first model's)."""
     options = options or WidenOptions()
     start = time.perf_counter()
     source = open_source(model, options.revision)
@@ -349,7 +353,8 @@ def widen(
         on_plan(plan)
     out = Path(out)
     report = OutputReport(notify=on_note)
-    with staged_output(out, protected=[source.resolved.folder], force=force, report=report) as tmp:
+    guarded = [source.resolved.folder, *protected]
+    with staged_output(out, protected=guarded, force=force, report=report) as tmp:
         prefetch_config_validation(source.config.get("model_type"))
         try:
             _write(plan, tmp, progress or (lambda n: None))
@@ -361,8 +366,8 @@ def widen(
         manifest = build_widen_manifest(plan, side_files, skipped)
         if from_first_source:
             manifest = _from_first_source(manifest)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        manifest["card"] = write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest
+        manifest = write_manifest(tmp, manifest)  # with the size and hash of every file written
     written = sum(t.nbytes for t in plan.tensors)
-    return WidenResult(
-        out, plan, manifest, written, time.perf_counter() - start, list(manifest["warnings"]) + report.notes
-    )
+    notes = list(manifest["warnings"]) + report.notes
+    return WidenResult(out, plan, manifest, written, time.perf_counter() - start, notes, report.replaced)

@@ -43,6 +43,13 @@ def test_inspect_table_and_json(stories, tmp_path):
         "bytes": nbytes,
         "tie_word_embeddings": True,
         "manifest": manifest,
+        "card": {  # the model card's summary (card.py)
+            "metadata": {
+                "library_name": "transformers",
+                "tags": ["otdus", "depth-up-scaling", "llama-pro"],
+            },
+            "verified": None,
+        },
     }
     # the manifest alone, by its path
     assert json.loads(invoke("inspect", out / "otdus.json", "--json").stdout)["manifest"] == manifest
@@ -55,6 +62,7 @@ def test_inspect_table_and_json(stories, tmp_path):
         ("function-preserving", "True"),
         ("new layers", new),
         ("new parameters", f"{len(manifest['new_parameters'])} tensors"),
+        ("model card", "base_model none; license none; tags otdus, depth-up-scaling, llama-pro"),
     ):
         assert any(row[0] in line and row[1] in line for line in table.splitlines()), row
     # a plain base model: no manifest rows

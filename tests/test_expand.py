@@ -243,7 +243,10 @@ def test_new_parameters_and_layer_map_in_manifest(stories, tmp_path):
     assert m["copied_files"] == sorted([*side, "tokenizer_config.json"])
     for name in m["copied_files"]:
         assert (tmp_path / "out" / name).read_bytes() == (stories / name).read_bytes(), name
-    assert not (tmp_path / "out" / "notes.txt").exists() and not (tmp_path / "out" / "README.md").exists()
+    assert not (tmp_path / "out" / "notes.txt").exists()
+    # README.md is the new model's card (card.py), never the source's own README
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert card.startswith("---\n") and (stories / "README.md").read_text() not in card
     new = [lay for lay in m["layers"] if lay["new"]]
     assert new[0] == dict(index=3, source=2, new=True, parents=[2], builder="copy", zero_init=True)
 

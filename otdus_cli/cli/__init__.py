@@ -8,16 +8,19 @@ broken parity in `verify` is exit code 1.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import typer
 from typer.core import TyperGroup
 
+from otdus_cli.card import set_invocation
 from otdus_cli.cli.about import demo, version
 from otdus_cli.cli.checkpoint import expand, inspect, plan
 from otdus_cli.cli.console import fail, fit_consoles_to_streams, stopped
 from otdus_cli.cli.evaluation import ppl, verify
+from otdus_cli.cli.handoff import trainable
 from otdus_cli.cli.research import diagnose, study
 from otdus_cli.cli.widening import widen
 from otdus_cli.errors import exit_on_signals
@@ -70,12 +73,13 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version, widen):
+for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version, widen, trainable):
     app.command()(command)
 
 
 def main(argv: list[str] | None = None) -> Callable | None:
     exit_on_signals()  # SIGTERM/SIGHUP (timeout, Slurm) clean up like Ctrl-C
+    set_invocation(["otdus", *(sys.argv[1:] if argv is None else argv)])  # the command on the model card
     try:
         app(args=argv, prog_name="otdus")
     except KeyboardInterrupt as exc:  # a signal while Typer builds the command, before any work

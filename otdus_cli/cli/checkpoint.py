@@ -20,6 +20,7 @@ from otdus_cli.cli.console import (
     err_console,
     human_bytes,
     out_console,
+    replacing_note,
     show_progress,
     user_errors,
 )
@@ -226,8 +227,9 @@ def expand(
     force: Annotated[
         bool,
         typer.Option(
-            help="Replace an existing --out, only if it is an earlier otdus output (every file listed by "
-            "its otdus.json) or an empty folder, and only once the new output is complete."
+            help="Replace an existing --out, only if it is an empty folder or an earlier otdus output whose "
+            "files are all still as its otdus.json records them (sizes, hashes), and only once the new "
+            "output is complete."
         ),
     ] = False,
     json_out: JsonFlag = False,
@@ -290,6 +292,7 @@ def expand(
             _warn(line)
     summary = {
         "out": str(result.out),
+        "replaced_earlier_output": result.replaced,
         "warnings": warnings,
         "transport_warnings": method_warnings,
         **_plan_json(result.plan),
@@ -307,7 +310,8 @@ def expand(
         out_console.print(line, highlight=False, soft_wrap=True)
     preserved = "function-preserving" if result.plan.function_preserving else "not function-preserving"
     out_console.print(
-        f"[bold green]wrote[/] {result.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} "
+        f"[bold green]wrote[/] {result.out}{replacing_note(result.replaced)}: "
+        f"{summary['base_layers']} -> {summary['num_hidden_layers']} "
         f"layers with {summary['method']} ({preserved}), {human_bytes(result.bytes_written)} "
         f"in {result.seconds:.1f} s"
     )
@@ -331,6 +335,7 @@ def _expand_and_widen(
     manifest = wide.manifest
     summary = {
         "out": str(wide.out),
+        "replaced_earlier_output": wide.replaced,
         **{
             k: v for k, v in _plan_json(deep.plan).items() if k not in ("output_bytes", "function_preserving")
         },
@@ -350,7 +355,8 @@ def _expand_and_widen(
     preserved = "function-preserving" if manifest["function_preserving"] else "not function-preserving"
     e, k = summary["experts"], summary["top_k"]
     out_console.print(
-        f"[bold green]wrote[/] {wide.out}: {summary['base_layers']} -> {summary['num_hidden_layers']} layers "
+        f"[bold green]wrote[/] {wide.out}{replacing_note(wide.replaced)}: "
+        f"{summary['base_layers']} -> {summary['num_hidden_layers']} layers "
         f"with {summary['method']}, then {e[0]} -> {e[1]} experts, top-k {k[0]} -> {k[1]} ({preserved}), "
         f"{human_bytes(wide.bytes_written)} in {summary['seconds']:.1f} s"
     )
@@ -421,6 +427,7 @@ def inspect(
 ) -> None:
     """Describe a checkpoint or manifest: layers, parameters, dtypes, size, and how it was made."""
     from otdus_cli.bundled import BUNDLED_MODELS
+    from otdus_cli.card import card_line, card_summary
     from otdus_cli.io.reader import CheckpointReader
     from otdus_cli.manifest import MANIFEST, read_manifest
 
@@ -446,6 +453,9 @@ def inspect(
             raise OtdusError(f"{path} is neither a checkpoint folder nor an otdus manifest")
         if manifest:
             info["manifest"] = manifest
+        card = card_summary(folder)
+        if card is not None:
+            info["card"] = card
     if json_out:
         emit_json(info)
         return
@@ -475,6 +485,8 @@ def inspect(
         method = METHODS.get(manifest["method"])  # None: a method this version does not offer
         for name, text in method.inspect_rows(manifest) if method and method.inspect_rows else []:
             table.add_row(name, text)
+    if card is not None:
+        table.add_row("model card", card_line(card, manifest is not None))
     out_console.print(table)
 
 

@@ -65,6 +65,11 @@ def human_bytes(n: int) -> str:
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
 
 
+def replacing_note(replaced: bool) -> str:
+    """What a success line adds when --force replaced an earlier otdus output."""
+    return " (replacing the earlier otdus output there)" if replaced else ""
+
+
 def fail(message: str, code: int) -> None:
     # one line whatever the message holds (wrapped library errors can span several), and printed as
     # plain text: a message such as "[default]" must not be read as rich markup

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from otdus_cli.card import add_verification, check_card_target
 from otdus_cli.cli.console import (
     JsonFlag,
     emit_json,
@@ -220,6 +221,7 @@ def _evaluate(
     json_out: bool,
     layer_map: str | None = None,
     static: bool = False,
+    card: bool = False,
 ) -> None:
     """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
     from otdus_cli.distributed import current_world
@@ -246,6 +248,8 @@ def _evaluate(
         base_dir = _local_model(base) if base else None
         if (static or claimed is not None) and base_dir is None:
             raise OtdusError(f"{model} has no otdus.json naming its base: give --base")
+        if card:
+            check_card_target(model, static)
         if static:
             from otdus_cli.verify.proof import static_check
 
@@ -271,6 +275,9 @@ def _evaluate(
         _print_ppl(report, json_out)
         _note_token_count(report.metrics, flags, json_out)
         return
+    if card:
+        with user_errors():
+            written = add_verification(Path(model), report.to_dict())
     if json_out:
         emit_json(report.to_dict())
     else:
@@ -292,6 +299,10 @@ def _evaluate(
         colour = "green" if report.exit_code == 0 else "red"
         out_console.print(f"[bold {colour}]{report.verdict}[/]")
         _note_token_count(report.base, flags, json_out)
+        if card:
+            out_console.print(
+                f"card: the verdict was added to {Path(model) / 'README.md'} ({len(written):,} bytes)"
+            )
     if report.exit_code:
         raise typer.Exit(report.exit_code)
 
@@ -372,6 +383,14 @@ def verify(
             "layer map claims it and the check refutes it.",
         ),
     ] = False,
+    card: Annotated[
+        bool,
+        typer.Option(
+            "--card",
+            help="Add the verdict and figures to the model card (README.md) of the verified otdus output "
+            "(a local folder), replacing an earlier verification there.",
+        ),
+    ] = False,
     flags: EvalFlags = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -381,7 +400,7 @@ def verify(
     each layer is matched to the base's by tensor fingerprints. With no --base and no manifest,
     reports the one model's perplexity.
     """
-    _evaluate(expanded, base, True, flags, json_out, layer_map, static)
+    _evaluate(expanded, base, True, flags, json_out, layer_map, static, card)
 
 
 @with_flags(EvalFlags)

@@ -21,6 +21,7 @@ from otdus_cli.cli.console import (
     err_console,
     human_bytes,
     out_console,
+    replacing_note,
     show_progress,
     user_errors,
 )
@@ -48,7 +49,8 @@ def widen(
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB.")] = "5GB",
     revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
     force: Annotated[
-        bool, typer.Option(help="Replace an existing --out, only if it is an earlier otdus output.")
+        bool,
+        typer.Option(help="Replace an existing --out, only if it is an unchanged earlier otdus output."),
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:
@@ -73,6 +75,7 @@ def widen(
     plan = result.plan
     summary = {
         "out": str(result.out),
+        "replaced_earlier_output": result.replaced,
         "source": plan.source.resolved.id,
         "family": plan.source.family.name,
         "experts": [plan.experts, plan.experts * options.factor],
@@ -94,7 +97,8 @@ def widen(
     )
     e, k = summary["experts"], summary["top_k"]
     out_console.print(
-        f"[bold green]wrote[/] {result.out}: {e[0]} -> {e[1]} experts, top-k {k[0]} -> {k[1]} in "
+        f"[bold green]wrote[/] {result.out}{replacing_note(result.replaced)}: "
+        f"{e[0]} -> {e[1]} experts, top-k {k[0]} -> {k[1]} in "
         f"{len(plan.moe_layers)} MoE layers, noise alpha={options.noise:g} ({preserved}), "
         f"{human_bytes(result.bytes_written)} in {result.seconds:.1f} s"
     )

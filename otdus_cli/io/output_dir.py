@@ -4,18 +4,25 @@ otdus never deletes or overwrites what it did not create:
 
 * **claim**: ``--out`` is checked before anything is written. It may not be (or contain, or lie
   inside) the source model, the working directory or one of its parents, a mount point or a
-  symbolic link. If it exists, it is replaced only with ``force`` and only when it is an empty folder
-  or an earlier otdus output (its ``otdus.json`` manifest lists every file it holds). A lock file
-  beside ``--out`` (``.NAME.otdus-lock``, an advisory ``flock`` the kernel releases when its owner
-  dies) makes concurrent runs to one ``--out`` exclusive: the second one is refused.
+  symbolic link; nor may it hold any of the source's files, judged by what they are (real location,
+  device and inode), not by their names: a shard that is a link into ``--out`` protects it. If it
+  exists, it is replaced only with ``force`` and only when it is an empty folder or an earlier otdus
+  output that nobody changed since: its ``otdus.json`` manifest lists every file it holds with the
+  size and hash otdus wrote (io/file_hashes.py). A lock file beside ``--out`` (``.NAME.otdus-lock``,
+  an advisory ``flock`` the kernel releases when its owner dies) makes concurrent runs to one
+  ``--out`` exclusive: the second one is refused. The lock file is created exclusively and never
+  through a link; a file at its name that is not a stale otdus lock is refused, never touched.
 * **temporary folder**: ``.NAME.otdus-tmp-PID@HOST.XXXX`` beside ``--out``: its owner is in its
   name, set atomically with its creation, so the folder of a run killed with SIGKILL is recognised
   and removed by the next run to the same ``--out`` (a folder of a live run, or of another host, is
-  reported, never touched).
+  reported, never touched). The scratch folder of ``expand --experts`` (``.NAME.otdus-deeper-...``)
+  is named and swept alike.
 * **swap**: an atomic rename that fails if something appeared at ``--out`` meanwhile
   (``renameat2(RENAME_NOREPLACE)``), or, with ``--force``, an atomic exchange with the earlier output
-  (``RENAME_EXCHANGE``), whose files are then removed one by one. Signals are held back during the
-  swap and the clean-ups, so an interrupt never leaves a half-swapped or half-removed state.
+  (``RENAME_EXCHANGE``), whose files are then removed one by one (a file that cannot be removed is
+  left in the temporary folder, and a note says where: the new output is in place). Signals are
+  held back during the swap and the clean-ups, so an interrupt never leaves a half-swapped or
+  half-removed state.
 * **clean-up**: any failure or interrupt removes the temporary folder; an ``Interrupted`` exception
   then says exactly what is where.
 """
@@ -26,28 +33,26 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import fcntl
 import json
 import os
 import re
 import shutil
 import signal
 import socket
+import stat
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from otdus_cli.errors import Interrupted, OtdusError
+from otdus_cli.io.file_hashes import file_changes, valid_records
+from otdus_cli.io.output_lock import OutputLock
 
 MANIFEST = "otdus.json"  # also otdus_cli.manifest.MANIFEST (not imported: that module reads JSON)
 TMP_TAG = "otdus-tmp-"
 OLD_TAG = "otdus-old-"
-LOCK_TAG = "otdus-lock"
-# Files an otdus output holds besides those its manifest lists as copied side files.
-_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-_WRITTEN = {"config.json", "model.safetensors.index.json", MANIFEST}
+DEEPER_TAG = "otdus-deeper-"
 # The signals held back while the output is swapped into place (SIGINT, timeout/Slurm's SIGTERM, SIGHUP).
 HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
@@ -76,45 +81,119 @@ def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or path.is_relative_to(folder)
 
 
-def otdus_output_files(folder: Path) -> set[str] | None:
-    """The entries of ``folder`` an earlier otdus run wrote, if it is an otdus output; else None."""
+def _read_manifest(folder: Path) -> dict | None:
+    """The JSON of ``folder``'s otdus manifest (never through a link), or None if it is not one."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        fd = os.open(folder / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            manifest = json.loads(f.read())
     except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(manifest, dict) or "otdus_version" not in manifest:
-        return None
-    copied = manifest.get("copied_files")
-    side = {str(n) for n in copied} if isinstance(copied, list) else set()
-    names = {e.name for e in folder.iterdir()}
-    return {n for n in names if n in _WRITTEN or n in side or _SHARD.fullmatch(n)}
+    finally:
+        os.close(fd)
+    return manifest if isinstance(manifest, dict) and "otdus_version" in manifest else None
 
 
-def _replaceable(out: Path) -> str:
-    """'empty' or 'otdus' when ``force`` may replace ``out``; otherwise one error naming what is there."""
-    if not out.is_dir():
-        raise OtdusError(f"--out {out} is an existing file; otdus writes a folder and replaces only its own")
-    entries = sorted(e.name for e in out.iterdir())
-    if not entries:
-        return "empty"
-    ours = otdus_output_files(out)
-    if ours is None:
+def earlier_output_files(out: Path) -> set[str]:
+    """The entries of the earlier otdus output ``out`` that --force will delete: all of them, when
+    every file its manifest lists is still what otdus wrote and it holds nothing else; otherwise one
+    error saying what is not."""
+    entries = sorted(os.listdir(out))
+    manifest = _read_manifest(out)
+    if manifest is None:
         raise OtdusError(
             f"--out {out} exists and is not an otdus output (no otdus.json manifest; it holds "
             f"{len(entries)} entries, e.g. {entries[0]}); --force replaces only an earlier otdus output or "
             "an empty folder: choose another --out or move the folder yourself"
         )
-    foreign = [e for e in entries if e not in ours or (out / e).is_dir()]
+    records = manifest.get("files")
+    if records is None:
+        # written before otdus recorded hashes: whether its files changed cannot be told, so no
+        raise OtdusError(
+            f"--out {out} was written by an earlier otdus version whose otdus.json records no hashes of "
+            "its files, so otdus cannot tell whether they changed since (a model saved into it?); --force "
+            "replaces only outputs it can check: choose another --out, or move or delete the folder yourself"
+        )
+    if not valid_records(records):
+        raise OtdusError(
+            f"--out {out}: the file list of its otdus.json is damaged, so otdus cannot tell what it wrote "
+            "there; choose another --out, or move or delete the folder yourself"
+        )
+    foreign = [e for e in entries if e != MANIFEST and e not in records]
     if foreign:
         raise OtdusError(
             f"--out {out} is an otdus output but also holds {foreign[0]}, which otdus did not write; "
             "--force never deletes such files: move them out first or choose another --out"
         )
-    return "otdus"
+    changed = file_changes(out, records)
+    if changed:
+        raise OtdusError(
+            f"--out {out} is an otdus output, but {len(changed)} of its files changed since otdus wrote "
+            f"them: {', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}; --force replaces only "
+            "an unchanged otdus output: choose another --out, or move or delete the folder yourself"
+        )
+    return set(entries)
 
 
-def check_target(out: Path, protected: list[Path], force: bool) -> str:
-    """Refuse any --out that could lose data; returns 'absent', 'empty' or 'otdus'."""
+def _replaceable(out: Path) -> tuple[str, set[str]]:
+    """('empty' or 'otdus', the entries --force deletes) when ``force`` may replace ``out``;
+    otherwise one error naming what is there."""
+    if not out.is_dir():
+        raise OtdusError(f"--out {out} is an existing file; otdus writes a folder and replaces only its own")
+    if not os.listdir(out):
+        return "empty", set()
+    return "otdus", earlier_output_files(out)
+
+
+def source_identities(folders: list[Path]) -> dict[tuple[int, int], Path]:
+    """(st_dev, st_ino) -> real location of every entry of the source folders (shards, index,
+    config, side files): what the source is, wherever its names point."""
+    found: dict[tuple[int, int], Path] = {}
+    for folder in folders:
+        try:
+            entries = sorted(Path(folder).iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = os.stat(entry)  # through links: the file itself
+            except OSError:
+                continue
+            found[(st.st_dev, st.st_ino)] = Path(os.path.realpath(entry))
+    return found
+
+
+def _check_identities(out: Path, real: Path, protected: list[Path]) -> None:
+    """Refuse an ``out`` that contains a source file by its real location or holds one by inode
+    (a link, hard or symbolic, between the source and ``out``)."""
+    sources = source_identities(protected)
+    for path in sources.values():
+        if _is_within(path, real):
+            raise OtdusError(
+                f"--out {out} holds {path}, a file of the source model (a link points there); "
+                "the input is never modified: choose another --out"
+            )
+    if not real.is_dir():
+        return
+    for name in sorted(os.listdir(real)):
+        try:
+            st = os.lstat(real / name)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in sources:
+            raise OtdusError(
+                f"--out {out} holds {name}, which is the source model's file "
+                f"{sources[(st.st_dev, st.st_ino)]} (a hard link); the input is never modified: "
+                "choose another --out"
+            )
+
+
+def _claimable(out: Path, protected: list[Path], force: bool) -> tuple[str, set[str]]:
     out = Path(out)
     if out.is_symlink():
         raise OtdusError(f"--out {out} is a symbolic link; give the real folder it should be")
@@ -129,10 +208,11 @@ def check_target(out: Path, protected: list[Path], force: bool) -> str:
             raise OtdusError(f"--out {out} is inside the source model folder; the input is never modified")
         if _is_within(folder, real):
             raise OtdusError(f"--out {out} contains the source model {folder}; the input is never modified")
+    _check_identities(out, real, protected)
     if not absolute.parent.is_dir():
         raise OtdusError(f"parent folder of --out does not exist: {absolute.parent}")
     if not os.path.lexists(out):
-        return "absent"
+        return "absent", set()
     if os.path.ismount(out):
         raise OtdusError(f"--out {out} is a mount point; give a folder inside it")
     if not force:
@@ -143,11 +223,15 @@ def check_target(out: Path, protected: list[Path], force: bool) -> str:
     return _replaceable(absolute)
 
 
-# -- lock and owner records --------------------------------------------------------------------------
-def _owner_record() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+def check_target(out: Path, protected: list[Path], force: bool) -> str:
+    """Refuse any --out that could lose data; returns 'absent', 'empty' or 'otdus'.
+
+    ``protected``: the source model's folders; --out may neither be inside one, contain one, nor
+    hold any of their files (by real location or inode)."""
+    return _claimable(out, protected, force)[0]
 
 
+# -- owner records and stale folders -----------------------------------------------------------------
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -156,60 +240,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # exists, owned by someone else
     return True
-
-
-class OutputLock:
-    """An exclusive advisory lock on one --out, held from the claim to the end of the run."""
-
-    def __init__(self, out: Path):
-        self.out = out
-        self.path = out.parent / f".{out.name}.{LOCK_TAG}"
-        self.fd: int | None = None
-
-    def acquire(self) -> None:
-        for _ in range(10):
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise OtdusError(f"cannot create files in {self.path.parent} ({exc.strerror})") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                holder = _read_record(fd)
-                os.close(fd)
-                who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
-                raise OtdusError(
-                    f"another otdus run ({who}) is writing {self.out}; "
-                    "wait for it to finish or choose another --out"
-                ) from None
-            # the holder before us may have unlinked the file after we opened it: lock the live file
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(_owner_record()).encode(), 0)
-                self.fd = fd
-                return
-            os.close(fd)
-        raise OtdusError(f"cannot lock {self.path} (it keeps changing)")
-
-    def release(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-            os.close(self.fd)  # closing releases the flock
-            self.fd = None
-
-
-def _read_record(fd: int) -> dict | None:
-    """The lock holder's record (pid, host, start), if readable."""
-    try:
-        record = json.loads(os.pread(fd, 4096, 0))
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def owner_prefix(out: Path, tag: str) -> str:
@@ -227,22 +257,60 @@ def _owner_of(folder: Path, out: Path, tag: str) -> tuple[int, str] | None:
 def sweep_stale(out: Path) -> list[str]:
     """Remove temporary folders of dead otdus runs to ``out`` (caller holds the lock); report the rest."""
     notes = []
-    for tag in (TMP_TAG, OLD_TAG):
+    for tag in (TMP_TAG, OLD_TAG, DEEPER_TAG):
         for folder in sorted(out.parent.glob(f".{glob_escape(out.name)}.{tag}*")):
+            if folder in _IN_USE:  # this run's own (expand --experts's scratch folder)
+                continue
+            if folder.is_symlink():  # otdus makes folders there, never links: not ours to remove
+                notes.append(f"{folder} is a symbolic link named like an otdus temporary folder; kept")
+                continue
             owner = _owner_of(folder, out, tag) if folder.is_dir() else None
             if owner is None:
                 notes.append(f"{folder} looks like an otdus temporary folder but names no owner; kept")
                 continue
             pid, host = owner
             if host == socket.gethostname() and not _pid_alive(pid):
-                shutil.rmtree(folder, ignore_errors=True)
-                notes.append(f"removed {folder}, left by an otdus run that died (pid {pid})")
+                notes.append(_remove_dead_runs(folder, pid))
             else:
                 notes.append(
                     f"{folder} belongs to otdus pid {pid} on {host}, which may still run; "
                     "remove it yourself once that run is gone"
                 )
     return notes
+
+
+def _remove_dead_runs(folder: Path, pid: int) -> str:
+    """Remove the folder a dead run left (never following a link inside it); says what happened."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if not os.path.lexists(folder):
+        return f"removed {folder}, left by an otdus run that died (pid {pid})"
+    return f"could not remove all of {folder}, left by an otdus run that died (pid {pid}); delete it yourself"
+
+
+# Folders this process uses beside an output that a sweep must not take for a dead run's.
+_IN_USE: set[Path] = set()
+
+
+@contextlib.contextmanager
+def scratch_folder(out: str | os.PathLike[str]) -> Iterator[Path]:
+    """A folder beside ``out`` for an intermediate output (``expand --experts``'s deeper model),
+    removed at the end; named after its owner, so after a SIGKILL the next run to ``out`` sweeps it."""
+    absolute = Path(os.path.abspath(out))
+    with held_signals() as arrived:  # created and registered together
+        try:
+            folder = Path(tempfile.mkdtemp(prefix=owner_prefix(absolute, DEEPER_TAG), dir=absolute.parent))
+        except OSError as exc:
+            where = absolute.parent
+            raise OtdusError(f"cannot create a scratch folder in {where} ({exc.strerror})") from None
+        _IN_USE.add(folder)
+    try:
+        if arrived() is not None:
+            raise Interrupted(arrived(), f"nothing was written; {out} was not changed")
+        yield folder
+    finally:
+        with held_signals():
+            shutil.rmtree(folder, ignore_errors=True)
+            _IN_USE.discard(folder)
 
 
 def glob_escape(name: str) -> str:
@@ -293,29 +361,42 @@ def _appeared(out: Path) -> OtdusError:
 
 
 def remove_otdus_output(folder: Path, names: set[str]) -> list[str]:
-    """Delete the listed files of an earlier otdus output and the folder if that empties it."""
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
+    """Delete the listed files of an earlier otdus output and the folder if that empties it; the
+    notes say what was left where (the new output is in place by now: nothing here fails the run)."""
+    failed: list[str] = []
+    for name in sorted(names):
+        try:
             (folder / name).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            failed.append(f"{name}: {exc.strerror}")
     try:
         folder.rmdir()
     except OSError:
-        left = sorted(e.name for e in folder.iterdir())
-        return [f"kept {folder}: it holds {', '.join(left[:3])}, which otdus did not write"]
+        if failed:
+            return [
+                f"the new output is in place, but {len(failed)} file(s) of the earlier output could not be "
+                f"deleted ({failed[0]}); they are left in {folder}: delete it yourself"
+            ]
+        with contextlib.suppress(OSError):
+            left = sorted(os.listdir(folder))
+            return [f"kept {folder}: it holds {', '.join(left[:3])}, which otdus did not write"]
+        return [f"kept {folder}: it could not be removed"]
     return []
 
 
-def _swap(tmp: Path, out: Path, expected: str, parent: Path) -> list[str]:
+def _swap(tmp: Path, out: Path, expected: str, protected: list[Path]) -> list[str]:
     """Put the finished ``tmp`` at ``out``; ``expected`` is what the claim found there."""
     if expected == "absent":
         _move_into_place(tmp, out)
         return []
-    if check_target(out, [], True) != expected:  # still what --force was allowed to replace?
+    kind, old_names = _claimable(out, protected, True)  # still what --force was allowed to replace?
+    if kind != expected:
         raise OtdusError(f"{out} changed while this run was writing; it was left untouched")
-    old_names = otdus_output_files(out) if expected == "otdus" else set()
     if _renameat2(tmp, out, _RENAME_EXCHANGE):  # tmp now holds the earlier output
-        return remove_otdus_output(tmp, old_names or set())
-    trash = Path(tempfile.mkdtemp(prefix=owner_prefix(out, OLD_TAG), dir=parent))
+        return remove_otdus_output(tmp, old_names)
+    trash = Path(tempfile.mkdtemp(prefix=owner_prefix(out, OLD_TAG), dir=out.parent))
     os.rename(out, trash / "old")
     try:
         _move_into_place(tmp, out)
@@ -323,7 +404,7 @@ def _swap(tmp: Path, out: Path, expected: str, parent: Path) -> list[str]:
         os.rename(trash / "old", out)
         shutil.rmtree(trash, ignore_errors=True)
         raise
-    notes = remove_otdus_output(trash / "old", old_names or set())
+    notes = remove_otdus_output(trash / "old", old_names)
     if not notes:
         shutil.rmtree(trash, ignore_errors=True)
     return notes
@@ -369,7 +450,8 @@ def staged_output(
 ) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it becomes ``out``, on any failure it vanishes.
 
-    ``protected``: folders that --out may neither be inside of nor contain (the source model).
+    ``protected``: folders that --out may neither be inside of nor contain, nor hold any file of
+    (the source model).
     """
     out = Path(out)
     report = report if report is not None else OutputReport()
@@ -403,7 +485,7 @@ def staged_output(
         raise
     with held_signals() as arrived:
         try:
-            report.add(_swap(tmp, absolute, expected, absolute.parent))
+            report.add(_swap(tmp, absolute, expected, protected))
             report.replaced = expected == "otdus"
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

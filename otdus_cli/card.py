@@ -1,0 +1,421 @@
+"""The model card (``README.md``) of every otdus output: what the Hub and a reader need to know.
+
+Metadata (huggingface_hub's ``ModelCardData``, which the Hub's model tree reads): ``base_model``
+(the source's hub id; for a local or bundled source, the base an otdus-made source names, else
+none), ``library_name: transformers``, tags (``otdus``, ``depth-up-scaling``, the methods) and the
+licence of the source's own card. The body: method and variant, layer map, new and zero-initialised
+parameters, whether the function is preserved, the command that made it, and how to train only the
+new parameters (trainable.py). A source's own README.md describes the source, never this model: it
+is read for its licence only, never copied.
+
+:func:`write_card` is the one place that writes the card: atomically (a temporary file in the same
+folder, then a rename), returning the bytes written, so whatever records the output's files (the
+manifest) can record these bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import tempfile
+import time
+from pathlib import Path
+
+from otdus_cli import __version__
+from otdus_cli.errors import OtdusError
+from otdus_cli.io.file_hashes import file_record
+
+CARD = "README.md"
+MANIFEST = "otdus.json"  # otdus_cli.manifest.MANIFEST (not imported: the CLI imports this module at start-up)
+VERIFICATION = "## Verification by otdus verify"
+# Licences of the bundled models, from their README (which has no card metadata).
+BUNDLED_LICENSES = {"bundled:stories260k": "mit"}
+# The command line of this process, when it is the otdus CLI (set by cli.main); None for the library.
+_invocation: list[str] | None = None
+
+
+def set_invocation(argv: list[str]) -> None:
+    """Record the otdus command line this process runs (``["otdus", "expand", ...]``) for the card."""
+    global _invocation
+    _invocation = list(argv)
+
+
+def _source_card(source_folder: Path | None, source: dict):
+    """The source's own card (for its licence, and the base an otdus-made source names), or None."""
+    from huggingface_hub import ModelCard  # noqa: PLC0415 - seconds of import, only when writing a card
+
+    path = source_folder / CARD if source_folder is not None else None
+    if (path is None or not path.is_file()) and source.get("kind") == "hub":
+        with contextlib.suppress(Exception):  # offline, gated, no card: then no licence to carry over
+            from huggingface_hub import hf_hub_download  # noqa: PLC0415
+
+            path = Path(hf_hub_download(source["id"], CARD, revision=source.get("revision")))
+    if path is None or not path.is_file():
+        return None
+    text = path.read_text(errors="replace")
+    if not text.startswith("---"):  # no metadata block (e.g. the bundled model's README)
+        return None
+    try:
+        return ModelCard(text)
+    except Exception:  # a card whose metadata does not parse has nothing to carry over
+        return None
+
+
+def _base_model(manifest: dict, source_folder: Path | None, source_card) -> str | None:
+    source = manifest["source"]
+    if source.get("kind") == "hub":
+        return source["id"]
+    for record in manifest.get("history") or []:  # chained steps: the first step's hub source
+        first = record.get("source", {}) if isinstance(record, dict) else {}
+        if first.get("kind") == "hub":
+            return first["id"]
+    made_by_otdus = source_folder is not None and (source_folder / MANIFEST).is_file()
+    if made_by_otdus and source_card is not None:
+        return source_card.data.base_model
+    return None
+
+
+def card_data(manifest: dict, source_folder: Path | None):
+    """The card's metadata (ModelCardData) for an output made as ``manifest`` records."""
+    from huggingface_hub import ModelCardData  # noqa: PLC0415
+
+    source = manifest["source"]
+    source_card = _source_card(source_folder, source)
+    methods = [r.get("method") for r in manifest.get("history") or [] if isinstance(r, dict)]
+    tags = ["otdus", "depth-up-scaling"]
+    tags += [m for m in [*methods, manifest["method"]] if isinstance(m, str) and m not in tags]
+    extra = {}
+    license_ = BUNDLED_LICENSES.get(source["id"]) if source.get("kind") == "bundled" else None
+    if source_card is not None:
+        data = source_card.data
+        license_ = data.license or license_
+        extra = {k: getattr(data, k, None) for k in ("license_name", "license_link")}
+    return ModelCardData(
+        base_model=_base_model(manifest, source_folder, source_card),
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=tags,
+        license=license_,
+        **{k: v for k, v in extra.items() if v},
+    )
+
+
+def _command(manifest: dict) -> str:
+    if _invocation is not None:
+        return shlex.join(_invocation)
+    module = "widen" if manifest["method"] == "widen" else "expand"
+    return (
+        f"# made through the Python API (otdus_cli.{module}); its options, as otdus.json records them: "
+        f"{manifest.get('options', {})}"
+    )
+
+
+def _variant(manifest: dict) -> str:
+    options = manifest.get("options", {})
+    own = options.get(manifest["method"]) if isinstance(options, dict) else None
+    variant = own.get("variant") if isinstance(own, dict) else None
+    return f"{manifest['method']} ({variant})" if variant else manifest["method"]
+
+
+def _width(manifest: dict) -> str:
+    """For a widened model: its experts and top-k, before -> after."""
+    widened = manifest.get("widen")
+    if not isinstance(widened, dict):
+        return ""
+    (e0, e1), (k0, k1) = widened["experts"], widened["top_k"]
+    return f", {e0} -> {e1} experts per MoE layer, top-{k0} -> top-{k1} routing"
+
+
+def _layer_table(manifest: dict) -> list[str]:
+    rows = [
+        "| layer | holds base layer | new | built by | zero-initialised |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for lay in manifest["layers"]:
+        parents = lay.get("parents") or []
+        held = f"from {', '.join(map(str, parents))}" if lay["new"] and parents else str(lay["source"])
+        builder = lay.get("builder", "base") + (" (widened)" if lay.get("widened") else "")
+        zero = "yes" if lay.get("zero_init") and lay["new"] else ""
+        rows.append(f"| {lay['index']} | {held} | {'yes' if lay['new'] else ''} | {builder} | {zero} |")
+    return rows
+
+
+def _new_parameters(manifest: dict, folder: Path) -> list[str]:
+    from otdus_cli.io.reader import CheckpointReader  # noqa: PLC0415
+    from otdus_cli.trainable import axolotl_patterns, select  # noqa: PLC0415
+
+    reader = CheckpointReader(folder)
+    chosen = select(manifest, reader.names, reader.config)
+    new_layers = [lay["index"] for lay in manifest["layers"] if lay["new"]]
+    zero_layers = [lay["index"] for lay in manifest["layers"] if lay["new"] and lay.get("zero_init")]
+    lines = [f"{len(chosen.trainable)} tensors are new (the others are copies of the base model's):"]
+    if new_layers:
+        lines.append(f"- every tensor of the new layers {', '.join(map(str, new_layers))}")
+    widened = [
+        n for n in manifest.get("new_parameters", []) if n not in set(_layer_names(chosen, new_layers))
+    ]
+    if widened:
+        lines.append(
+            f"- {len(widened)} tensors of the widened mixture-of-experts blocks: the new experts, and the "
+            "router weights (their rows for the new experts are new; the base's rows are kept)"
+        )
+    if zero_layers:
+        try:
+            zeros = select(manifest, reader.names, reader.config, zero_init_only=True).trainable
+        except OtdusError:
+            zeros = []
+        suffixes = sorted({chosen.layer_of[n][1] for n in zeros})
+        lines.append(
+            f"- zero-initialised (so each new layer starts as the identity): {', '.join(suffixes)} "
+            f"of layers {', '.join(map(str, zero_layers))}"
+        )
+    else:
+        lines.append("- none is zero-initialised")
+    lines += [
+        "",
+        "axolotl's `unfrozen_parameters` for exactly these tensors:",
+        "",
+        "```yaml",
+        "unfrozen_parameters:",
+    ]
+    lines += [f"  - {p}" for p in axolotl_patterns(chosen)] + ["```"]
+    return lines
+
+
+def _layer_names(chosen, layers: list[int]) -> list[str]:
+    wanted = set(layers)
+    return [n for n, (i, _) in chosen.layer_of.items() if i in wanted]
+
+
+def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
+    """The whole card of the output in ``folder`` (its tensors and config written already)."""
+    from huggingface_hub import ModelCard  # noqa: PLC0415
+
+    data = card_data(manifest, source_folder)
+    source = manifest["source"]
+    depth = len(manifest["layers"])
+    base_depth = source.get("num_hidden_layers", depth)
+    preserving = manifest.get("function_preserving")
+    body = [
+        f"# {Path(folder).name.split('.otdus-tmp-')[0].lstrip('.') or 'otdus output'}",
+        "",
+        f"Made with otdus {manifest['otdus_version']} from "
+        f"**{source['id']}**"
+        + (f" (revision `{source['revision']}`)" if source.get("revision") else "")
+        + f" by `{_variant(manifest)}`: {base_depth} -> {depth} layers{_width(manifest)}.",
+        "",
+        "## How it was made",
+        "",
+        "```bash",
+        _command(manifest),
+        "```",
+        "",
+        f"- method: {_variant(manifest)}"
+        + (
+            f", after {', '.join(_variant(r) for r in manifest['history'])}"
+            if manifest.get("history")
+            else ""
+        ),
+        "- function-preserving: "
+        + (
+            "yes: the new model computes the base model's function (`otdus verify` checks it)"
+            if preserving
+            else "no: the new parameters change what the base model computes (continued training is "
+            "expected to recover and improve it)"
+        ),
+        f"- the full record (options, source fingerprints, layer map) is in `{MANIFEST}`",
+        "",
+        "## Layer map",
+        "",
+        *_layer_table(manifest),
+        "",
+        "## New parameters",
+        "",
+        *_new_parameters(manifest, folder),
+        "",
+        "## Train only the new parameters",
+        "",
+        "First train the new parameters alone, the base model's frozen (LLaMA PRO's recipe):",
+        "",
+        "```bash",
+        "otdus trainable . --format axolotl        # unfrozen_parameters for axolotl",
+        "otdus trainable . --format llama-factory  # freeze settings, when they can express this set",
+        "otdus trainable . --format json           # the names, for any other trainer",
+        "```",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "from otdus_cli.trainable import apply",
+        "",
+        'model = AutoModelForCausalLM.from_pretrained("path/to/this/model")',
+        'apply(model, "path/to/this/model")  # requires_grad only on the new parameters',
+        "```",
+    ]
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"))
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in its folder, fsync, rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".otdus-tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_card(folder: str | os.PathLike[str], text: str) -> bytes:
+    """Write ``text`` as ``folder``'s card atomically; the bytes written (the one writer of cards)."""
+    data = text.encode()
+    _replace_atomically(Path(folder) / CARD, data)
+    return data
+
+
+def card_record(data: bytes) -> dict:
+    """What the manifest records of the card otdus wrote (``manifest["card"]``), so a card edited
+    since is told from otdus's own (io/output_dir.py, add_verification)."""
+    return {"file": CARD, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_output_card(folder: Path, manifest: dict, source_folder: Path | None) -> dict:
+    """Write the card of a new output into its staging folder; the manifest's record of it (the
+    pipelines write the manifest after the card)."""
+    return card_record(write_card(folder, card_text(manifest, folder, source_folder)))
+
+
+# -- verify --card --------------------------------------------------------------------------------
+def verification_section(report: dict) -> str:
+    """The card section of one `otdus verify` run (report: VerifyReport.to_dict())."""
+    base, expanded = report["base"], report["expanded"]
+    key = (
+        "word_perplexity"
+        if base.get("protocol") == "wikitext" and base.get("word_perplexity")
+        else "token_perplexity"
+    )
+    lines = [
+        VERIFICATION,
+        "",
+        f"**{report['verdict']}** ({time.strftime('%Y-%m-%d', time.gmtime())}, otdus {__version__}, "
+        f"{report['device']} {report['dtype']})",
+        "",
+        f"Text: {base['corpus']}, {base['protocol']} protocol, {base['n_tokens']:,} tokens scored.",
+        "",
+        "| | base | this model |",
+        "| --- | --- | --- |",
+        f"| {key.replace('_', ' ')} | {base[key]:.6g} | {expanded[key]:.6g} |",
+        f"| token perplexity | {base['token_perplexity']:.6g} | {expanded['token_perplexity']:.6g} |",
+        "",
+        f"- logits bitwise equal to the base's: {'yes' if report['logits_equal'] else 'no'}",
+        f"- largest difference of a scored token's log-probability: {report['logprob_max_abs_diff']:.3g}",
+        f"- parity expected: {'yes' if report['expect_parity'] else 'no'}; tolerance: {report['tolerance']}",
+        f"- base model: {report['base_model']}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
+    """Put one verify run's verdict and figures on the card of the otdus output in ``folder`` (an
+    earlier verification section is replaced); the card's bytes. Refused for a folder that is not an
+    otdus output."""
+    from otdus_cli.manifest import read_manifest  # noqa: PLC0415
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise OtdusError(
+            f"--card: {folder} is not an otdus output (no {MANIFEST}); its README.md is left alone"
+        )
+    path = folder / CARD
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise OtdusError(f"--card: {path} is not a regular file; it is left alone")
+    if path.is_file() and not is_otdus_card(path, manifest):
+        raise OtdusError(
+            f"--card: {path} is not the card otdus wrote (changed since, or older); it is left alone"
+        )
+    text = path.read_text() if path.is_file() else card_text(manifest, folder, None)
+    kept = text.split("\n" + VERIFICATION, 1)[0].rstrip("\n")
+    recorded = manifest["source"].get("path")
+    if recorded and Path(report["base_model"]).resolve() == Path(recorded).resolve():
+        report = {**report, "base_model": manifest["source"]["id"]}  # its name, not this machine's path
+    data = write_card(folder, kept + "\n\n" + verification_section(report))
+    # the manifest records the new card (read raw: every field kept as it was)
+    raw = json.loads((folder / MANIFEST).read_text())
+    raw["card"] = card_record(data)
+    if isinstance(raw.get("files"), dict):  # the size and hash --force checks
+        raw["files"][CARD] = file_record(folder / CARD)
+    _replace_atomically(folder / MANIFEST, (json.dumps(raw, indent=2) + "\n").encode())
+    return data
+
+
+def is_otdus_card(path: Path, manifest: dict) -> bool:
+    """Whether ``path`` holds the card the manifest records (bytes unchanged since otdus wrote them)."""
+    record = manifest.get("card")
+    if not isinstance(record, dict) or record.get("file") != CARD:
+        return False
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest() == record.get("sha256")
+    except OSError:
+        return False
+
+
+def card_summary(folder: str | os.PathLike[str]) -> dict | None:
+    """What `otdus inspect` shows of a folder's card: its metadata and verification verdict."""
+    path = Path(folder) / CARD
+    if not path.is_file():
+        return None
+    from huggingface_hub import ModelCard  # noqa: PLC0415
+
+    text = path.read_text(errors="replace")
+    if not text.startswith("---"):  # a README without card metadata
+        return {"metadata": None, "verified": None}
+    try:
+        card = ModelCard(text)
+    except Exception:
+        return {"metadata": None, "verified": None}
+    data = card.data.to_dict()
+    verified = None
+    if VERIFICATION in card.text:
+        section = card.text.split(VERIFICATION, 1)[1].strip().splitlines()
+        verified = section[0].strip("*").split("**")[0] if section else None
+    keys = ("base_model", "license", "library_name", "tags")
+    return {"metadata": {k: data[k] for k in keys if data.get(k) is not None}, "verified": verified}
+
+
+def check_card_target(model: str, static: bool) -> None:
+    """Refuse `verify --card` before any work when it could not write: --static (no figures), a hub
+    id or bundled model (a cache is not the user's copy), a folder that is not an otdus output."""
+    if static:
+        raise OtdusError("--card records the perplexity comparison, which --static skips; drop one of them")
+    from otdus_cli.manifest import read_manifest  # noqa: PLC0415
+
+    folder = Path(model)
+    if not folder.is_dir():
+        raise OtdusError(f"--card writes into a local otdus output folder; {model} is not a local folder")
+    if read_manifest(folder) is None:
+        raise OtdusError(
+            f"--card: {model} is not an otdus output (no {MANIFEST}); its README.md is left alone"
+        )
+
+
+def card_line(summary: dict, otdus_output: bool) -> str:
+    """card_summary() as one line for `otdus inspect`."""
+    meta = summary.get("metadata")
+    if meta is None:
+        return "README.md without card metadata"
+    parts = [f"base_model {meta.get('base_model', 'none')}", f"license {meta.get('license', 'none')}"]
+    if meta.get("tags"):
+        parts.append("tags " + ", ".join(meta["tags"]))
+    if summary.get("verified"):
+        parts.append(f"verified: {summary['verified']}")
+    elif otdus_output:
+        parts.append("no verification on it (otdus verify --card adds one)")
+    return "; ".join(parts)
