@@ -73,9 +73,10 @@ bench-8b-copy: setup
 	$(PY) scripts/bench.py --model llama-3.1-8b --layers 8 --no-table --methods solar,llama-pro,stack \
 		--note "8B-wide layers, 8 of the 32 (paired copy runs only; the 16-layer entry has the per-command table)"
 
-# kill expansions at random moments (SIGINT, SIGTERM, SIGKILL) on a ~1 GB checkpoint: no data lost
+# kill expand, widen and expand --experts at random moments, start-up included (SIGINT, SIGTERM, SIGHUP,
+# SIGKILL) on tiny synthetic checkpoints: no data lost (--dense llama-3.2-1b --layers 4: ~1 GB source)
 faults: setup
-	$(PY) scripts/fault_inject.py --runs 50
+	$(PY) scripts/fault_inject.py --runs 120
 
 # every causal LM of the installed transformers: tiny model, expand, reload; writes docs/compatibility.md
 # (minutes; tests/test_arch_breadth.py and tests/test_derived.py hold a fast subset)

@@ -42,20 +42,3 @@ class Interrupted(KeyboardInterrupt):
 
     def __str__(self) -> str:
         return f"interrupted by {self.signal_name}" + (f": {self.detail}" if self.detail else "")
-
-
-def raise_interrupted(signum: int, frame: object) -> None:
-    """Signal handler: turn SIGTERM/SIGHUP into an exception, so clean-up runs as for Ctrl-C."""
-    raise Interrupted(signum)
-
-
-def exit_on_signals() -> None:
-    """Install raise_interrupted for SIGTERM and SIGHUP (main thread only; the CLI calls it).
-
-    A signal the process was started with ignored stays ignored: `nohup otdus expand ... &` must
-    survive the log-out's SIGHUP, and a shell's background job its terminal's Ctrl-C (SIGINT, which
-    Python itself then leaves ignored).
-    """
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) != signal.SIG_IGN:
-            signal.signal(sig, raise_interrupted)

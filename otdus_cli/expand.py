@@ -359,14 +359,32 @@ class _Engine:
             self.stats[lay.index] = ctx.stats
 
 
-def copy_side_files(source_folder: Path, folder: Path) -> list[str]:
-    copied = []
-    for path in sorted(source_folder.iterdir()):
+def readable_side_files(source_folder: Path) -> list[Path]:
+    """The source's files an output carries (tokenizer, generation config, licence ...), each checked
+    readable now: one that is not must stop the run before any tensor is written, not after."""
+    try:
+        listed = sorted(source_folder.iterdir())
+    except OSError as exc:
+        raise OtdusError(f"cannot list the model folder {source_folder} ({exc.strerror})") from None
+    found = []
+    for path in listed:
         if not path.is_file() or path.name in _NOT_SIDE_FILES:
             continue
         if any(fnmatch.fnmatch(path.name, p) for p in SIDE_FILE_PATTERNS):
-            shutil.copyfile(path, folder / path.name)  # follows hub-cache symlinks
-            copied.append(path.name)
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+            except OSError as exc:
+                raise OtdusError(f"cannot read {path} ({exc.strerror}); nothing was written") from None
+            found.append(path)
+    return found
+
+
+def copy_side_files(source_folder: Path, folder: Path) -> list[str]:
+    copied = []
+    for path in readable_side_files(source_folder):
+        shutil.copyfile(path, folder / path.name)  # follows hub-cache symlinks
+        copied.append(path.name)
     return copied
 
 
@@ -460,6 +478,7 @@ def expand(
             check_depth_rules(plan.config, source.config, len(plan.layer_map), source.family.per_layer_fields)
             if not world.is_main:
                 return None
+            readable_side_files(source.resolved.folder)
             staged = staged_output(out, protected=[source.resolved.folder], force=force, report=report)
             tmp = claimed.enter_context(staged)
             engines.append(_Engine(plan, tmp, progress, world))  # creates the shard files

@@ -22,6 +22,7 @@ from pathlib import Path
 from otdus_cli.expand import ExpandResult, expand, open_source
 from otdus_cli.io.output_dir import check_target, scratch_folder
 from otdus_cli.options import ExpandOptions
+from otdus_cli.signals import output_in_place
 from otdus_cli.widen import WidenOptions, WidenResult, check_widenable, widen
 
 
@@ -52,6 +53,7 @@ def expand_and_widen(
         deeper = scratch / "deeper"
         step = on_step or (lambda name: None)
         expanded = expand(model, deeper, options, progress=step("expand"), on_note=on_note)
+        output_in_place(None)  # the scratch model is no output: a signal now is an interrupted run
         widened = widen(
             str(deeper),
             out,

@@ -158,6 +158,10 @@ def read_yaml(path: str | Path) -> Any:
         return yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise OtdusError(f"recipe not found: {path}") from None
+    except UnicodeDecodeError:
+        raise OtdusError(f"recipe {path} is not a text file (YAML expected)") from None
+    except OSError as exc:
+        raise OtdusError(f"cannot read recipe {path} ({exc.strerror})") from None
     except yaml.YAMLError as exc:
         raise OtdusError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
 

@@ -34,7 +34,14 @@ SIDE_FILE_PATTERNS = [
     "NOTICE*",
     "USE_POLICY*",
 ]
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# the hub's rules for "owner/name": letters, digits, "-", "_", "."; neither part starts or ends with
+# "-" or ".", nor holds "--" or ".."; at most 96 characters
+_HUB_PART = r"[A-Za-z0-9_](?:[\w.\-]*[A-Za-z0-9_])?"
+_HUB_ID = re.compile(rf"^{_HUB_PART}/{_HUB_PART}$")
+
+
+def is_hub_id(text: str) -> bool:
+    return len(text) <= 96 and "--" not in text and ".." not in text and _HUB_ID.match(text) is not None
 
 
 @dataclass(frozen=True)
@@ -59,12 +66,14 @@ def resolve_source(model: str, revision: str | None = None, kind: str | None = N
         if not path.is_dir():
             raise OtdusError(f"{model} is a file; give the model folder")
         return ResolvedSource(path, str(path), None)
-    if not _HUB_ID.match(model):
+    if not is_hub_id(model):
         raise OtdusError(f"model folder not found: {model}")
     return _download(model, revision)
 
 
 def _download(repo_id: str, revision: str | None) -> ResolvedSource:
+    if not is_hub_id(repo_id):
+        raise OtdusError(f"{repo_id!r} is not a Hugging Face hub id (owner/name)")
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError

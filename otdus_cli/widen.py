@@ -37,7 +37,7 @@ from otdus_cli.arch.config_rules import (
 from otdus_cli.arch.experts import UNGROWABLE_ROUTING_FIELDS, ExpertLayout, expert_layout
 from otdus_cli.card import write_output_card
 from otdus_cli.errors import OtdusError
-from otdus_cli.expand import SourceModel, copy_side_files, open_source, source_record
+from otdus_cli.expand import SourceModel, copy_side_files, open_source, readable_side_files, source_record
 from otdus_cli.io.output_dir import OutputReport, staged_output
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
 from otdus_cli.manifest import read_manifest, seen_from_first_source, write_manifest
@@ -353,6 +353,7 @@ def widen(
         on_plan(plan)
     out = Path(out)
     report = OutputReport(notify=on_note)
+    readable_side_files(source.resolved.folder)
     guarded = [source.resolved.folder, *protected]
     with staged_output(out, protected=guarded, force=force, report=report) as tmp:
         prefetch_config_validation(source.config.get("model_type"))

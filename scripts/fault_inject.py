@@ -1,9 +1,14 @@
 #!/usr/bin/env python
-"""Kill `otdus expand` at random moments and check that no data is ever lost (README: Safety).
+"""Kill `otdus expand`, `widen` and `expand --experts` at random moments and check that no data is
+ever lost (README: Safety).
 
-On a ~1 GB synthetic checkpoint (scripts/make_synthetic.py, Llama-3.2-1B shaped, a few layers),
-each run is a real `otdus expand` process, half of them `--force` onto an earlier output, killed
-after a random delay with SIGINT, SIGTERM, SIGHUP or SIGKILL (or left to finish). After every run:
+On synthetic checkpoints (scripts/make_synthetic.py: a dense one, by default the tiny Llama, or
+`--dense llama-3.2-1b --layers 4` for ~1 GB, and a tiny Mixtral for the MoE commands), each run is a
+real `otdus` process: `expand` (copy, llama-pro or average), `widen` or `expand --experts 2`, about
+half of them `--force` onto an earlier output, killed after a random delay with SIGINT, SIGTERM, SIGHUP
+or SIGKILL (or left to finish). A share of the delays (--startup-share) falls in the first two seconds
+of the process, while Python, Typer, torch, numpy and scipy are being imported; the others span an
+undisturbed run of that command. After every run:
 
 * the source is byte-identical to what it was (SHA-256 of every file): zero lost source bytes;
 * the exit code is 128 + the signal (or 0 when the run finished first; -9 for SIGKILL);
@@ -14,8 +19,13 @@ after a random delay with SIGINT, SIGTERM, SIGHUP or SIGKILL (or left to finish)
 * every output that exists is complete: `otdus verify` passes (the static check, and the
   perplexity run with `--verify full`).
 
-    python scripts/fault_inject.py                 # 50 runs (make faults)
+    python scripts/fault_inject.py --runs 120      # make faults
     python scripts/fault_inject.py --runs 10 --workdir /tmp/faults --keep
+    python scripts/fault_inject.py --dense llama-3.2-1b --layers 4   # ~1 GB dense source
+
+A signal that lands before Python runs any otdus code (the interpreter's own start-up, the first tens
+of milliseconds) kills the process with the default action: exit -signal here, 128 + signal in a
+shell, with nothing written; it is counted apart ("killed in interpreter start-up").
 
 Prints one line per run and a summary; exit 1 if any check failed.
 """
@@ -43,8 +53,15 @@ SIGNALS = {
     "SIGHUP": signal.SIGHUP,
     "SIGKILL": signal.SIGKILL,
 }
-METHODS = (["--method", "copy", "--layers", "2"], ["--method", "llama-pro", "--layers", "2"],
-           ["--method", "average", "--layers", "1"])  # fmt: skip
+# (source, command line after the model) for each kind of run
+COMMANDS = {
+    "copy": ("dense", ["expand", "--method", "copy", "--layers", "2"]),
+    "llama-pro": ("dense", ["expand", "--method", "llama-pro", "--layers", "2"]),
+    "average": ("dense", ["expand", "--method", "average", "--layers", "1"]),
+    "widen": ("moe", ["widen", "--noise", "0"]),
+    "experts": ("moe", ["expand", "--method", "copy", "--layers", "2", "--experts", "2"]),
+}
+STARTUP_S = 2.0
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
@@ -66,12 +83,12 @@ def leftovers(parent: Path, out_name: str) -> set[str]:
     return {p.name for p in parent.iterdir() if p.name.startswith(f".{out_name}.otdus-") and p.name != lock}
 
 
-def make_source(path: Path, layers: int) -> None:
+def make_source(path: Path, shape: str, layers: int | None) -> None:
     if (path / "config.json").is_file():
         return
     subprocess.run(
-        [sys.executable, str(HERE / "make_synthetic.py"), "llama-3.2-1b", "--out", str(path),
-         "--layers", str(layers), "--fill", "fast", "--max-shard-size", "300MB",
+        [sys.executable, str(HERE / "make_synthetic.py"), shape, "--out", str(path),
+         *(["--layers", str(layers)] if layers else []), "--fill", "fast", "--max-shard-size", "300MB",
          "--tokenizer-from", str(STORIES)],
         check=True,
     )  # fmt: skip
@@ -86,8 +103,17 @@ def default_signals() -> None:
             signal.signal(sig, signal.SIG_DFL)
 
 
-def expand_cmd(source: Path, out: Path, method: list[str], force: bool) -> list[str]:
-    return [OTDUS, "expand", str(source), "--out", str(out), *method, *(["--force"] if force else [])]
+def command(kind: str, sources: dict[str, Path], out: Path, force: bool) -> list[str]:
+    source, args = COMMANDS[kind]
+    return [
+        OTDUS,
+        args[0],
+        str(sources[source]),
+        "--out",
+        str(out),
+        *args[1:],
+        *(["--force"] if force else []),
+    ]
 
 
 def verify(out: Path, full: bool) -> tuple[bool, str]:
@@ -108,8 +134,11 @@ def verify(out: Path, full: bool) -> tuple[bool, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=50)
-    ap.add_argument("--layers", type=int, default=4, help="source layers (4: ~1.0 GB in bf16)")
+    ap.add_argument("--runs", type=int, default=120)
+    ap.add_argument("--dense", default="tiny", help="make_synthetic.py shape of the dense source")
+    ap.add_argument("--layers", type=int, default=None, help="dense source layers (llama-3.2-1b 4: ~1.0 GB)")
+    ap.add_argument("--startup-share", type=float, default=0.4,
+                    help="share of runs signalled in the first two seconds of the process")  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/otdus-faults"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verify", choices=("static", "full"), default="static",
@@ -119,38 +148,49 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    source = work / "source"
-    make_source(source, args.layers)
-    source_digest = tree_digest(source)
-    size = sum((source / name).stat().st_size for name in source_digest)
+    sources = {"dense": work / f"source-{args.dense}-{args.layers or 'all'}", "moe": work / "source-moe"}
+    make_source(sources["dense"], args.dense, args.layers)
+    make_source(sources["moe"], "tiny-mixtral", None)
+    digests = {k: tree_digest(p) for k, p in sources.items()}
+    sizes = {k: sum((p / name).stat().st_size for name in digests[k]) for k, p in sources.items()}
     out_parent = work / "outs"
     shutil.rmtree(out_parent, ignore_errors=True)
     out_parent.mkdir()
     out = out_parent / "deeper"
-    print(f"source: {size / 1e9:.2f} GB in {len(source_digest)} files; {args.runs} runs", flush=True)
+    print(
+        f"sources: {', '.join(f'{k} {sizes[k] / 1e6:.1f} MB' for k in sources)}; {args.runs} runs", flush=True
+    )
 
-    # how long an undisturbed run takes, per method: the kill delays are drawn over that span
+    # how long an undisturbed run takes, per command: the kill delays are drawn over that span
     durations = {}
-    for method in METHODS:
+    for kind in COMMANDS:
         t = time.monotonic()
-        subprocess.run(expand_cmd(source, out, method, True), check=True, capture_output=True)
-        durations[tuple(method)] = time.monotonic() - t
-    print("undisturbed: " + ", ".join(f"{m[1]} {d:.1f} s" for m, d in durations.items()), flush=True)
+        subprocess.run(command(kind, sources, out, out.exists()), check=True, capture_output=True)
+        durations[kind] = time.monotonic() - t
+    print("undisturbed: " + ", ".join(f"{k} {d:.1f} s" for k, d in durations.items()), flush=True)
 
     failures: list[str] = []
     stale: set[str] = set()  # temporary folders SIGKILLed runs left, not yet swept
     reported: set[str] = set()
     counts: dict[str, int] = {}
+    codes: dict[int, int] = {}
+    kinds: dict[str, int] = {}
+    lost_outputs = 0
+    startup_runs = 0
+    before_python = 0  # killed by the default action before any otdus code ran
     verified = 0
     for run in range(args.runs):
-        method = list(rng.choice(METHODS))
+        kind = rng.choice(list(COMMANDS))
+        kinds[kind] = kinds.get(kind, 0) + 1
         force = out.exists() and rng.random() < 0.5
         if out.exists() and not force:
             shutil.rmtree(out)  # the harness's own cleanup between runs: otdus never does this
         before = tree_digest(out) if force else None
         sig_name = rng.choice(list(SIGNALS))
-        delay = rng.uniform(0, 1.1 * durations[tuple(method)])
-        proc = subprocess.Popen(expand_cmd(source, out, method, force), stdout=subprocess.PIPE,
+        startup = rng.random() < args.startup_share
+        startup_runs += startup
+        delay = rng.uniform(0, STARTUP_S) if startup else rng.uniform(0, 1.1 * durations[kind])
+        proc = subprocess.Popen(command(kind, sources, out, force), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)  # fmt: skip
         try:
             proc.wait(timeout=delay)
@@ -160,13 +200,24 @@ def main(argv: list[str] | None = None) -> int:
         stderr = proc.stderr.read()
         outcome = "finished" if code == 0 else sig_name
         counts[outcome] = counts.get(outcome, 0) + 1
+        codes[code] = codes.get(code, 0) + 1
         problems = []
 
-        if tree_digest(source) != source_digest:
-            problems.append("SOURCE CHANGED")
+        for k, p in sources.items():
+            if tree_digest(p) != digests[k]:
+                problems.append(f"SOURCE CHANGED ({k})")
+        # -signal for a catchable one: the default action, before otdus installed its handlers (only
+        # in the interpreter's own start-up: then nothing was written and stderr is empty)
+        caught_early = code == -SIGNALS[sig_name] and sig_name != "SIGKILL"
+        before_python += caught_early
+        if caught_early and (stderr.strip() or leftovers(out_parent, out.name)):
+            problems.append("killed by the default action after otdus had started")
         expected = {0, 128 + SIGNALS[sig_name], -SIGNALS[sig_name]}
         if code not in expected:
             problems.append(f"exit {code}: {stderr.strip()[-200:]}")
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        if code not in (0, -SIGNALS[sig_name]) and len(lines) > 1 + stderr.count(", left by an otdus run"):
+            problems.append(f"{len(lines)} lines on stderr")
         # a signal in Python's own start-up (before any otdus code: importing `site`) is the
         # interpreter's to report; nothing was written yet
         if "Traceback" in stderr and "init_import_site" not in stderr:
@@ -188,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
             unchanged = before is not None and tree_digest(out) == before
             if before is not None and not unchanged and "was not changed" in stderr:
                 problems.append("said the earlier output was not changed, but it was")
+                lost_outputs += 1
+            # a caught signal after the swap says so; SIGKILL after it leaves the new output, whole
+            interrupted = code == 128 + SIGNALS[sig_name]
+            if before is not None and not unchanged and interrupted and "already finished" not in stderr:
+                problems.append("an interrupted --force run changed the earlier output")
+                lost_outputs += 1
             if not unchanged:
                 ok, what = verify(out, args.verify == "full")
                 verified += ok
@@ -195,13 +252,17 @@ def main(argv: list[str] | None = None) -> int:
                     problems.append(f"output in place but verify fails: {what[:200]}")
             if before is None and "was not created" in stderr:
                 problems.append("said the output was not created, but it exists")
+        if before is not None and not out.exists():
+            problems.append("the earlier output is gone")
+            lost_outputs += 1
         status = "ok" if not problems else "FAIL: " + "; ".join(problems) + f"\n    stderr: {stderr.strip()}"
-        print(f"run {run + 1:3d}: {' '.join(method[:2])}{' --force' if force else ''} {sig_name} after "
-              f"{delay:5.2f} s -> exit {code} ({outcome}) {status}", flush=True)  # fmt: skip
+        when = f"{sig_name} after {delay:5.2f} s{' (start-up)' if startup else ''}"
+        what = f"{kind}{' --force' if force else ''}"
+        print(f"run {run + 1:3d}: {what} {when} -> exit {code} ({outcome}) {status}", flush=True)
         failures += [f"run {run + 1}: {p}" for p in problems]
 
     # a last undisturbed run sweeps what SIGKILLed runs left, and says so
-    final = subprocess.run(expand_cmd(source, out, METHODS[0], out.exists()), capture_output=True, text=True)
+    final = subprocess.run(command("copy", sources, out, out.exists()), capture_output=True, text=True)
     for name in re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", final.stderr):
         reported.add(name)
         stale.discard(name)
@@ -212,10 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(
             f"unreported leftovers: {sorted(rest | stale)}; final run said: {final.stderr.strip()}"
         )
-    lost = 0 if tree_digest(source) == source_digest else size
+    lost = sum(sizes[k] for k, p in sources.items() if tree_digest(p) != digests[k])
     print()
     print(f"runs: {args.runs} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})")
+    print(f"commands: {', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}; signalled in start-up "
+          f"(first {STARTUP_S:.0f} s): {startup_runs}")  # fmt: skip
+    print(f"exit codes: {', '.join(f'{k}: {v}' for k, v in sorted(codes.items()))} "
+          f"(killed in interpreter start-up, before otdus code: {before_python})")  # fmt: skip
     print(f"lost source bytes: {lost}")
+    print(f"lost earlier outputs: {lost_outputs}")
     print(f"temporary folders of SIGKILLed runs: {len(reported)}, all removed and reported: {not stale}")
     print(f"unreported leftovers: {len(rest | stale)}")
     print(f"outputs in place verified ({args.verify}): {verified}, failed: "

@@ -23,7 +23,7 @@ from otdus_cli.cli.evaluation import ppl, verify
 from otdus_cli.cli.handoff import trainable
 from otdus_cli.cli.research import diagnose, study
 from otdus_cli.cli.widening import widen
-from otdus_cli.errors import exit_on_signals
+from otdus_cli.signals import exit_on_signals
 
 # The parser's error class, found from the one Typer exports (Typer >= 0.20 vendors its own click).
 UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")

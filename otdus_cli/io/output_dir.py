@@ -48,6 +48,7 @@ from pathlib import Path
 from otdus_cli.errors import Interrupted, OtdusError
 from otdus_cli.io.file_hashes import file_changes, valid_records
 from otdus_cli.io.output_lock import OutputLock
+from otdus_cli.signals import output_in_place
 
 MANIFEST = "otdus.json"  # also otdus_cli.manifest.MANIFEST (not imported: that module reads JSON)
 TMP_TAG = "otdus-tmp-"
@@ -456,6 +457,7 @@ def staged_output(
     out = Path(out)
     report = report if report is not None else OutputReport()
     check_target(out, protected, force)  # fail fast, before taking the lock
+    output_in_place(None)
     absolute = Path(os.path.abspath(out))
     lock = OutputLock(absolute)
     expected = "absent"
@@ -487,6 +489,7 @@ def staged_output(
         try:
             report.add(_swap(tmp, absolute, expected, protected))
             report.replaced = expected == "otdus"
+            output_in_place(f"the run had already finished: {out} is complete and in place")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

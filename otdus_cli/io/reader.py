@@ -138,6 +138,22 @@ class CheckpointReader:
             if not shard.is_file():
                 raise OtdusError(f"missing shard {shard.name} (listed in {SAFE_INDEX})")
             headers[shard], _ = read_header(str(shard))
+        # transformers reads every tensor of every shard: one the index does not list, or one stored
+        # twice, would make the loaded model differ from the one otdus reads
+        seen: dict[str, Path] = {}
+        for shard, header in headers.items():
+            for name in header:
+                if name in seen:
+                    raise OtdusError(
+                        f"tensor {name} is stored twice, in {seen[name].name} and {shard.name}; "
+                        "which copy a loader takes is undefined"
+                    )
+                seen[name] = shard
+                if name not in weight_map:
+                    raise OtdusError(
+                        f"{shard.name} holds tensor {name}, which {SAFE_INDEX} does not list; "
+                        "fix the index (or remove the tensor)"
+                    )
         for name, shard in weight_map.items():
             info = headers[shard].get(name)
             if info is None:

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from otdus_cli.arch.dims import check_dimensions
 from otdus_cli.arch.families import DEPTH_FIELDS, Family
 from otdus_cli.arch.wrappers import text_config, text_model_prefix
 from otdus_cli.errors import OtdusError
@@ -133,7 +134,9 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
     others.sort()
     head = [n for n in others if "embed" in n]
     tail = [n for n in others if "embed" not in n]
-    return LayerStack(reader, family, layers, head, tail, after_stack)
+    stack = LayerStack(reader, family, layers, head, tail, after_stack)
+    check_dimensions(stack, config)
+    return stack
 
 
 _NUMBERED = re.compile(r"(.+?\.)(\d+)\.")

@@ -57,7 +57,7 @@ def parse_size(text: str | int) -> int:
         unit, number = "B", s
     try:
         value = int(float(number) * _UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "inf"
         raise OtdusError(f"cannot read size {text!r} (examples: 5GB, 500MB, 2GiB)") from None
     if value <= 0:
         raise OtdusError(f"size must be positive, got {text!r}")

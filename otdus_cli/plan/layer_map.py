@@ -6,6 +6,7 @@ so `otdus plan` can show it and every bad request fails before output exists.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -46,8 +47,8 @@ def _count(base_layers: int, layers: int | None, ratio: float | None) -> int:
     if layers is not None and ratio is not None:
         raise OtdusError("give --layers or --ratio, not both")
     if ratio is not None:
-        if ratio <= 0:
-            raise OtdusError(f"--ratio must be positive, got {ratio}")
+        if not math.isfinite(ratio) or ratio <= 0:
+            raise OtdusError(f"--ratio must be a positive number, got {ratio}")
         count = round(base_layers * ratio)
     else:
         count = base_layers // 2 if layers is None else layers

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from otdus_cli.arch.wrappers import text_config
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
@@ -88,12 +89,29 @@ def make_plan(
     corpus = corpus if corpus is not None else wikitext_corpus()
     if protocol == "wikitext":
         tokenization = wikitext_tokenization(lm_eval, reader_config, tok, max_length)
-        return plan_rolling(corpus, tok, tokenization, max_docs=max_docs, max_tokens=max_tokens)
-    if protocol == "token":
+        plan = plan_rolling(corpus, tok, tokenization, max_docs=max_docs, max_tokens=max_tokens)
+    elif protocol == "token":
         cap = model_max_positions(reader_config)
         length = min(seq_len, cap) if cap else seq_len
-        return plan_token(corpus, tok, length, mode=token_mode, max_docs=max_docs, max_tokens=max_tokens)
-    raise OtdusError(f"unknown protocol {protocol!r} (wikitext, token)")
+        plan = plan_token(corpus, tok, length, mode=token_mode, max_docs=max_docs, max_tokens=max_tokens)
+    else:
+        raise OtdusError(f"unknown protocol {protocol!r} (wikitext, token)")
+    _check_ids_fit(plan, reader)
+    return plan
+
+
+def _check_ids_fit(plan: EvalPlan, reader: CheckpointReader) -> None:
+    """A token id past the embedding's rows cannot be looked up: the tokenizer is not this model's."""
+    embeddings = [n for n in reader.names if n.endswith(("embed_tokens.weight", "wte.weight"))]
+    rows = reader.meta(embeddings[0]).shape[0] if embeddings else text_config(reader.config).get("vocab_size")
+    if not isinstance(rows, int):
+        return
+    largest = max((max(w.input_ids, default=-1) for w in plan.windows), default=-1)
+    if largest >= rows:
+        raise OtdusError(
+            f"the tokenizer of {reader.folder} gives token id {largest}, but the model's embedding has "
+            f"{rows} rows: the tokenizer does not belong to this model"
+        )
 
 
 # -- how a run computes -----------------------------------------------------------------------------

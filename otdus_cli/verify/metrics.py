@@ -122,6 +122,18 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 
 # -- lm-eval rolling windows ----------------------------------------------------------------------
+# More characters than any tokenizer puts in one token on average over a text: a document longer than
+# this many characters per token still wanted is cut before tokenising (--max-tokens bounds the work)
+CHARS_PER_TOKEN_BOUND = 64
+
+
+def _prefix_at_space(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, at the last whitespace when there is one."""
+    head = text[:limit]
+    space = max(head.rfind(" "), head.rfind("\n"))
+    return head[:space] if space > 0 else head
+
+
 def rolling_windows(
     tokens: Sequence[int], prefix_token: int, max_length: int
 ) -> list[tuple[list[int], list[int]]]:
@@ -169,9 +181,15 @@ def plan_rolling(
     words: list[int] = []
     nbytes: list[int] = []
     scored = 0
+    cut = None
     for d, page in enumerate(docs):
         if max_tokens is not None and scored >= max_tokens:
             break
+        if max_tokens is not None and len(page) > (max_tokens - scored) * CHARS_PER_TOKEN_BOUND:
+            # one huge document would be tokenised whole: keep a prefix that surely holds the tokens
+            # still wanted (its words and bytes are what is counted)
+            page = _prefix_at_space(page, (max_tokens - scored) * CHARS_PER_TOKEN_BOUND)
+            cut = d
         text = wikitext_detokenize(page) if detokenize else page
         tokens = tokenization.encode(tokenizer, text)
         for inp, tgt in rolling_windows(tokens, tokenization.prefix_token_id, max_length):
@@ -180,6 +198,8 @@ def plan_rolling(
         words.append(count_words(page))
         nbytes.append(count_bytes(page))
     settings = {**tokenization.settings(), "detokenize": detokenize, "max_tokens": max_tokens}
+    if cut is not None:
+        settings["cut_document"] = cut  # scored in part: a prefix of it
     return EvalPlan(
         "wikitext", corpus.name, windows, words, nbytes, max_length, settings, tokenization.reproduces
     )

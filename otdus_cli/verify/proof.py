@@ -97,6 +97,17 @@ def check_recorded_base(manifest: dict | None, base: LayerStack) -> list[str]:
     prints = source.get("fingerprints")
     if not (isinstance(prints, dict) and prints.get("scheme") == SCHEME):
         return _check_file_hashes(source, base, not_it)
+    layers, other = prints.get("layers") or [], prints.get("other") or {}
+    if not (
+        isinstance(layers, list)
+        and all(isinstance(x, str) for x in layers)
+        and isinstance(other, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in other.items())
+    ):
+        raise OtdusError(
+            f"{MANIFEST} is damaged (source.fingerprints: layers must be a list of hashes, other a table "
+            "of tensor names to hashes); it cannot be trusted"
+        )
     made = ["tensor fingerprints"]
     recorded_config = source.get("config")
     if isinstance(recorded_config, dict):
@@ -104,7 +115,6 @@ def check_recorded_base(manifest: dict | None, base: LayerStack) -> list[str]:
         difference = _config_difference(base.config, recorded_config)
         if difference:
             raise WrongBase(f"{not_it}: {difference}")
-    layers = prints.get("layers") or []
     if len(layers) != base.depth:
         raise WrongBase(f"{where} has {base.depth} layers; the expansion was made from {len(layers)}")
     for layer, recorded in zip(base.layers, layers, strict=True):
@@ -113,7 +123,7 @@ def check_recorded_base(manifest: dict | None, base: LayerStack) -> list[str]:
                 f"{not_it}: its layer {layer.index} differs from the recorded fingerprint "
                 "(modified or retrained since?)"
             )
-    for name, recorded in (prints.get("other") or {}).items():
+    for name, recorded in other.items():
         if name not in base.reader or tensor_fingerprint(base.reader, name) != recorded:
             raise WrongBase(f"{not_it}: its {name} differs from the recorded fingerprint")
     return made

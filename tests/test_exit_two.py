@@ -1,0 +1,87 @@
+"""Bad input that used to end in exit 3 ("unexpected ..."): each is one `error:` line and exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import no_output_left, one_error_line
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from otdus_cli.cli import app
+
+runner = CliRunner()
+
+
+def run_cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("model", ["x/..", "org/name.", "a--b/c", "org/.name"])
+def test_malformed_hub_ids(tmp_path, model, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    one_error_line(run_cli("expand", model, "--out", tmp_path / "out"), 2, model)
+    no_output_left(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--max-shard-size", "inf"], "cannot read size 'inf'"), (["--ratio", "inf"], "--ratio must be")],
+)
+def test_infinite_numbers(stories, tmp_path, flags, message):
+    one_error_line(
+        run_cli("expand", stories, "--out", tmp_path / "out", "--method", "copy", *flags), 2, message
+    )
+    no_output_left(tmp_path)
+
+
+def test_a_binary_recipe(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(bytes(range(256)) * 4)
+    one_error_line(run_cli("expand", "--recipe", recipe, "--out", tmp_path / "out"), 2, "not a text file")
+    no_output_left(tmp_path)
+
+
+def test_an_unreadable_side_file_stops_the_run_before_any_tensor(stories, tmp_path):
+    side = stories / "tokenizer.json"
+    side.unlink()
+    side.symlink_to("/proc/self/mem")  # a file every read of fails (EIO), even for root
+    one_error_line(
+        run_cli("expand", stories, "--out", tmp_path / "out", "--method", "copy"), 2, "cannot read"
+    )
+    no_output_left(tmp_path)
+
+
+@pytest.fixture()
+def small_vocab(stories) -> Path:
+    """stories260K with half its embedding rows (and vocab_size saying so): its tokenizer gives ids past
+    the embedding."""
+    weights = stories / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:256].clone()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config = json.loads((stories / "config.json").read_text())
+    (stories / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
+    return stories
+
+
+@pytest.mark.parametrize("command", ["ppl", "verify"])
+def test_a_tokenizer_larger_than_the_embedding(small_vocab, command):
+    result = run_cli(command, small_vocab, "--max-tokens", "64")
+    one_error_line(result, 2, "the tokenizer does not belong to this model")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [{"other": [1, 2]}, {"layers": 5}, {"layers": [[1]] * 5}, {"other": {"lm_head.weight": 7}}],
+)
+def test_malformed_manifest_fingerprints(stories, tmp_path, damage):
+    out = tmp_path / "out"
+    assert run_cli("expand", stories, "--out", out, "--method", "copy").exit_code == 0
+    manifest = json.loads((out / "otdus.json").read_text())
+    manifest["source"]["fingerprints"].update(damage)
+    (out / "otdus.json").write_text(json.dumps(manifest))
+    one_error_line(run_cli("verify", out, "--base", stories, "--static"), 2, "otdus.json is damaged")
