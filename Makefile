@@ -17,7 +17,7 @@ COMPAT_TESTS := tests/test_verify_streaming.py tests/test_verify_compare.py test
 	tests/test_trainable.py \
 	--deselect tests/test_verify_cli.py::test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint
 
-.PHONY: setup setup-compat demo test test-main test-compat lint bench bench-copy bench-8b-copy faults coverage \
+.PHONY: setup setup-compat demo test test-main test-compat check-docs lint bench bench-copy bench-8b-copy faults coverage \
 	lm-eval-check lm-eval-record clean
 
 setup: $(VENV)/.installed
@@ -51,6 +51,12 @@ test-main: setup
 test-compat: setup-compat
 	$(COMPAT_PY) -c "import transformers; print('transformers', transformers.__version__)"
 	OMP_NUM_THREADS=1 $(COMPAT_PY) -m pytest $(COMPAT_TESTS)
+
+# every command block of README.md and docs/*.md, run from a fresh clone of HEAD, offline, long ones
+# with quick options (scripts/check_docs.py --list shows what runs, what is shortened or skipped and
+# why); `make test` runs the quick part (tests/test_docs.py)
+check-docs: setup
+	$(PY) scripts/check_docs.py
 
 lint: setup
 	$(VENV)/bin/ruff check otdus_cli tests scripts

@@ -108,27 +108,6 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def device(self, requested: str | None) -> str | None:
-        """This rank's compute device for ``requested`` (auto, cpu, cuda, cuda:N): with several ranks,
-        "auto" and a bare "cuda" mean the GPU of index LOCAL_RANK (one GPU per rank on a node), or
-        the one GPU a rank sees (Slurm's --gpus-per-task binds one to each rank as cuda:0)."""
-        if self.size == 1 or requested is None:
-            return requested
-        if str(requested) in ("auto", "cuda"):
-            import torch  # noqa: PLC0415 - heavy import
-
-            if torch.cuda.is_available():
-                count = torch.cuda.device_count()
-                if count == 1:
-                    return "cuda:0"
-                if self.local_rank >= count:
-                    raise OtdusError(
-                        f"rank {self.rank}: local rank {self.local_rank} but this node has {count} GPU(s); "
-                        "start at most one process per GPU"
-                    )
-                return f"cuda:{self.local_rank}"
-        return requested
-
     # -- exchanges ----------------------------------------------------------------------------------
     def _all_gather(self, obj: object) -> list:
         if self._group is None:

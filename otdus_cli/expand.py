@@ -32,6 +32,7 @@ from otdus_cli.arch.config_rules import (
 )
 from otdus_cli.arch.families import family_for
 from otdus_cli.card import write_output_card
+from otdus_cli.device import resolve_device
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import stack_fingerprints
@@ -197,20 +198,6 @@ class ExpandResult:
     replaced: bool = False  # --force replaced an earlier (unchanged) otdus output at ``out``
 
 
-def resolve_device(name: str) -> torch.device:
-    import torch  # noqa: PLC0415 - copy-type expansions never need torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise OtdusError(f"unknown device {name!r} (auto, cpu, cuda, cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise OtdusError(f"--device {name}: no CUDA GPU is available here")
-    return device
-
-
 def _built(lay: OutputLayer) -> bool:
     return lay.builder not in ("base", "copy")
 
@@ -275,8 +262,8 @@ class _Engine:
         builders = {method.builder: method.make_builder()} if built else {}
         # copy-type plans move bytes only: no torch (seconds of import) unless a device was named
         named = self.plan.options.device
-        # several ranks: "auto"/"cuda" is this rank's GPU (distributed.World.device)
-        device = resolve_device(self.world.device(named)) if builders or named != "auto" else None
+        # several ranks: "auto"/"cuda" is this rank's GPU (otdus_cli.device)
+        device = resolve_device(named, self.world) if builders or named != "auto" else None
         # start-up ends here: for copy-type methods the next thing is the first tensor byte moving
         self.first_byte_at = time.time()
         self.first_byte_cpu_s = time.process_time()
@@ -457,6 +444,8 @@ def expand(
     nothing left behind."""
     options = options or ExpandOptions()
     world = current_world() if world is None else world
+    if options.device not in ("auto", "cpu"):
+        resolve_device(options.device, world)  # a GPU that is not there fails before the model is read
     start = time.perf_counter()
     out = Path(out)
     report = OutputReport(notify=on_note)

@@ -36,9 +36,9 @@ import warnings
 
 import torch
 
+from otdus_cli.device import resolve_device
 from otdus_cli.transport.cost import paper_cost, raw_cost
 from otdus_cli.transport.sinkhorn import sinkhorn
-from otdus_cli.transport.solve import resolve_device
 from otdus_cli.transport.stats import marginal_errors
 
 LLAMA_8B = {

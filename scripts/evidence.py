@@ -34,7 +34,7 @@ RECIPES = {
     "table6": ROOT / "recipes" / "study-table6.yaml",
     "interpose-stack": ROOT / "recipes" / "study-interpose-stack.yaml",
 }
-DIAGNOSE_TEXT = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_train_head_2MiB.txt"
+DIAGNOSE_TEXT = "bundled:tinystories-train-2mib"
 DIAGNOSE_TOKENS = 8192
 PLANTED_TEXT = "bundled:tinystories-sample"
 
@@ -105,11 +105,10 @@ def run_diagnoses() -> None:
     t0, load = time.perf_counter(), _load()
     result = diagnose(
         "bundled:stories260k",
-        str(DIAGNOSE_TEXT),
+        DIAGNOSE_TEXT,
         max_tokens=DIAGNOSE_TOKENS,
         png=out / "stories260k_weight_norms.png",
     )
-    result.text = os.path.relpath(result.text, ROOT)  # the same on every machine
     result.figures = [os.path.relpath(f, ROOT) for f in result.figures]
     (out / "stories260k.json").write_text(result.to_json() + "\n")
     with (out / "stories260k.txt").open("w") as fh:

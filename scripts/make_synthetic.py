@@ -31,6 +31,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -238,6 +239,11 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+# tiny models' vocabulary: the bundled stories260K tokenizer's (copied into them unless --tokenizer-from)
+TINY_VOCAB = 512
+BUNDLED_TOKENIZER = Path(__file__).resolve().parent.parent / "otdus_cli" / "data" / "stories260k"
+
+
 def _tiny(base: str, **over) -> dict:
     """A few-KB model of the same family: same tensor names and config fields, tiny sizes."""
     cfg = copy.deepcopy(CONFIGS[base])
@@ -248,7 +254,7 @@ def _tiny(base: str, **over) -> dict:
         num_key_value_heads=2,
         num_hidden_layers=4,
         max_position_embeddings=512,
-        vocab_size=512,  # matches the stories260k tokenizer, so --tokenizer-from works with it
+        vocab_size=TINY_VOCAB,  # the stories260k tokenizer's, which tiny models get by default
         bos_token_id=1,
         eos_token_id=2,
     )
@@ -646,6 +652,9 @@ def write_checkpoint(
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump(generation_config(cfg), f, indent=2)
         f.write("\n")
+    if tokenizer_from is None and cfg.get("vocab_size") == TINY_VOCAB:
+        # a tiny model gets the bundled stories260K tokenizer (its 512 ids), so it can be verified as is
+        tokenizer_from = str(BUNDLED_TOKENIZER)
     tok = copy_tokenizer(tokenizer_from, out) if tokenizer_from else []
     return {
         "model": name,
@@ -671,7 +680,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--max-shard-size", default="5GB", help="hub-style shard limit: 5GB, 500MB, 100KiB, ...")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer-from", default=None, help="copy tokenizer files from this directory")
+    ap.add_argument(
+        "--tokenizer-from",
+        default=None,
+        help="copy tokenizer files from this directory (tiny-* models: the bundled stories260K's by default)",
+    )
     ap.add_argument(
         "--fill",
         choices=("randn", "fast"),

@@ -32,7 +32,7 @@ RUN = (
 def otdus_with_scale(tmp_path):
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("### Adding a method") :]
-    code = re.search(r"```python\n(# otdus_cli/methods/scale.py\n.*?)```", section, re.S)
+    code = re.search(r"```python\n(# scale.py, a new module of the package otdus_cli.methods\n.*?)```", section, re.S)
     assert code, "README's example module"
     (tmp_path / "scale.py").write_text(code.group(1))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}

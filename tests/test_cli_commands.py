@@ -118,8 +118,9 @@ def test_diagnose_through_the_cli(tmp_path):
     for value in pair["mlp"].values():
         assert -1.0 <= value <= 1.0
     assert data["warnings"] == []
-    # every adjacent pair, as tables; the bundled sample has fewer tokens than asked: a warning
-    shown = invoke("diagnose", "bundled:stories260k", "--max-tokens", "100000", "--seq-len", "64")
+    # every adjacent pair, as tables; the five-story sample has fewer tokens than asked: a warning
+    sample = ["--text", "bundled:tinystories-sample"]
+    shown = invoke("diagnose", "bundled:stories260k", *sample, "--max-tokens", "100000", "--seq-len", "64")
     text = shown.stdout
     assert "warning:" in shown.stderr and "fewer than the 100,000 asked" in shown.stderr
     for title in ("MLP neuron correlation", "attention heads", "transport plan entropy", "weight norm"):
@@ -127,6 +128,26 @@ def test_diagnose_through_the_cli(tmp_path):
     assert all(f"{i}-{i + 1}" in text for i in range(4))
     bad = runner.invoke(app, [*common, "--pair", "1,3"])
     assert bad.exit_code == 2 and "two adjacent layer indices" in bad.stderr
+
+
+def test_diagnose_defaults_give_the_tokens_they_ask_for():
+    """README's `otdus diagnose bundled:stories260k` always warned: its default text (five stories) was
+    shorter than its default --max-tokens."""
+    shown = invoke("diagnose", "bundled:stories260k", "--pair", "3,4", "--json")
+    data = json.loads(shown.stdout)
+    assert data["warnings"] == [] and "warning" not in shown.stderr
+    assert data["tokens"] == 4096 and data["text"] == "bundled:tinystories-train-2mib"
+
+
+def test_expand_json_names_new_parameters_as_the_manifest_does(tmp_path):
+    """--json's new_parameters was a count where otdus.json's is a list of names."""
+    out = tmp_path / "out"
+    data = json.loads(
+        invoke("expand", "bundled:stories260k", "--out", out, "--method", "copy", "--json").stdout
+    )
+    manifest = json.loads((out / "otdus.json").read_text())
+    assert data["new_parameters"] == manifest["new_parameters"] and data["new_parameters"]
+    assert data["new_parameter_count"] == len(manifest["new_parameters"])
 
 
 def test_study_flags_override_a_recipe(tmp_path):

@@ -27,7 +27,7 @@ def test_help_lists_options_with_defaults(command):
         ):
             assert default in text, default
     if command == "verify":
-        assert "[default: wikitext]" in text and "[default: 2048]" in text
+        assert "[default: wikitext]" in text and "[default: 2048" in text
 
 
 def test_version_plain_and_json():
@@ -50,7 +50,7 @@ def _params(command: str) -> dict:
 def _shown(param) -> str:
     """The default a hand-written help string shows, "[default: X]" (options whose real default is
     None so that recipes can fill them)."""
-    match = re.search(r"\\\[default: ([^\]]+)\]", param.help or "")
+    match = re.search(r"\[default: ([^\]]+)\]", param.help or "")
     assert match, (param.name, param.help)
     return match.group(1)
 
@@ -126,3 +126,52 @@ def test_cli_defaults_are_the_library_defaults(command):
         compared.append(name)
     expected = {"verify": 10, "ppl": 10, "study": 14, "diagnose": 6}[command]
     assert len(compared) == expected, compared
+
+
+def _commands():
+    import typer.main
+
+    group = typer.main.get_command(app)
+    return group, group.commands
+
+
+@pytest.mark.parametrize("width", [60, 80, 200])
+def test_help_shows_every_option_and_default_whole_at_any_width(width):
+    """At 80 columns rich's panels cut option names (`--allow-unknown-…`) and defaults and squeezed
+    descriptions to ~18 characters: every name and default must appear whole, on one line."""
+    group, commands = _commands()
+    for name, command in [(None, group), *commands.items()]:
+        args = ["--help"] if name is None else [name, "--help"]
+        result = CliRunner().invoke(app, args, env={"COLUMNS": str(width)})
+        assert result.exit_code == 0, (name, result.output)
+        text = result.stdout
+        assert "…" not in text and "<bool>" not in text, (name, width)
+        lines = text.splitlines()
+        for param in command.params:
+            for opt in [*param.opts, *getattr(param, "secondary_opts", [])]:
+                if opt.startswith("-"):
+                    assert re.search(rf"(^|[\s,/]){re.escape(opt)}($|[\s,/])", text), (name, width, opt)
+            shown = re.search(r"\[default: ([^\]]+)\]", param.help or "")
+            if shown:
+                default = shown.group(1)
+            elif getattr(param, "show_default", False) and param.default not in (None, False, ()):
+                default = str(param.default)
+            else:
+                continue
+            words = default.split()
+            # "[default: X" with X's first word stays on one line; no word of X is broken
+            assert any(f"[default: {words[0]}" in line for line in lines), (name, width, default)
+            for word in words:
+                assert word in text, (name, width, word)
+        if width >= 80:  # the text uses the width (descriptions were squeezed to ~18 characters)
+            assert min(width, 100) - 25 <= max(map(len, lines)) <= min(width, 100) + 30, (name, width)
+
+
+def test_dash_h_and_version_flag():
+    from otdus_cli import __version__
+
+    short = CliRunner().invoke(app, ["expand", "-h"])
+    assert short.exit_code == 0 and "--method" in short.stdout
+    assert CliRunner().invoke(app, ["-h"]).exit_code == 0
+    version = CliRunner().invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.stdout.strip() == __version__

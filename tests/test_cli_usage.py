@@ -160,7 +160,7 @@ def test_bad_option_values_are_refused_before_torch_or_transformers_is_imported(
         ["ppl", "bundled:stories260k", "--text", "bundled:nope"],
         ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--methods", "ot,avg"],
         ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--seeds", "0,x"],
-        ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--device", "auto"],
+        ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--device", "gpu"],
         ["study", "bundled:stories260k"],
         ["diagnose", "bundled:stories260k", "--pair", "1,3"],
         ["diagnose", "bundled:stories260k", "--text", str(tmp_path / "missing.txt")],

@@ -125,3 +125,28 @@ def test_tokenizer_copy(tmp_path):
     s = ms.write_checkpoint("tiny", out, layers=1, tokenizer_from=str(src))
     assert sorted(s["tokenizer_files"]) == ["tokenizer.json", "tokenizer_config.json"]
     assert os.path.exists(os.path.join(out, "generation_config.json"))
+
+
+def test_tiny_models_get_the_bundled_tokenizer_so_they_verify(tmp_path):
+    """Without --tokenizer-from a tiny model had no tokenizer: verify stopped on a sentencepiece error."""
+    from transformers import AutoTokenizer
+
+    out = str(tmp_path / "m")
+    s = ms.write_checkpoint("tiny-mixtral", out, layers=1)
+    assert "tokenizer.json" in s["tokenizer_files"]
+    tok = AutoTokenizer.from_pretrained(out)
+    with open(os.path.join(out, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    assert max(tok("Once upon a time")["input_ids"]) < vocab
+
+
+def test_a_folder_without_tokenizer_files_names_the_fix(tmp_path):
+    from otdus_cli.errors import OtdusError
+    from otdus_cli.verify.metrics import load_tokenizer
+
+    out = str(tmp_path / "m")
+    ms.write_checkpoint("tiny", out, layers=1, tokenizer_from=None)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        os.remove(os.path.join(out, name))
+    with pytest.raises(OtdusError, match="no tokenizer files .*--tokenizer-from"):
+        load_tokenizer(out)

@@ -11,12 +11,13 @@ import ot
 import pytest
 import torch
 
+from otdus_cli.device import resolve_device
 from otdus_cli.transport.assignment import assignment
 from otdus_cli.transport.cost import euclidean_distances, paper_cost, paper_cost_of_parts, raw_cost, unit_rows
 from otdus_cli.transport.official import official_sinkhorn
 from otdus_cli.transport.plan import TransportPlan
 from otdus_cli.transport.sinkhorn import sinkhorn
-from otdus_cli.transport.solve import match_rows, resolve_device
+from otdus_cli.transport.solve import match_rows
 from otdus_cli.transport.stats import marginal_errors, plan_stats
 
 

@@ -281,3 +281,18 @@ def test_lockstep_parity_on_cuda(tmp_path, small_plan):
     report = verify_expansion(STORIES, _expand(tmp_path / "exp", after=2), small_plan, device="cuda")
     assert report.device.startswith("cuda") and report.parity and report.exit_code == 0
     assert report.logits_equal
+
+
+def test_library_takes_bundled_names_and_keeps_transformers_quiet(capfd):
+    """make_plan refused `bundled:stories260k`, which expand accepts; transformers' warnings and loading
+    bars came through the library calls."""
+    from otdus_cli.verify.compare import perplexity
+
+    corpus = Corpus("one", ["Once upon a time there was a little girl."], "text")
+    plan = make_plan(
+        "bundled:stories260k", corpus=corpus, protocol="token", seq_len=16, token_mode="documents"
+    )
+    report = perplexity("bundled:stories260k", plan, device="cpu")
+    assert report.metrics.n_tokens > 0
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""

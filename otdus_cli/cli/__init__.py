@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
@@ -21,6 +21,7 @@ from otdus_cli.cli.checkpoint import expand, inspect, plan
 from otdus_cli.cli.console import fail, fit_consoles_to_streams, stopped
 from otdus_cli.cli.evaluation import ppl, verify
 from otdus_cli.cli.handoff import trainable
+from otdus_cli.cli.help import Command, HelpContext
 from otdus_cli.cli.research import diagnose, study
 from otdus_cli.cli.widening import widen
 from otdus_cli.signals import exit_on_signals
@@ -42,7 +43,9 @@ def _usage_error(exc: Exception) -> None:
 
 class _OtdusGroup(TyperGroup):
     """Typer's group with otdus's output conventions: unwrapped lines off a terminal, and parser errors
-    as one line like every other error (Typer draws a box)."""
+    as one line like every other error (Typer draws a box), and help that reads whole at any width."""
+
+    context_class = HelpContext
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         fit_consoles_to_streams()
@@ -72,9 +75,31 @@ app = typer.Typer(
     help="Depth up-scaling checkpoint surgery for Hugging Face LLMs: OT-DUS and its baselines, streamed.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help, wrapped between words (help.py)
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        version()
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the otdus version and exit.", callback=_print_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
+    """Depth up-scaling checkpoint surgery for Hugging Face LLMs: OT-DUS and its baselines, streamed."""
+
+
 for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version, widen, trainable):
-    app.command()(command)
+    app.command(cls=Command)(command)
 
 
 def main(argv: list[str] | None = None) -> Callable | None:

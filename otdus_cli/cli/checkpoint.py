@@ -43,11 +43,11 @@ Recipe = Annotated[
 ]
 Method = Annotated[
     MethodName | None,
-    typer.Option(help="How new layers are made (README: Methods). \\[default: ot]"),
+    typer.Option(help="How new layers are made (README: Methods). [default: ot]"),
 ]
-Position = Annotated[PositionName | None, typer.Option(help="Where new layers go. \\[default: top]")]
+Position = Annotated[PositionName | None, typer.Option(help="Where new layers go. [default: top]")]
 Layers = Annotated[
-    int | None, typer.Option(help="Number of new layers. \\[default: half the base depth; stack: L]")
+    int | None, typer.Option(help="Number of new layers. [default: half the base depth; stack: L]")
 ]
 Ratio = Annotated[
     float | None, typer.Option(help="New layers as a fraction of the base depth (instead of --layers).")
@@ -72,26 +72,24 @@ ZeroInit = Annotated[
     typer.Option(
         "--zero-init/--no-zero-init",
         help="Zero o_proj and down_proj (and MoE expert downs) of new layers, making them exact identities. "
-        f"\\[default: {_zero_init_default()}]",
+        f"[default: {_zero_init_default()}]",
         show_default=False,
     ),
 ]
 Device = Annotated[
     str | None,
     typer.Option(
-        help="Device for OT and LESA computations: auto, cpu, cuda, cuda:N. \\[default: auto]",
+        help="Device for OT and LESA computations: auto, cpu, cuda, cuda:N. [default: auto]",
         parser=device_parser(True),
     ),
 ]
 Dtype = Annotated[
-    OutputDtype | None, typer.Option(help="Output dtype; auto keeps the source's. \\[default: auto]")
+    OutputDtype | None, typer.Option(help="Output dtype; auto keeps the source's. [default: auto]")
 ]
-ShardSize = Annotated[
-    str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. \\[default: 5GB]")
-]
+ShardSize = Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")]
 Seed = Annotated[
     int | None,
-    typer.Option(help="Seed for random initialisation and for LESA's predictor training. \\[default: 0]"),
+    typer.Option(help="Seed for random initialisation and for LESA's predictor training. [default: 0]"),
 ]
 Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
 AllowUnknown = Annotated[
@@ -221,7 +219,7 @@ def expand(
     expert_noise: Annotated[
         float | None,
         typer.Option(
-            min=0.0, help="With --experts: the copies' noise alpha (`otdus widen --noise`). \\[default: 0.01]"
+            min=0.0, help="With --experts: the copies' noise alpha (`otdus widen --noise`). [default: 0.01]"
         ),
     ] = None,
     force: Annotated[
@@ -298,7 +296,9 @@ def expand(
         **_plan_json(result.plan),
         "bytes_written": result.bytes_written,
         "seconds": round(result.seconds, 3),
-        "new_parameters": len(result.manifest["new_parameters"]),
+        # the names, as otdus.json lists them (a count here once meant the same key as a number)
+        "new_parameters": result.manifest["new_parameters"],
+        "new_parameter_count": len(result.manifest["new_parameters"]),
         "timings": _timings_json(result.timings),
     }
     if method.report_json:
@@ -433,6 +433,10 @@ def inspect(
 
     with user_errors():
         given = BUNDLED_MODELS.get(path, Path(path))
+        if not given.exists():  # a hub id (README: a model argument may be one), from the cache or the hub
+            from otdus_cli.source import resolve_source
+
+            given = resolve_source(path).folder
         folder = given.parent if given.name == MANIFEST else given
         manifest = read_manifest(folder)
         info: dict[str, Any] = {"path": str(folder)}
@@ -450,7 +454,10 @@ def inspect(
                 tie_word_embeddings=reader.config.get("tie_word_embeddings"),
             )
         elif manifest is None:
-            raise OtdusError(f"{path} is neither a checkpoint folder nor an otdus manifest")
+            raise OtdusError(
+                f"{path} is neither a checkpoint folder nor an otdus manifest (no config.json); give the "
+                "folder holding config.json and the weights, its otdus.json, a hub id or bundled:stories260k"
+            )
         if manifest:
             info["manifest"] = manifest
         card = card_summary(folder)
@@ -459,7 +466,7 @@ def inspect(
     if json_out:
         emit_json(info)
         return
-    table = Table(title=str(folder), show_header=False)
+    table = Table(title=path if path in BUNDLED_MODELS else str(folder), show_header=False)
     for key in (
         "model_type",
         "num_hidden_layers",
@@ -472,6 +479,8 @@ def inspect(
         if key in info:
             value = info[key]
             text = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+            if key == "dtypes":  # "F32: 65 tensors", not a Python dict
+                text = ", ".join(f"{dtype}: {n} tensor{'s' * (n != 1)}" for dtype, n in value.items())
             table.add_row(key, f"{text} ({human_bytes(value)})" if key == "bytes" else text)
     if manifest:
         table.add_row(

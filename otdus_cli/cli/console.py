@@ -135,25 +135,40 @@ def byte_progress(enabled: bool, description: str):
         yield (lambda total: progress.update(task, total=total)), (lambda n: progress.advance(task, n))
 
 
+# the bar's width: fixed, so that a long label never squeezes it (or the ETA) at 80 columns
+BAR_WIDTH = 24
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
+
+
 @contextmanager
-def task_progress(enabled: bool, description: str):
-    """A rich progress bar over counted steps (on stderr); yields update(done, total, label)."""
+def task_progress(enabled: bool, description: str, unit: str = ""):
+    """A rich progress bar over counted steps (on stderr); yields update(done, total, label, unit).
+
+    Columns: what (bold), the bar, the count with its unit, the ETA, then the label (where it is),
+    which alone is cut short when the terminal is too narrow for the line."""
     if not enabled:
-        yield lambda done, total, label="": None
+        yield lambda done, total, label="", unit=unit: None
         return
     progress = Progress(
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
+        BarColumn(bar_width=BAR_WIDTH),
+        TextColumn("{task.fields[count]}"),
         TimeRemainingColumn(),
+        TextColumn("{task.fields[label]}"),
         console=err_console,
         transient=True,
     )
     with progress:
-        task = progress.add_task(description, total=None)
+        task = progress.add_task(description, total=None, count="", label="")
 
-        def update(done: int, total: int, label: str = "") -> None:
-            progress.update(task, completed=done, total=total, description=f"{description} {label}".strip())
+        def update(done: int, total: int, label: str = "", unit: str = unit) -> None:
+            count = f"{done:,}/{total:,}" + (f" {unit}" if unit else "")
+            # description, bar, count, ETA (7) and four spaces between five columns
+            room = err_console.width - (len(description) + BAR_WIDTH + len(count) + 7 + 4)
+            progress.update(task, completed=done, total=total, count=count, label=_cut(label, room))
 
         yield update
 
@@ -199,9 +214,10 @@ class TickLines:
         rate = tick.tokens / elapsed
         eta = elapsed * (tick.total - tick.done) / tick.done
         share = 100 * tick.done / max(1, tick.total)
+        where = f"{tick.detail}, " if tick.detail else ""
         line = (
-            f"{self.command}: {tick.phase}, {tick.detail} ({share:.0f}%), {rate:,.0f} tokens/s, "
-            f"ETA {_duration(eta)}"
+            f"{self.command}: {tick.phase}, {where}{tick.done:,}/{tick.total:,} {tick.unit} ({share:.0f}%), "
+            f"{rate:,.0f} tokens/s, ETA {_duration(eta)}"
         )
         err_console.print(line, highlight=False, markup=False, soft_wrap=True)
 
@@ -219,7 +235,8 @@ def tick_progress(command: str, quiet: bool):
     with task_progress(True, command) as update:
 
         def on_tick(tick) -> None:
-            update(tick.done, tick.total, f"{tick.phase}: {tick.detail}")
+            label = f"{tick.phase}: {tick.detail}" if tick.detail else tick.phase
+            update(tick.done, tick.total, label, tick.unit)
 
         yield on_tick
 

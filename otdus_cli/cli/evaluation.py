@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
+from otdus_cli.bundled import BUNDLED_MODELS
 from otdus_cli.card import add_verification, check_card_target
 from otdus_cli.cli.console import (
     JsonFlag,
@@ -36,8 +38,9 @@ TextFile = Annotated[
     str | None,
     typer.Option(
         "--text",
-        help="Any text file (documents split at <|endoftext|> lines), or bundled:tinystories-sample "
-        "or bundled:wikitext-test.",
+        help="Any text file (documents split at <|endoftext|> lines), or a bundled text: "
+        "bundled:tinystories-sample, bundled:tinystories-train-2mib, bundled:wikitext-test, "
+        "bundled:wikitext-valid.",
         parser=text_spec,
     ),
 ]
@@ -73,7 +76,7 @@ MaxLength = Annotated[
     int | None,
     typer.Option(
         help="wikitext protocol: window length (lm-eval's max_length model argument). "
-        "\\[default: the model's context length, as lm-eval reads it from the config]",
+        "[default: the model's context length, as lm-eval reads it from the config]",
         min=1,
     ),
 ]
@@ -88,7 +91,7 @@ Dtype = Annotated[
 BatchSize = Annotated[
     int | None,
     typer.Option(
-        help="Windows per forward pass. \\[default: windows of one length stacked up to 16,384 tokens, "
+        help="Windows per forward pass. [default: windows of one length stacked up to 16,384 tokens, "
         "fewer where a layer's intermediate results would exceed 256 MiB]",
         min=1,
         show_default=False,
@@ -97,7 +100,7 @@ BatchSize = Annotated[
 Threads = Annotated[
     int | None,
     typer.Option(
-        help="CPU threads for torch's operators. \\[default: OMP_NUM_THREADS if set; else 1 for small "
+        help="CPU threads for torch's operators. [default: OMP_NUM_THREADS if set; else 1 for small "
         "models, else the CPUs this process may use (affinity, cgroup quota) less those other processes "
         "keep busy; the choice is in --json's compute.threads]",
         min=1,
@@ -142,14 +145,16 @@ class EvalFlags:
 
 
 def _corpus(text: str | None, dataset: str | None, max_docs: int | None):
-    from otdus_cli.bundled import TINYSTORIES_SAMPLE
+    from otdus_cli.bundled import BUNDLED_TEXT_FILES, WIKITEXT_SPLITS
     from otdus_cli.verify.text import dataset_corpus, text_corpus, wikitext_corpus
 
     if text is not None and dataset is not None:
         raise OtdusError("give --text or --dataset, not both")
-    if text == "bundled:tinystories-sample":
-        return text_corpus(TINYSTORIES_SAMPLE, max_docs=max_docs)
-    if text is not None and text != "bundled:wikitext-test":
+    if text in WIKITEXT_SPLITS:
+        return wikitext_corpus(max_docs=max_docs, bundled=text)
+    if text in BUNDLED_TEXT_FILES:  # reported by its bundled name, not the installation's path
+        return replace(text_corpus(BUNDLED_TEXT_FILES[text], max_docs=max_docs), name=text)
+    if text is not None:
         return text_corpus(Path(text), max_docs=max_docs)
     if dataset is not None:
         return dataset_corpus(dataset, max_docs=max_docs)
@@ -175,7 +180,13 @@ def _local_model(model: str) -> str:
     """A folder for a model argument (hub ids are resolved through the local cache)."""
     from otdus_cli.source import resolve_source
 
-    return str(resolve_source(model).folder)
+    folder = resolve_source(model).folder
+    if not (folder / "config.json").is_file():
+        raise OtdusError(
+            f"{model} holds no config.json, so it is not a model folder: give the folder holding config.json "
+            "and the weights (for an expansion, the --out of `otdus expand`), a hub id or bundled:stories260k"
+        )
+    return str(folder)
 
 
 def parse_layer_map(text: str | None) -> list[dict] | None:
@@ -224,6 +235,7 @@ def _evaluate(
     card: bool = False,
 ) -> None:
     """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
+    from otdus_cli.device import resolve_device
     from otdus_cli.distributed import current_world
     from otdus_cli.manifest import manifest_source
     from otdus_cli.source import resolve_source
@@ -236,7 +248,8 @@ def _evaluate(
     command = "otdus verify" if find_base else "otdus ppl"
     with user_errors():
         world = current_world()  # under torchrun/srun: this process's rank (see distributed.py)
-        run["device"] = world.device(run["device"])
+        # "auto"/"cuda" under several ranks: this rank's GPU; a GPU that is not there fails here
+        run["device"] = resolve_device(run["device"], world) if run["device"] != "cpu" else "cpu"
     # every rank reports its errors; only rank 0 its progress and results
     with user_errors(), tick_progress(command, quiet or not world.is_main) as on_tick:
         # everything the user can get wrong is checked before torch and transformers are imported
@@ -246,8 +259,12 @@ def _evaluate(
             recorded = manifest_source(model_dir)
             base = str(resolve_source(*recorded).folder) if recorded else None
         base_dir = _local_model(base) if base else None
-        if (static or claimed is not None) and base_dir is None:
-            raise OtdusError(f"{model} has no otdus.json naming its base: give --base")
+        if find_base and base_dir is None:
+            # parity needs a base: a perplexity table alone would look like a verdict it is not
+            raise OtdusError(
+                f"{model} has no otdus.json naming its base, so there is nothing to check parity against: "
+                f"give --base BASE, or run `otdus ppl {model}` for its perplexity alone"
+            )
         if card:
             check_card_target(model, static)
         if static:
@@ -272,7 +289,7 @@ def _evaluate(
             raise typer.Exit(report.exit_code)
         return
     if base_dir is None:
-        _print_ppl(report, json_out)
+        _print_ppl(report, json_out, model)
         _note_token_count(report.metrics, flags, json_out)
         return
     if card:
@@ -297,7 +314,8 @@ def _evaluate(
 
             out_console.print(summary(report.proof), highlight=False)
         colour = "green" if report.exit_code == 0 else "red"
-        out_console.print(f"[bold {colour}]{report.verdict}[/]")
+        # as plain text: rich markup would eat "[wikitext figures of lm-eval X]", leaving a trailing space
+        out_console.print(Text(report.verdict, style=f"bold {colour}"))
         _note_token_count(report.base, flags, json_out)
         if card:
             out_console.print(
@@ -343,12 +361,13 @@ def _print_static(proof, json_out: bool) -> None:
         raise typer.Exit(exit_code)
 
 
-def _print_ppl(report, json_out: bool) -> None:
+def _print_ppl(report, json_out: bool, model: str) -> None:
     if json_out:
         emit_json(report.to_dict())
         return
     m = report.metrics
-    table = Table(title=f"{report.model}: {m.corpus}, {_protocol_name(m)}, {m.n_tokens:,} tokens")
+    shown = model if model in BUNDLED_MODELS else report.model  # bundled:NAME, not the installation's path
+    table = Table(title=f"{shown}: {m.corpus}, {_protocol_name(m)}, {m.n_tokens:,} tokens")
     for col in ("metric (* headline)", "value"):
         table.add_column(col)
     _metrics_rows(table, m)
@@ -363,7 +382,7 @@ def verify(
     base: Annotated[
         str | None,
         typer.Option(
-            help="The base model. \\[default: the source recorded in the manifest]", parser=model_name
+            help="The base model. [default: the source recorded in the manifest]", parser=model_name
         ),
     ] = None,
     layer_map: Annotated[
@@ -371,7 +390,7 @@ def verify(
         typer.Option(
             help="Which base layer each expanded layer holds, for a checkpoint without otdus.json: "
             "'0,1,2,2,3,4' ('new' for a layer built from several), or a JSON file with such a list. "
-            "\\[default: the manifest's, else found by matching tensor fingerprints]"
+            "[default: the manifest's, else found by matching tensor fingerprints]"
         ),
     ] = None,
     static: Annotated[
@@ -397,8 +416,8 @@ def verify(
     """Perplexity parity of an expansion with its base, layer by layer in lockstep (exit 1 if broken).
 
     A static check comes first: the base must be the one the manifest recorded (exit 2 if not), and
-    each layer is matched to the base's by tensor fingerprints. With no --base and no manifest,
-    reports the one model's perplexity.
+    each layer is matched to the base's by tensor fingerprints. With no --base and no manifest it
+    refuses (exit 2) and points at `otdus ppl`.
     """
     _evaluate(expanded, base, True, flags, json_out, layer_map, static, card)
 

@@ -86,7 +86,7 @@ def method_flags(for_plan: bool = False) -> list[MethodFlag]:
             if flag is None or (for_plan and not flag.plan):
                 continue  # set in recipes only
             shown = flag.default if flag.default is not None else str(info.default)
-            option = typer.Option(flag.name, help=f"{flag.help} \\[default: {shown}]")
+            option = typer.Option(flag.name, help=f"{flag.help} [default: {shown}]")
             annotation = typing.Annotated[typing.Optional[info.annotation], option]  # noqa: UP045 - a runtime type
             flags.append(MethodFlag(group, name, flag, annotation))
     return flags

@@ -21,7 +21,9 @@ from otdus_cli.cli.console import (
 from otdus_cli.cli.values import device_parser, int_list, ints, method_specs, model_name, text_spec
 from otdus_cli.errors import OtdusError
 
-Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.", parser=device_parser(False))]
+Device = Annotated[
+    str, typer.Option(help="auto (a GPU when there is one), cpu, cuda or cuda:N.", parser=device_parser(True))
+]
 SeqLen = Annotated[int, typer.Option(help="Tokens per window.", min=2)]
 
 
@@ -48,7 +50,8 @@ def study(
     train: Annotated[
         str | None,
         typer.Option(
-            help="Training text: a file, bundled:tinystories-sample or bundled:wikitext-test.",
+            help="Training text: a file or a bundled text (bundled:tinystories-train-2mib, "
+            "bundled:tinystories-sample, bundled:wikitext-test, bundled:wikitext-valid).",
             parser=text_spec,
         ),
     ] = None,
@@ -56,7 +59,7 @@ def study(
         str | None,
         typer.Option(
             "--eval",
-            help="Held-out text. \\[default: the last --eval-fraction of the training documents]",
+            help="Held-out text. [default: the last --eval-fraction of the training documents]",
             parser=text_spec,
         ),
     ] = None,
@@ -97,9 +100,9 @@ def study(
     train_all: Annotated[bool, typer.Option(help="Train every parameter, not only the new layers.")] = False,
     layers: Layers = None,
     position: Position = None,
-    device: Device = "cpu",
+    device: Device = "auto",
     threads: Annotated[
-        int | None, typer.Option(help="torch CPU threads. \\[default: torch's choice]", min=1)
+        int | None, typer.Option(help="torch CPU threads. [default: torch's choice]", min=1)
     ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Folder for study.json and loss_curves.png.")
@@ -136,11 +139,14 @@ def study(
     }
     expand_options = {k: v for k, v in {"layers": layers, "position": position}.items() if v is not None}
     quiet_transformers()
-    with user_errors(), task_progress(show_progress(json_out), "study") as update:
+    with user_errors(), task_progress(show_progress(json_out), "study", "runs") as update:
 
         def on_event(event) -> None:
             if event.runs:
-                update(event.run, event.runs, f"{event.label} seed {event.seed}")
+                update(event.run - (event.kind != "run"), event.runs, f"{event.label} seed {event.seed}")
+            line = study_progress_line(event, every_eval=not err_console.is_terminal)
+            if line:
+                err_console.print(line, highlight=False, markup=False, soft_wrap=True)
 
         if recipe is not None:  # the recipe's settings, except those given as flags
             results = run_recipe(
@@ -172,6 +178,21 @@ def study(
         out_console.print(study_table(r))
 
 
+def study_progress_line(event, every_eval: bool) -> str | None:
+    """One stderr line for a study event: the data, each run's start and end, and (in a log, where no
+    bar shows) each held-out evaluation. Runs are counted over the whole study, so the count only grows."""
+    where = f"study: run {event.run}/{event.runs}, {event.label} seed {event.seed}"
+    if event.kind == "data":
+        return f"study: {event.message}"
+    if event.kind == "expand":
+        return f"{where}: expanding, then training"
+    if event.kind == "eval" and every_eval:
+        return f"{where}: step {event.step}, held-out loss {event.loss:.4f}"
+    if event.kind == "run":
+        return f"{where}: done, final held-out loss {event.loss:.4f}"
+    return None
+
+
 def _adjacent_pair(value: str) -> str:
     ij = ints(int_list(value))
     if len(ij) != 2 or ij[1] != ij[0] + 1:
@@ -186,21 +207,21 @@ def diagnose(
     text: Annotated[
         str,
         typer.Option(
-            help="Text: a file, bundled:tinystories-sample or bundled:wikitext-test.", parser=text_spec
+            help="Text: a file or a bundled text (bundled:tinystories-train-2mib, "
+            "bundled:tinystories-sample, bundled:wikitext-test, bundled:wikitext-valid).",
+            parser=text_spec,
         ),
-    ] = "bundled:tinystories-sample",
+    ] = "bundled:tinystories-train-2mib",
     pair: Annotated[
         str | None,
-        typer.Option(
-            help="One adjacent pair 'i,i+1'. \\[default: every adjacent pair]", parser=_adjacent_pair
-        ),
+        typer.Option(help="One adjacent pair 'i,i+1'. [default: every adjacent pair]", parser=_adjacent_pair),
     ] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens of text run through the model.", min=1)] = 4096,
     seq_len: SeqLen = 256,
     reg: Annotated[
         float, typer.Option(help="Sinkhorn regularisation of the plans (as OT-DUS).", min=0)
     ] = 0.06,
-    device: Device = "cpu",
+    device: Device = "auto",
     png: Annotated[
         Path | None, typer.Option(help="Also write the weight-norm profile as a PNG (matplotlib).")
     ] = None,

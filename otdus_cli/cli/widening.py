@@ -86,7 +86,9 @@ def widen(
         "function_preserving": plan.function_preserving,
         "bytes_written": result.bytes_written,
         "seconds": round(result.seconds, 3),
-        "new_parameters": len(result.manifest["new_parameters"]),
+        # the names, as otdus.json lists them (a count here once meant the same key as a number)
+        "new_parameters": result.manifest["new_parameters"],
+        "new_parameter_count": len(result.manifest["new_parameters"]),
         "warnings": result.warnings,
     }
     if json_out:

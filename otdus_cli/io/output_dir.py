@@ -109,7 +109,8 @@ def earlier_output_files(out: Path) -> set[str]:
     if manifest is None:
         raise OtdusError(
             f"--out {out} exists and is not an otdus output (no otdus.json manifest; it holds "
-            f"{len(entries)} entries, e.g. {entries[0]}); --force replaces only an earlier otdus output or "
+            f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, e.g. {entries[0]}); --force replaces "
+            "only an earlier otdus output or "
             "an empty folder: choose another --out or move the folder yourself"
         )
     records = manifest.get("files")

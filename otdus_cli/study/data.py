@@ -3,7 +3,8 @@
 A text spec is a path to a UTF-8 file, or one of the bundled names:
 
 * ``bundled:tinystories-sample`` - the five TinyStories stories shipped in the package;
-* ``bundled:wikitext-test`` - the WikiText-2 raw test split shipped in the package.
+* ``bundled:tinystories-train-2mib`` - the first 2 MiB of the TinyStories training text (2,316 stories);
+* ``bundled:wikitext-test`` / ``bundled:wikitext-valid`` - the WikiText-2 raw test / validation split.
 
 Files whose stories are separated by ``<|endoftext|>`` lines are split into documents there (the
 text after the last separator, usually a truncated story, is dropped); WikiText files
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from otdus_cli.bundled import BUNDLED_TEXTS
+from otdus_cli.bundled import WIKITEXT_SPLITS, read_bundled_text
 from otdus_cli.errors import OtdusError
 
 SEPARATOR = "<|endoftext|>"
@@ -49,12 +50,10 @@ def load_documents(spec: str | os.PathLike[str]) -> Documents:
     name = str(spec)
     if name == "bundled:wikitext-test":
         return Documents(name, [p for p in wikitext_pages(load_wikitext_raw()) if p.strip()])
-    if name == "bundled:tinystories-sample":
-        from otdus_cli.bundled import TINYSTORIES_SAMPLE  # noqa: PLC0415
-
-        return Documents(name, _split_separated(TINYSTORIES_SAMPLE.read_text(encoding="utf-8")))
+    if name in WIKITEXT_SPLITS:
+        return Documents(name, [p for p in wikitext_pages(read_bundled_text(name)) if p.strip()])
     if name.startswith("bundled:"):
-        raise OtdusError(f"unknown bundled text {name!r}; choose one of {', '.join(BUNDLED_TEXTS)}")
+        return Documents(name, _split_separated(read_bundled_text(name)))
     path = Path(name)
     try:
         text = path.read_text(encoding="utf-8")

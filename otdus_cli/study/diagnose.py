@@ -353,13 +353,13 @@ def weight_norm_profile(layers: Sequence) -> list[dict[str, float]]:
 # -- front door -----------------------------------------------------------------------------------
 def diagnose(
     checkpoint: str,
-    text: str | os.PathLike[str] = "bundled:tinystories-sample",
+    text: str | os.PathLike[str] = "bundled:tinystories-train-2mib",
     *,
     pairs: Sequence[tuple[int, int]] | None = None,
     max_tokens: int = 4096,
     seq_len: int = 256,
     reg: float = 0.06,
-    device: str = "cpu",
+    device: str = "auto",
     png: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> DiagnoseResult:
@@ -369,6 +369,7 @@ def diagnose(
     ``max_tokens``: tokens of text run through the model (in windows of ``seq_len``); ``png``: write
     the weight-norm profile there (needs matplotlib).
     """
+    from otdus_cli.device import resolve_device  # noqa: PLC0415
     from otdus_cli.source import resolve_source  # noqa: PLC0415
     from otdus_cli.study.data import load_documents, tokenize_windows  # noqa: PLC0415
     from otdus_cli.study.train import load_model  # noqa: PLC0415
@@ -376,7 +377,7 @@ def diagnose(
 
     say = progress or (lambda msg: None)
     folder = str(resolve_source(checkpoint).folder)
-    model = load_model(folder, torch.device(device)).eval()
+    model = load_model(folder, resolve_device(device)).eval()
     layers = _layers(model)
     depth = len(layers)
     if pairs is None:

@@ -330,7 +330,7 @@ def study(
     weight_decay: float = 0.0,
     warmup: float = 0.1,
     reference: str | None = "ot",
-    device: str = "cpu",
+    device: str = "auto",
     threads: int | None = None,
     expand_options: dict[str, Any] | None = None,
     out_dir: str | os.PathLike[str] | None = None,
@@ -369,10 +369,9 @@ def study(
             "no paired differences: the default reference 'ot' is not among the methods "
             "(choose one of them as the reference)"
         )
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise OtdusError(f"unknown device {device!r}") from None
+    from otdus_cli.device import resolve_device  # noqa: PLC0415
+
+    dev = resolve_device(device)
     threads_before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(int(threads))

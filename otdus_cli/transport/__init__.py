@@ -6,6 +6,6 @@ stats.py (entropy, permutation closeness, marginal errors), solve.py (front door
 """
 
 from otdus_cli.transport.plan import TransportPlan
-from otdus_cli.transport.solve import match_rows, resolve_device, solve_cost
+from otdus_cli.transport.solve import match_rows, solve_cost
 
-__all__ = ["TransportPlan", "match_rows", "resolve_device", "solve_cost"]
+__all__ = ["TransportPlan", "match_rows", "solve_cost"]

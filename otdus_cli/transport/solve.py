@@ -24,7 +24,7 @@ from otdus_cli.transport.official import official_sinkhorn
 from otdus_cli.transport.plan import TransportPlan
 from otdus_cli.transport.sinkhorn import sinkhorn
 
-__all__ = ["COSTS", "SOLVERS", "match_parts", "match_rows", "resolve_device", "solve_cost"]
+__all__ = ["COSTS", "SOLVERS", "match_parts", "match_rows", "solve_cost"]
 
 COSTS = ("paper", "raw")
 SOLVERS = ("sinkhorn", "emd", "official")
@@ -32,15 +32,6 @@ SOLVERS = ("sinkhorn", "emd", "official")
 DEFAULT_REG = 0.06
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_ITER = 2000
-
-
-def resolve_device(spec: str | torch.device | None) -> torch.device:
-    """ "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N" as a torch.device."""
-    if isinstance(spec, torch.device):
-        return spec
-    if spec is None or spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
 
 
 def solve_cost(

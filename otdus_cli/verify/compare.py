@@ -27,10 +27,12 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from otdus_cli.arch.wrappers import text_config
+from otdus_cli.device import device_kind
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
@@ -50,6 +52,7 @@ from otdus_cli.verify.metrics import (
 )
 from otdus_cli.verify.progress import LayerTicks, Progress
 from otdus_cli.verify.proof import StaticProof, static_check
+from otdus_cli.verify.quiet import quiet_transformers
 from otdus_cli.verify.streaming import Activations, StreamedModel, parse_dtype
 from otdus_cli.verify.text import Corpus, wikitext_corpus
 from otdus_cli.verify.threads import CpuSample, ThreadChoice, choose_threads, intra_op_threads
@@ -63,6 +66,14 @@ LayerMap = Sequence[dict] | Callable[[int], "int | None"]
 
 
 # -- evaluation setup -------------------------------------------------------------------------------
+def _model_folder(model: str | os.PathLike[str]) -> Path:
+    """A model argument as the CLI takes it: a folder, ``bundled:stories260k`` or a cached hub id."""
+    from otdus_cli.source import resolve_source  # noqa: PLC0415
+
+    return Path(resolve_source(str(model)).folder)
+
+
+@quiet_transformers
 def make_plan(
     model_dir: str | os.PathLike[str] | CheckpointReader,
     *,
@@ -83,7 +94,9 @@ def make_plan(
     default: as that release resolves it); protocol "token": GPTQ windows of ``seq_len`` (capped by
     the model's max positions).
     """
-    reader = model_dir if isinstance(model_dir, CheckpointReader) else CheckpointReader(model_dir)
+    if not isinstance(model_dir, CheckpointReader):
+        model_dir = CheckpointReader(_model_folder(model_dir))
+    reader = model_dir
     reader_config = reader.config
     tok = tokenizer if tokenizer is not None else load_tokenizer(reader.folder)
     corpus = corpus if corpus is not None else wikitext_corpus()
@@ -208,6 +221,7 @@ class PerplexityReport:
         return d
 
 
+@quiet_transformers
 def perplexity(
     model_dir: str | os.PathLike[str],
     plan: EvalPlan,
@@ -227,6 +241,7 @@ def perplexity(
     the policy of verify/threads.py, with other processes' CPU use measured since ``cpu_sample``).
     ``world`` (default: this process's, see distributed.py): its ranks split the windows and every
     rank returns the same figures, those of a single process."""
+    model_dir = _model_folder(model_dir)
     clock = _Clock()
     world = current_world() if world is None else world
     local: dict = {}  # this rank's model and compute settings, for the report
@@ -263,7 +278,12 @@ def perplexity(
     metrics = metrics_from_logprobs(plan, logprobs)
     model = local["model"]
     return PerplexityReport(
-        str(model_dir), str(model.device), _dtype_name(model.dtype), metrics, local["compute"], clock.total()
+        str(model_dir),
+        device_kind(model.device),
+        _dtype_name(model.dtype),
+        metrics,
+        local["compute"],
+        clock.total(),
     )
 
 
@@ -508,6 +528,7 @@ def _combine_checks(per_rank: Sequence[list[LayerCheck]]) -> list[LayerCheck]:
     return out
 
 
+@quiet_transformers
 def verify_expansion(
     base_dir: str | os.PathLike[str],
     expanded_dir: str | os.PathLike[str],
@@ -537,6 +558,7 @@ def verify_expansion(
     windows; per-layer differences, logits equality and log-probs are combined into the figures
     a single process reports.
     """
+    base_dir, expanded_dir = _model_folder(base_dir), _model_folder(expanded_dir)
     clock = _Clock()
     world = current_world() if world is None else world
     local: dict = {}  # what this rank learned on the way, for the report
@@ -654,7 +676,7 @@ def verify_expansion(
     return VerifyReport(
         base_model=str(base_dir),
         expanded_model=str(expanded_dir),
-        device=str(base.device),
+        device=device_kind(base.device),
         dtype=_dtype_name(torch_dtype),
         base=m_b,
         expanded=m_e,

@@ -26,6 +26,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -106,6 +107,12 @@ def load_tokenizer(folder: str | os.PathLike[str]):
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as exc:  # missing files, unknown class, ...
+        names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+        if not any((Path(folder) / name).is_file() for name in names):
+            raise OtdusError(
+                f"{folder} has no tokenizer files (tokenizer.json, tokenizer.model, ...): copy the model's "
+                "tokenizer files into it (scripts/make_synthetic.py: --tokenizer-from)"
+            ) from None
         raise OtdusError(f"cannot load a tokenizer from {folder}: {exc.__class__.__name__}: {exc}") from None
 
 
@@ -325,7 +332,7 @@ def score_activations(
     done = 0
     phase = f"scoring {label}".strip()
     if progress is not None:
-        progress(Tick(phase, 0, total, "tokens", 0, f"0/{total:,} tokens"))
+        progress(Tick(phase, 0, total, "tokens", 0))
     for group, first, logits in model.iter_logits(acts, keep):
         if on_chunk is not None:
             on_chunk(logits)
@@ -334,7 +341,7 @@ def score_activations(
             pieces[i].append(part)
             done += part.numel()
         if progress is not None:
-            progress(Tick(phase, done, total, "tokens", done, f"{done:,}/{total:,} tokens"))
+            progress(Tick(phase, done, total, "tokens", done))
     model.free_shell()
     out = []
     for window, parts in zip(windows, pieces, strict=True):

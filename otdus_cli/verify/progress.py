@@ -51,7 +51,7 @@ class LayerTicks:
                     self.passes * self.windows,
                     "window passes",
                     (done_passes * self.tokens + tokens) / self.passes,
-                    f"{label}, {windows:,}/{self.windows:,} windows",
+                    label,  # the count is done/total window passes: it only grows, layer after layer
                 )
             )
 

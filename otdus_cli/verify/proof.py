@@ -331,7 +331,8 @@ def summary(proof: StaticProof) -> str:
     """One line: what the static check found."""
     copies = sum(f.base for f in proof.layers)
     identities = sum(f.identity for f in proof.layers)
-    found = f"{copies} base layers in order, {identities} identity layers, {len(proof.layers)} in all"
+    layers = f"{copies} base layer{'s' * (copies != 1)} in order"
+    found = f"{layers}, {identities} identity layer{'s' * (identities != 1)}, {len(proof.layers)} in all"
     if proof.preserving:
         return f"static check: function-preserving ({found}; outside the stack: the base's)"
     return f"static check: not shown function-preserving ({found}): {proof.reason}"

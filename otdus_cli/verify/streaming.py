@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from otdus_cli.arch.wrappers import text_model_prefix
+from otdus_cli.device import resolve_device
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.verify import hf_compat
@@ -63,22 +64,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return DTYPES[dtype.lower()]
     except KeyError:
         raise OtdusError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(DTYPES))}") from None
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None or str(device) == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise OtdusError(f"unknown device {device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise OtdusError(f"device {device} requested but CUDA is not available")
-    return dev
 
 
 class _LayerStandIn(nn.Module):

@@ -138,12 +138,17 @@ def count_bytes(page: str) -> int:
     return len(page.encode("utf-8"))
 
 
-def wikitext_corpus(max_docs: int | None = None) -> Corpus:
-    raw = load_wikitext_raw()
+def wikitext_corpus(max_docs: int | None = None, bundled: str = "bundled:wikitext-test") -> Corpus:
+    """A bundled WikiText-2 raw split (``bundled:wikitext-test`` or ``bundled:wikitext-valid``) as
+    article documents."""
+    from otdus_cli.bundled import WIKITEXT_SPLITS, read_bundled_text  # noqa: PLC0415
+
+    raw = load_wikitext_raw() if bundled == "bundled:wikitext-test" else read_bundled_text(bundled)
     pages = wikitext_pages(raw)
     if max_docs is not None:
         pages = pages[: max(0, max_docs)]
-    return Corpus("wikitext-2-raw-v1 test", pages, "wikitext", raw_lines=wikitext_rows(raw))
+    name = f"wikitext-2-raw-v1 {WIKITEXT_SPLITS[bundled]}"
+    return Corpus(name, pages, "wikitext", raw_lines=wikitext_rows(raw))
 
 
 # -- other text -----------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from otdus_cli.device import device_kind
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.methods.layer_roles import ParentRoles, RoleLayout
@@ -362,7 +363,8 @@ class LesaBuilder:
             del basis, params
         report = {
             "variant": s.variant,
-            "settings": {k: getattr(s, k) for k in _REPORTED} | {"seed": s.seed, "device": str(s.device)},
+            "settings": {k: getattr(s, k) for k in _REPORTED}
+            | {"seed": s.seed, "device": device_kind(s.device)},
             "not_predicted": (
                 "base layer 0's (the published notebook deep-copies layer 0)"
                 if s.variant == "published"

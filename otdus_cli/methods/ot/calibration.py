@@ -194,6 +194,8 @@ def head_correlation(
     """
     n_q, hd, _ = o_auto_a.shape
     wa, wb = w_o_a.to(torch.float32), w_o_b.to(torch.float32)
+    # the statistics are kept on the CPU; the weights are on the build's device (a GPU with --device cuda)
+    o_cross, o_auto_a, o_auto_b = (t.to(wa.device) for t in (o_cross, o_auto_a, o_auto_b))
     gram = wa.T @ wb  # Dq x Dq
     inner = (gram * o_cross).reshape(n_q, hd, n_q, hd).sum(dim=(1, 3))
 
