@@ -30,7 +30,6 @@ from otdus_cli.arch.config_rules import (
     rewrite_config,
     validate_with_transformers,
 )
-from otdus_cli.arch.experts import expert_layout
 from otdus_cli.arch.families import family_for
 from otdus_cli.card import write_output_card
 from otdus_cli.device import resolve_device
@@ -43,11 +42,10 @@ from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
 from otdus_cli.io.stack import LayerStack, read_stack
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
 from otdus_cli.manifest import MANIFEST, write_manifest
-from otdus_cli.methods.base import BuildContext
-from otdus_cli.methods.ot_choices import ot_choices
-from otdus_cli.methods.registry import Method, get_method, make_builder, plan_layers
+from otdus_cli.methods.base import BuildContext, Method
+from otdus_cli.methods.registry import get_method
 from otdus_cli.options import ExpandOptions, ignored_options
-from otdus_cli.plan.layer_map import OutputLayer, is_function_preserving
+from otdus_cli.plan.layer_map import OutputLayer, is_function_preserving, plan_layers
 from otdus_cli.source import SIDE_FILE_PATTERNS, ResolvedSource, resolve_source
 
 SCRATCH = ".otdus-scratch"  # inside the staging folder; never part of an output
@@ -71,7 +69,9 @@ def open_source(model: str, revision: str | None = None, allow_unknown_arch: boo
 
 
 @dataclass
-class Plan:
+class ExpansionPlan:
+    """What an expansion will write: the layer map, the rewritten config and every output tensor."""
+
     source: SourceModel
     method: Method
     options: ExpandOptions
@@ -84,6 +84,13 @@ class Plan:
         return is_function_preserving(self.layer_map, self.source.depth)
 
     @property
+    def zero_init(self) -> bool:
+        """Zero-init as asked, or the method's default for its variant."""
+        if self.options.zero_init is not None:
+            return self.options.zero_init
+        return self.method.zero_init_for(self.options.method_variant())
+
+    @property
     def new_parameter_names(self) -> list[str]:
         prefix = self.source.family.layer_prefix
         return [
@@ -94,7 +101,7 @@ class Plan:
         ]
 
 
-def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
+def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
     method = get_method(options.method)
     if source.family.copy_only and method.builder != "copy":
         if source.family.name == "generic":
@@ -103,12 +110,16 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
             f"{source.family.name} has no exact template (its layers were read off transformers' class): "
             f"copy-type methods only, not {method.name}"
         )
-    refusal = source.family.refuses.get(method.builder)
+    refusal = method.refusal(source.family)
     if refusal:
         raise OtdusError(
             f"--method {method.name} cannot build {source.family.name} layers ({refusal}); "
             "use copy, interpose, average or random"
         )
+    if method.refuses_options is not None:
+        message = method.refuses_options(source.family, options.method_options())
+        if message:
+            raise OtdusError(message)
     layer_map = plan_layers(
         source.depth,
         method,
@@ -142,7 +153,7 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> Plan:
     )
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
-    return Plan(
+    return ExpansionPlan(
         source, method, options, layer_map, config, _planned_tensors(source, layer_map, options.dtype)
     )
 
@@ -175,7 +186,7 @@ def _planned_tensors(source: SourceModel, layer_map: list[OutputLayer], dtype: s
 @dataclass
 class ExpandResult:
     out: Path
-    plan: Plan
+    plan: ExpansionPlan
     manifest: dict
     bytes_written: int
     seconds: float
@@ -191,7 +202,7 @@ def _built(lay: OutputLayer) -> bool:
     return lay.builder not in ("base", "copy")
 
 
-def rank_tensors(plan: Plan, writer: ShardedWriter, world: World) -> tuple[set[str], set[int]]:
+def rank_tensors(plan: ExpansionPlan, writer: ShardedWriter, world: World) -> tuple[set[str], set[int]]:
     """The output tensors this rank writes and the output layers it builds: a contiguous block of
     the built layers (balanced by their tensors' bytes), and every other tensor of the shard files
     it owns (file k: rank k mod world size)."""
@@ -215,7 +226,9 @@ def rank_tensors(plan: Plan, writer: ShardedWriter, world: World) -> tuple[set[s
 class _Engine:
     """Writes this rank's part of one planned expansion into a folder (all of it in a world of one)."""
 
-    def __init__(self, plan: Plan, folder: Path, progress: ProgressFn | None, world: World | None = None):
+    def __init__(
+        self, plan: ExpansionPlan, folder: Path, progress: ProgressFn | None, world: World | None = None
+    ):
         self.plan = plan
         self.src = plan.source
         self.world = world = world if world is not None else World()
@@ -244,7 +257,9 @@ class _Engine:
         self.progress(n)
 
     def run(self) -> None:
-        builders = {lay.builder: make_builder(lay.builder) for lay in self.plan.layer_map if _built(lay)}
+        method = self.plan.method
+        built = method.make_builder is not None and any(_built(lay) for lay in self.plan.layer_map)
+        builders = {method.builder: method.make_builder()} if built else {}
         # copy-type plans move bytes only: no torch (seconds of import) unless a device was named
         named = self.plan.options.device
         # several ranks: "auto"/"cuda" is this rank's GPU (otdus_cli.device)
@@ -265,24 +280,22 @@ class _Engine:
             if prepare is None:
                 continue
             new = [lay for lay in self.plan.layer_map if lay.builder == name]
-            ctx = self._context(name, new[0].zero_init, device)
+            ctx = self._context(new[0].zero_init, device)
             report = prepare(self.src.layers, new, ctx, self.scratch)
             if report is not None:  # None: this variant of the builder has nothing to report
                 self.reports[name] = report
 
-    def _context(self, builder: str, zero_init: bool, device, output_index: int = 0) -> BuildContext:
-        own = getattr(self.plan.options, builder, None)  # the option group named after the builder (ot, lesa)
-        options = (
-            {**own.model_dump(), "zero_init": zero_init, "dtype": self.plan.options.dtype} if own else {}
-        )
+    def _context(self, zero_init: bool, device, output_index: int = 0) -> BuildContext:
         return BuildContext(
             family=self.src.family,
             config=self.src.text_config,
             device=device,
-            options=options,
+            options=self.plan.options.method_options(),
             seed=self.plan.options.seed,
             output_index=output_index,
             source_folder=Path(self.src.reader.folder),
+            zero_init=zero_init,
+            dtype=self.plan.options.dtype,
         )
 
     def _write(self, builders: dict, device: torch.device | None) -> None:
@@ -315,7 +328,7 @@ class _Engine:
         parents = [self.src.layers[i] for i in lay.parents]
         if len(parents) != builder.parents_needed:
             raise OtdusError(f"layer {lay.index}: {lay.builder} needs {builder.parents_needed} parent layers")
-        ctx = self._context(lay.builder, lay.zero_init, device, lay.index)
+        ctx = self._context(lay.zero_init, device, lay.index)
         expected = set(parents[0].suffixes())
         for suffix, tensor in builder.build(parents, ctx):
             if suffix not in expected:
@@ -379,7 +392,7 @@ def source_record(src: SourceModel) -> dict:
 
 
 def build_manifest(
-    plan: Plan,
+    plan: ExpansionPlan,
     stats: dict[int, dict],
     side_files: list[str],
     config_check_skipped: str | None = None,
@@ -398,8 +411,8 @@ def build_manifest(
         "layers": [lay.to_json() for lay in plan.layer_map],
         "new_parameters": plan.new_parameter_names,
         "transport": {str(k): v for k, v in sorted(stats.items())},
-        **_ot_choices(plan),
-        **(reports or {}),  # e.g. "lesa": the pre-pass's report (leave-one-out check)
+        **_method_extras(plan),
+        **(reports or {}),  # a pre-pass's report, under its builder's name (LESA: its leave-one-out check)
         "copied_files": side_files,
         "config_checked_by_transformers": config_check == "transformers" and config_check_skipped is None,
         "config_check": config_check,  # "transformers" or "otdus depth rules" (see expand())
@@ -407,14 +420,11 @@ def build_manifest(
     }
 
 
-def _ot_choices(plan: Plan) -> dict:
-    """The OT conventions in force, each with its source (methods/ot_choices.py), for ``--method ot``."""
-    if plan.method.builder != "ot":
+def _method_extras(plan: ExpansionPlan) -> dict:
+    """What the method adds to the manifest (Method.manifest_extras; OT: the conventions in force)."""
+    if plan.method.manifest_extras is None:
         return {}
-    zero_init = plan.method.zero_init_default if plan.options.zero_init is None else plan.options.zero_init
-    family = plan.source.family
-    moe = expert_layout(family.name) if family.moe else None
-    return {"ot_choices": ot_choices(plan.options.ot, zero_init, moe)}
+    return plan.method.manifest_extras(plan, plan.zero_init)
 
 
 def expand(
@@ -423,7 +433,7 @@ def expand(
     options: ExpandOptions | None = None,
     force: bool = False,
     progress: ProgressFn | None = None,
-    on_plan: Callable[[Plan], None] | None = None,
+    on_plan: Callable[[ExpansionPlan], None] | None = None,
     on_note: Callable[[str], None] | None = None,
     world: World | None = None,
 ) -> ExpandResult:
@@ -439,7 +449,7 @@ def expand(
     report = OutputReport(notify=on_note)
     timings: dict = {}
     engines: list[_Engine] = []
-    planned: list[Plan] = []
+    planned: list[ExpansionPlan] = []
     with contextlib.ExitStack() as claimed:
 
         def claim() -> Path | None:

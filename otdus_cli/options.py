@@ -4,64 +4,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.methods.registry import METHODS, get_method
 
 # The closed sets of values, shared with the CLI (which offers them as choices and completions).
-OTVariant = Literal["paper", "official", "structured", "activation"]
-OTSolver = Literal["sinkhorn", "emd"]
-LesaVariant = Literal["pair", "published"]
 Position = Literal["top", "bottom", "mid", "top-bottom", "uniform"]
 OutputDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-class OTOptions(BaseModel):
-    """Options of `--method ot` (see docs/ot.md)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    variant: OTVariant = "paper"
-    solver: OTSolver = "sinkhorn"
-    reg: float = Field(0.06, gt=0)
-    tol: float = Field(1e-6, gt=0)
-    max_iter: int = Field(2000, gt=0)
-    # activation variant: calibration text (a file or bundled:NAME) and at most this many tokens of it
-    calib: str = "bundled:tinystories-sample"
-    calib_tokens: int = Field(4096, ge=512)
-
-    @model_validator(mode="after")
-    def _official_has_one_solver(self) -> OTOptions:
-        if self.variant == "official" and self.solver != "sinkhorn":
-            raise ValueError(
-                "--ot-variant official reproduces the released code's POT Sinkhorn and has no emd solver "
-                "(use --ot-variant paper or structured with --solver emd)"
-            )
-        return self
-
-
-class LesaOptions(BaseModel):
-    """Options of `--method lesa` (methods/lesa.py). The predictor's defaults are the published ones
-    (the LESA authors' notebook: MLP 2d -> 256 -> 256 -> d, AdamW lr 1e-3, 10 epochs, batch 64,
-    norm-term weight 0.0005)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    variant: LesaVariant = "pair"
-    hidden: int = Field(256, ge=1, description="hidden width of the predictor MLP")
-    epochs: int = Field(10, ge=1)
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.01, ge=0, description="AdamW's (torch's default)")
-    norm_weight: float = Field(0.0005, ge=0, le=1, description="lambda of the norm term in the loss")
-    rank: int | None = Field(None, ge=1, description="keep the top-k singular directions (default all)")
-    loo: int = Field(1, ge=0, description="layers held out, one at a time, for the leave-one-out check")
-
-
-class ExpandOptions(BaseModel):
-    """Everything that decides what `otdus expand` writes (recorded in the manifest)."""
+class ExpandSettings(BaseModel):
+    """What decides an expansion besides the methods' own options (ExpandOptions adds one option
+    group per method that has options, from the registry)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -77,46 +34,62 @@ class ExpandOptions(BaseModel):
     seed: int = 0
     revision: str | None = None
     allow_unknown_arch: bool = False
-    ot: OTOptions = Field(default_factory=OTOptions)
-    lesa: LesaOptions = Field(default_factory=LesaOptions)
 
     @field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        from otdus_cli.methods.registry import get_method
-
         get_method(value)
         return value
 
+    def method_options(self) -> BaseModel | None:
+        """The chosen method's option group (None: it has none)."""
+        return getattr(self, self.method) if get_method(self.method).options is not None else None
+
     def method_variant(self) -> str | None:
-        """The variant of the chosen method (``ot.variant`` for ot, ``lesa.variant`` for lesa)."""
-        own = getattr(self, self.method, None)
-        return getattr(own, "variant", None)
+        """The variant of the chosen method (e.g. ``ot.variant`` for ot), if it has variants."""
+        return getattr(self.method_options(), "variant", None)
 
 
-def ignored_options(options: ExpandOptions) -> dict[str, str]:
-    """Options that have no effect on this expansion, each with the reason (recorded in the manifest)."""
+def option_groups() -> dict[str, type[BaseModel]]:
+    """Method name -> its options model, for every registered method that has options."""
+    return {m.name: m.options for m in METHODS.values() if m.options is not None}
+
+
+# Everything that decides what `otdus expand` writes (recorded in the manifest).
+ExpandOptions = create_model(
+    "ExpandOptions",
+    __base__=ExpandSettings,
+    __module__=__name__,
+    **{name: (model, Field(default_factory=model)) for name, model in option_groups().items()},  # type: ignore[call-overload]
+)
+
+
+def merge_options(base: dict[str, Any], *layers: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated by each layer in turn; option groups (nested mappings) are merged key by
+    key, so a layer that sets ``ot.reg`` keeps the ``ot`` options it does not name."""
+    merged = json.loads(json.dumps(base))
+    for layer in layers:
+        for key, value in layer.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = merge_options(merged[key], value)
+            else:
+                merged[key] = json.loads(json.dumps(value))
+    return merged
+
+
+def ignored_options(options: ExpandSettings) -> dict[str, str]:
+    """Options that have no effect on this expansion, each with the reason (recorded in the manifest):
+    every other method's option group, then the chosen method's own (Method.ignored)."""
+    chosen = get_method(options.method)
     ignored: dict[str, str] = {}
-    if options.method != "lesa":
-        lesa_fields = [f"lesa.{name}" for name in LesaOptions.model_fields]
-        ignored |= dict.fromkeys(lesa_fields, f"only --method lesa uses LESA options, not {options.method}")
-    if options.method != "ot":
-        ot_fields = [f"ot.{name}" for name in OTOptions.model_fields]
-        return dict.fromkeys(ot_fields, f"only --method ot uses OT options, not {options.method}") | ignored
-    if options.ot.variant != "activation":
-        ignored |= dict.fromkeys(
-            ("ot.calib", "ot.calib_tokens"), "only --ot-variant activation reads calibration text"
-        )
-    if options.ot.variant == "official":
-        return {
-            "ot.tol": "the official variant pins the released code's stopThr 1e-9",
-            "ot.max_iter": "the official variant pins the released code's 10000 iterations",
-        } | ignored
-    if options.ot.solver == "emd":
-        return (
-            dict.fromkeys(("ot.reg", "ot.tol", "ot.max_iter"), "--solver emd is exact (no Sinkhorn)")
-            | ignored
-        )
+    for other in METHODS.values():
+        if other.options is not None and other.name != chosen.name:
+            label = other.label or other.name
+            why = f"only --method {other.name} uses {label} options, not {chosen.name}"
+            ignored |= dict.fromkeys((f"{other.name}.{f}" for f in other.options.model_fields), why)
+    if chosen.ignored is not None:
+        own = chosen.ignored(options.method_options())
+        ignored |= {f"{chosen.name}.{k}": why for k, why in own.items()}
     return ignored
 
 
@@ -125,6 +98,7 @@ def method_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> E
 
     ``overrides`` are ExpandOptions fields applied first (e.g. ``{"layers": 2, "position": "top"}``;
     an ``ot`` mapping sets OT options); the spec's own variant and zero-init flags win over them.
+    A variant is the ``variant`` option of the method's group.
     """
     text = spec.strip()
     zero: bool | None = None
@@ -139,17 +113,20 @@ def method_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> E
     if zero is not None:
         data["zero_init"] = zero
     if variant:
-        if method not in ("ot", "lesa"):
-            raise OtdusError(
-                f"method spec {spec!r}: only ot and lesa have variants (ot:paper, ot:structured, "
-                "ot:official, lesa:pair, lesa:published)"
+        if method not in METHODS or not METHODS[method].has_variants():
+            with_variants = [m for m in METHODS.values() if m.has_variants()]
+            names = " and ".join(m.name for m in with_variants)
+            examples = ", ".join(
+                f"{m.name}:{v}"
+                for m in with_variants
+                for v in get_args(m.options.model_fields["variant"].annotation)
             )
+            raise OtdusError(f"method spec {spec!r}: only {names} have variants ({examples})")
         data.setdefault(method, {})["variant"] = variant
     try:
         return ExpandOptions.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise OtdusError(f"method spec {spec!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise OtdusError(f"method spec {spec!r}: {invalid(exc)}") from None
 
 
 class Recipe(BaseModel):
@@ -160,14 +137,25 @@ class Recipe(BaseModel):
     model: str
     out: str | None = None
     description: str | None = None
-    expand: ExpandOptions = Field(default_factory=ExpandOptions)
+    expand: ExpandOptions = Field(default_factory=ExpandOptions)  # type: ignore[valid-type]
 
 
-def load_recipe(path: Path) -> Recipe:
+def invalid(exc: ValidationError) -> str:
+    """A validation error in one line: where (``expand.ot``), then pydantic's message without its
+    "Value error, " prefix (a rule's own message names its options)."""
+    err = exc.errors()[0]
+    message = err["msg"].removeprefix("Value error, ")
+    where = ".".join(map(str, err["loc"]))
+    return f"{where}: {message}" if where else message
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A recipe file's YAML (expand and study recipes alike); a missing or malformed file is an
+    OtdusError naming it."""
     import yaml  # noqa: PLC0415 - only recipes need it; every command imports this module
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        return yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise OtdusError(f"recipe not found: {path}") from None
     except UnicodeDecodeError:
@@ -176,11 +164,13 @@ def load_recipe(path: Path) -> Recipe:
         raise OtdusError(f"cannot read recipe {path} ({exc.strerror})") from None
     except yaml.YAMLError as exc:
         raise OtdusError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+
+
+def load_recipe(path: Path) -> Recipe:
+    data = read_yaml(path)
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise OtdusError(f"recipe {path}: {where}: {err['msg']}") from None
+        raise OtdusError(f"recipe {path}: {invalid(exc)}") from None
     except OtdusError as exc:
         raise OtdusError(f"recipe {path}: {exc}") from None

@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from otdus_cli.arch.families import family_for
 from otdus_cli.bundled import STORIES260K
 from otdus_cli.methods.base import BuildContext
-from otdus_cli.methods.ot import OTBuilder
+from otdus_cli.methods.ot import OTOptions
+from otdus_cli.methods.ot.builder import OTBuilder
 from otdus_cli.transport.solve import match_rows
 
 ROLES = {
@@ -49,7 +50,7 @@ class _Layer:
 
 
 def _built(a: dict, b: dict, config: dict, variant: str) -> dict[str, torch.Tensor]:
-    ctx = BuildContext(family=family_for(config), config=config, options={"variant": variant})
+    ctx = BuildContext(family=family_for(config), config=config, options=OTOptions(variant=variant))
     return dict(OTBuilder().build([_Layer(0, a), _Layer(1, b)], ctx))
 
 

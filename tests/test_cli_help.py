@@ -57,23 +57,24 @@ def _shown(param) -> str:
 
 @pytest.mark.parametrize("command", ["expand", "plan"])
 def test_shown_expand_defaults_are_the_real_defaults(command):
+    from otdus_cli.cli.flags import method_flags
     from otdus_cli.methods.registry import METHODS
-    from otdus_cli.options import ExpandOptions, OTOptions
+    from otdus_cli.options import ExpandOptions, option_groups
 
-    expand_defaults, ot_defaults = ExpandOptions(), OTOptions()
+    expand_defaults = ExpandOptions()
     real = {
         "method": expand_defaults.method,
         "position": expand_defaults.position,
-        "ot_variant": ot_defaults.variant,
-        "solver": ot_defaults.solver,
-        "reg": ot_defaults.reg,
-        "tol": ot_defaults.tol,
-        "max_iter": ot_defaults.max_iter,
         "device": expand_defaults.device,
         "dtype": expand_defaults.dtype,
         "max_shard_size": expand_defaults.max_shard_size,
         "seed": expand_defaults.seed,
     }
+    # the methods' flags (generated from their options models), where the default is a value
+    for flag in method_flags():
+        default = option_groups()[flag.group]().model_dump()[flag.field]
+        if default is not None:
+            real[flag.param] = default
     params = _params(command)
     checked = 0
     for name, value in real.items():
@@ -81,7 +82,7 @@ def test_shown_expand_defaults_are_the_real_defaults(command):
             shown = _shown(params[name])
             assert shown == str(value) or float(shown) == value, (name, shown, value)
             checked += 1
-    assert checked == (11 if command == "expand" else 2)
+    assert checked == (16 if command == "expand" else 4)
     zero_on = [m.name for m in METHODS.values() if m.zero_init_default]
     variants_off = [f"{m.name} {v}" for m in METHODS.values() for v in m.zero_init_off_for]
     assert zero_on == ["ot", "lesa", "llama-pro"] and variants_off == ["lesa published"]

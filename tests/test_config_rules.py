@@ -4,7 +4,8 @@ import pytest
 
 from otdus_cli.arch.config_rules import rewrite_config
 from otdus_cli.errors import OtdusError
-from otdus_cli.methods.registry import get_method, plan_layers
+from otdus_cli.methods.registry import get_method
+from otdus_cli.plan.layer_map import plan_layers
 
 
 def layer_map(base, method="copy", **kw):

@@ -17,8 +17,9 @@ from typer.testing import CliRunner
 from otdus_cli.cli import app
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
-from otdus_cli.methods.lesa import generator_seed
-from otdus_cli.options import ExpandOptions, LesaOptions
+from otdus_cli.methods.lesa import LesaOptions
+from otdus_cli.methods.lesa.builder import generator_seed
+from otdus_cli.options import ExpandOptions
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -19,13 +19,14 @@ from otdus_cli.bundled import STORIES260K
 from otdus_cli.cli import app
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
-from otdus_cli.methods.ot_calibration import (
+from otdus_cli.methods.ot import OTOptions
+from otdus_cli.methods.ot.calibration import (
     MIN_CALIB_TOKENS,
     PairMoments,
     correlation_from,
     head_correlation,
 )
-from otdus_cli.options import ExpandOptions, OTOptions
+from otdus_cli.options import ExpandOptions
 from otdus_cli.study.diagnose import _head_contributions, correlation_matrix
 
 
@@ -264,7 +265,7 @@ def test_calibration_memory_is_bounded_whatever_the_number_of_pairs():
     the same for a chain of 2 pairs as of 4 (every adjacent pair of the model): statistics of a
     finished pair leave memory at once, and no layer's inputs outlive its pair."""
     from otdus_cli.arch.families import family_for
-    from otdus_cli.methods.ot_calibration import (
+    from otdus_cli.methods.ot.calibration import (
         DEFAULT_CALIB,
         calibration_windows,
         capture_pair_activations,

@@ -16,7 +16,8 @@ from otdus_cli.arch.families import FAMILIES, family_for
 from otdus_cli.bundled import STORIES260K
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext
-from otdus_cli.methods.ot import OTBuilder, _norm_through
+from otdus_cli.methods.ot import OT, OTOptions
+from otdus_cli.methods.ot.builder import OTBuilder, _norm_through
 from otdus_cli.transport.plan import TransportPlan
 
 NOISE = 0.01  # planted noise, relative to each tensor's std
@@ -40,8 +41,16 @@ class DictLayer:
         return self.tensors[suffix]
 
 
-def _build(a: dict, b: dict, config: dict, **options) -> tuple[dict[str, torch.Tensor], dict]:
-    ctx = BuildContext(family=family_for(config), config=config, options=options)
+def _build(
+    a: dict, b: dict, config: dict, zero_init: bool = True, device: str = "cpu", **options
+) -> tuple[dict[str, torch.Tensor], dict]:
+    ctx = BuildContext(
+        family=family_for(config),
+        config=config,
+        options=OTOptions(**options),
+        zero_init=zero_init,
+        device=torch.device(device),
+    )
     out = dict(OTBuilder().build([DictLayer(0, a), DictLayer(1, b)], ctx))
     return out, ctx.stats
 
@@ -320,19 +329,21 @@ def test_moe_config_over_dense_tensors_is_refused():
 
 
 def test_official_has_no_emd_and_bad_options_are_refused():
-    t, cfg = _tiny_llama()
-    with pytest.raises(OtdusError, match="official"):
-        _build(t, t, cfg, variant="official", solver="emd")
-    with pytest.raises(OtdusError, match="variant"):
-        _build(t, t, cfg, variant="nope")
-    with pytest.raises(OtdusError):
-        _build(t, t, cfg, reg=0.0)
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="official"):
+        OTOptions(variant="official", solver="emd")
+    with pytest.raises(ValidationError, match="variant"):
+        OTOptions(variant="nope")
+    with pytest.raises(ValidationError, match="reg"):
+        OTOptions(reg=0.0)
 
 
-def test_none_options_take_defaults():
+def test_no_options_take_defaults():
     t, cfg = _tiny_llama()
-    out, stats = _build(t, dict(t), cfg, variant=None, solver=None, reg=None, tol=None, max_iter=None)
-    assert stats["variant"] == "paper" and stats["solver"] == "sinkhorn"
+    ctx = BuildContext(family=family_for(cfg), config=cfg)  # options None: OTOptions()'s defaults
+    dict(OTBuilder().build([DictLayer(0, t), DictLayer(1, dict(t))], ctx))
+    assert ctx.stats["variant"] == "paper" and ctx.stats["solver"] == "sinkhorn"
 
 
 # ------------------------------------------------------------------ other families
@@ -434,8 +445,8 @@ def test_gemma_offset_is_aligned_on_the_scale_1_plus_w():
 def test_every_dense_family_template_has_the_roles_ot_needs():
     from otdus_cli.methods.layer_roles import DENSE_ROLES, RoleLayout
 
-    # the families OT is offered for (the others refuse it at plan time: Family.refuses)
-    dense = [fam for fam in FAMILIES if not fam.moe and "ot" not in fam.refuses]
+    # the families OT is offered for (the others refuse it at plan time: Method.refuses)
+    dense = [fam for fam in FAMILIES if not fam.moe and OT.refusal(fam) is None]
     assert len(dense) == 11
     config = {"num_attention_heads": 4, "hidden_size": 16}
     for fam in dense:
@@ -474,7 +485,7 @@ def test_modules_are_yielded_before_later_modules_are_read(stories, variant):
     a, config = stories
     b = {k: v.flip(0) if v.dim() == 2 else v for k, v in a.items()}  # another layer of equal shapes
     log: list = []
-    ctx = BuildContext(family=family_for(config), config=config, options={"variant": variant})
+    ctx = BuildContext(family=family_for(config), config=config, options=OTOptions(variant=variant))
     for suffix, tensor in OTBuilder().build([RecordingLayer(0, a, log), RecordingLayer(1, b, log)], ctx):
         log.append(("yield", suffix))
         assert tensor.shape == a[suffix].shape

@@ -1,5 +1,5 @@
 """The manifest records, per OT variant, the conventions in force and where each comes from
-(otdus_cli/methods/ot_choices.py), and what it records is what the builder computed."""
+(otdus_cli/methods/ot/choices.py), and what it records is what the builder computed."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
-from otdus_cli.methods.ot_choices import MOE_CHOICES, SOURCES, ot_choices
-from otdus_cli.options import ExpandOptions, OTOptions
+from otdus_cli.methods.ot import OTOptions
+from otdus_cli.methods.ot.choices import MOE_CHOICES, SOURCES, ot_choices
+from otdus_cli.options import ExpandOptions
 from otdus_cli.transport.solve import match_rows
 
 UNIT_COST = "rows scaled to unit L2 norm, Euclidean (not squared) distance, divided by its maximum"
@@ -157,7 +158,7 @@ def test_methods_other_than_ot_record_no_choices(tmp_path):
     assert "ot_choices" not in result.manifest
 
 
-# MoE layers (methods/ot_moe.py) add the choices of MOE_CHOICES; written out by hand per variant.
+# MoE layers (methods/ot/moe.py) add the choices of MOE_CHOICES; written out by hand per variant.
 MOE_PINNED = {
     "paper": {
         "experts_matching": (

@@ -19,7 +19,8 @@ from otdus_cli.arch.experts import expert_layout
 from otdus_cli.arch.families import family_for
 from otdus_cli.expand import expand
 from otdus_cli.methods.base import BuildContext
-from otdus_cli.methods.ot import OTBuilder
+from otdus_cli.methods.ot import OTOptions
+from otdus_cli.methods.ot.builder import OTBuilder
 from otdus_cli.options import ExpandOptions
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -83,7 +84,7 @@ def test_permuted_experts_and_neurons_are_recovered(tiny_models, model_type, var
     a = _layer(folder, 1)
     b, order = _planted(a, lay.block, (lay.gate, lay.up, lay.down), 4, seed=5)
     ctx = BuildContext(
-        family=family, config=config, options={"variant": variant, "solver": solver, "tol": 1e-5}
+        family=family, config=config, options=OTOptions(variant=variant, solver=solver, tol=1e-5)
     )
     out = dict(OTBuilder().build([DictLayer(1, a), DictLayer(2, b)], ctx))
     assert sorted(out) == sorted(a)

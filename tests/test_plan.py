@@ -1,10 +1,10 @@
-"""Layer maps against the placements and baselines described in reference.md sections 3 and 4."""
+"""Layer maps against the published placements and baselines, and what a plan refuses."""
 
 import pytest
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.methods.registry import get_method, plan_layers
-from otdus_cli.plan.layer_map import is_function_preserving
+from otdus_cli.methods.registry import get_method
+from otdus_cli.plan.layer_map import is_function_preserving, plan_layers
 
 
 def new_layers(layer_map):
@@ -81,3 +81,22 @@ def test_impossible_requests_are_refused(kwargs, message):
     method = get_method(kwargs.pop("method"))
     with pytest.raises(OtdusError, match=message):
         plan_layers(5, method, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "lesa"], "--method lesa cannot build mixtral layers (MoE layers:"),
+        (["--ot-variant", "activation"], "--ot-variant activation aligns dense MLP neurons; mixtral is"),
+    ],
+)
+def test_methods_refuse_a_family_when_the_plan_is_made(tmp_path, args, message):
+    """`otdus plan` (which writes nothing and builds no layer) already refuses what the method cannot
+    build: the method's refusals are checked at plan time."""
+    from conftest import build_tiny, one_error_line
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    src = build_tiny("mixtral", tmp_path / "moe")
+    one_error_line(CliRunner().invoke(app, ["plan", str(src), "--layers", "1", *args]), message=message)

@@ -6,8 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
-from otdus_cli.methods.registry import get_method, plan_layers
+from otdus_cli.methods.registry import get_method
 from otdus_cli.options import load_recipe
+from otdus_cli.plan.layer_map import plan_layers
 
 # expand recipes (study-*.yaml recipes list study runs; tests/test_study.py covers them)
 RECIPES = sorted(

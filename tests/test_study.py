@@ -210,7 +210,8 @@ def test_interpose_stack_recipe_grows_the_same_copies_in_two_places():
     """recipes/study-interpose-stack.yaml: 5 -> 10 layers by interposition (l0 l0' l1 l1' ...) and
     by stacking (l0..l4 l0'..l4'), plain copies both (nothing zeroed), compared with stacking, under
     exactly the Table 6 study's protocol (settings, texts, seeds), so the two are comparable."""
-    from otdus_cli.methods.registry import get_method, plan_layers
+    from otdus_cli.methods.registry import get_method
+    from otdus_cli.plan.layer_map import plan_layers
 
     recipe = load_study_recipe(RECIPE.parent / "study-interpose-stack.yaml")
     table6 = load_study_recipe(RECIPE)

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from otdus_cli.cli import app
 from otdus_cli.expand import expand
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
-from otdus_cli.options import ExpandOptions, LesaOptions
+from otdus_cli.methods.lesa import LesaOptions
+from otdus_cli.options import ExpandOptions
 
 runner = CliRunner()
 QUICK = ["--max-tokens", "2048", "--device", "cpu", "--json"]

@@ -11,7 +11,8 @@ import torch
 from conftest import DENSE_TYPES, MOE_TYPES
 
 from otdus_cli.expand import expand
-from otdus_cli.options import ExpandOptions, LesaOptions
+from otdus_cli.methods.lesa import LesaOptions
+from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.metrics import EvalPlan, Window
 
@@ -40,7 +41,7 @@ def zero_init_expansions(model_type: str) -> list[ExpandOptions]:
         ExpandOptions(method="random", layers=2, zero_init=True),
         ExpandOptions(method="interpose", layers=2, zero_init=True),
         ExpandOptions(method="stack", layers=depth, zero_init=True),
-        ExpandOptions(method="ot", layers=depth // 2),  # MoE: experts matched, then neurons (ot_moe.py)
+        ExpandOptions(method="ot", layers=depth // 2),  # MoE: experts, then neurons (methods/ot/moe.py)
     ]
     if model_type in DENSE_TYPES:
         options.append(ExpandOptions(method="lesa", layers=depth // 2, lesa=LesaOptions(epochs=2)))

@@ -2,7 +2,9 @@
 
 A template says where decoder layers live, what each layer tensor is (its role, used by the
 OT-DUS builder), which tensors are zeroed to make a new layer an exact identity, and which
-config fields depend on depth. Adding a family means adding a template here, nothing else.
+config fields depend on depth, and the traits of its layers that some methods cannot build (the
+methods say which, in their own modules). Adding a dense family means adding a template here; an
+MoE family also needs its expert layout (arch/experts.py) for the methods that read experts.
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ MOE_ZERO = (
 )
 
 
+# Traits of a family's layers that some methods cannot build (Method.refuses, methods/*): data about
+# the layers, named here; each method says in its own module why it cannot build them.
+MOE = "moe"  # mixture-of-experts layers (Family.moe)
+POST_NORM = "post-norm"  # no norm before attention or the MLP; each sublayer's output is normed
+PARALLEL_BLOCKS = "parallel-blocks"  # attention and MLP run in parallel from one norm
+UNGATED_MLP = "ungated-mlp"  # an MLP without gate (c_fc, c_proj)
+EXPERT_BIASES = "expert-biases"  # fused experts with biases
+SHARED_FUSED_EXPERTS = "shared-fused-experts"  # fused experts beside a shared expert
+CROSS_ATTENTION = "cross-attention"  # cross-attention layers between the self-attention ones
+LATENT_ATTENTION = "latent-attention"  # multi-head latent attention (no q/k/v projections)
+
+
 def uniform_layers(config: dict, index: int) -> str:
     """Every decoder layer holds the same tensors."""
     return "decoder"
@@ -74,8 +88,8 @@ class Family:
     derives_layer_types: bool = False
     # which layers must hold identical tensors (names, dtypes, shapes): those of the same kind
     layer_kind: Callable[[dict, int], str] = uniform_layers
-    # builder name -> why this family's layers cannot be built that way (refused at plan time)
-    refuses: dict[str, str] = field(default_factory=dict)
+    # traits of its layers some methods cannot build (the constants above; MOE follows ``moe``)
+    traits: frozenset[str] = frozenset()
     # a template without roles (generic, or derived from transformers): copy-type methods only
     copy_only: bool = False
     # config fields with one entry per layer besides DEPTH_FIELDS' (found by a derived template)
@@ -84,6 +98,9 @@ class Family:
     # moe_layers, no_rope_layers): read from transformers and written explicitly, like layer_types
     derived_fields: tuple[str, ...] = ()
 
+    def has(self, trait: str) -> bool:
+        return trait in self.traits or (trait == MOE and self.moe)
+
     def is_zero_target(self, suffix: str) -> bool:
         return any(re.fullmatch(p, suffix) for p in self.zero_init)
 
@@ -91,10 +108,9 @@ class Family:
         return re.compile(re.escape(self.layer_prefix).replace(r"\{i\}", r"(\d+)") + r"(.+)")
 
 
-# --- Families added for architecture breadth (issue 17). Each was checked on a tiny model built by
+# --- Families added for architecture breadth. Each was checked on a tiny model built by
 # transformers itself (tests/test_arch_breadth.py): copies, zero-init identity, config rules, loading.
 
-# Post-norm blocks (OLMo 2/3, EXAONE 4): no norm before attention or the MLP; each sublayer's output is
 # MoE layers: attention and norms by role (q_norm/k_norm where Qwen3-MoE and OLMoE have them); the
 # expert block is read through arch/experts.py's ExpertLayout
 MOE_ROLES = {
@@ -103,6 +119,7 @@ MOE_ROLES = {
     "k_norm": "self_attn.k_norm",
 }
 
+# Post-norm blocks (OLMo 2/3, EXAONE 4): no norm before attention or the MLP; each sublayer's output is
 # normed before the residual add, and a norm of zeros is zero, so zeroed o/down still add nothing.
 POST_NORM_ROLES = {
     **{role: path for role, path in LLAMA_ROLES.items() if role not in ("attn_norm", "mlp_norm")},
@@ -111,12 +128,6 @@ POST_NORM_ROLES = {
     "q_norm": "self_attn.q_norm",
     "k_norm": "self_attn.k_norm",
 }
-_OT_POST_NORM = (
-    "post-norm layers (no norm before attention or the MLP): the OT-DUS flow is defined for pre-norm ones"
-)
-_OT_PARALLEL = (
-    "attention and MLP run in parallel from one norm: the OT-DUS flow is defined for sequential blocks"
-)
 
 
 def first_k_dense_layers(config: dict, index: int) -> str:
@@ -141,9 +152,9 @@ def cross_attention_layers(config: dict, index: int) -> str:
 
 BREADTH_FAMILIES: tuple[Family, ...] = (
     Family(
-        "olmo2", ("olmo2", "olmo3"), POST_NORM_ROLES, derives_layer_types=True, refuses={"ot": _OT_POST_NORM}
+        "olmo2", ("olmo2", "olmo3"), POST_NORM_ROLES, derives_layer_types=True, traits=frozenset({POST_NORM})
     ),
-    Family("exaone4", ("exaone4",), POST_NORM_ROLES, derives_layer_types=True, refuses={"ot": _OT_POST_NORM}),
+    Family("exaone4", ("exaone4",), POST_NORM_ROLES, derives_layer_types=True, traits=frozenset({POST_NORM})),
     # Granite's multipliers (embedding, residual, attention, logits) scale whole sublayer outputs
     Family("granite", ("granite",), LLAMA_ROLES),
     Family("smollm3", ("smollm3",), LLAMA_ROLES, derives_layer_types=True),
@@ -156,7 +167,7 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
             **{r: LLAMA_ROLES[r] for r in ("q", "k", "v", "o", "gate", "up", "down")},
         },
         derives_layer_types=True,
-        refuses={"ot": _OT_PARALLEL},
+        traits=frozenset({PARALLEL_BLOCKS}),
     ),
     Family(
         "glm4",
@@ -178,10 +189,7 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
             "down": "mlp.c_proj",
         },
         zero_init=(r"self_attn\.o_proj\.(weight|bias)", r"mlp\.c_proj\.(weight|bias)"),
-        refuses={
-            "ot": "non-gated MLP (c_fc, c_proj): the OT-DUS flow aligns a gated MLP's gate and up together",
-            "lesa": "non-gated MLP (c_fc, c_proj): LESA predicts a gated MLP's gate, up and down projections",
-        },
+        traits=frozenset({UNGATED_MLP}),
     ),
     # attention sinks (self_attn.sinks) only reweight the softmax, whose output o_proj zeroes
     Family(
@@ -191,7 +199,7 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
         zero_init=(r"self_attn\.o_proj\.(weight|bias)", r"mlp\.experts\.down_proj(_bias)?"),
         moe=True,
         derives_layer_types=True,
-        refuses={"ot": "fused experts with biases: OT knows no expert layout for them (arch/experts.py)"},
+        traits=frozenset({EXPERT_BIASES}),
     ),
     # Llama 4: dense and MoE layers interleaved (moe_layers), NoPE layers (no_rope_layers) with chunked
     # attention on the others (layer_types); a copy keeps its source's kind through those lists. The MoE
@@ -210,9 +218,7 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
         derives_layer_types=True,
         layer_kind=llama4_layers,
         derived_fields=("moe_layers", "no_rope_layers"),
-        refuses={
-            "ot": "fused experts beside a shared expert: OT knows no expert layout for them (arch/experts.py)"
-        },
+        traits=frozenset({SHARED_FUSED_EXPERTS}),
     ),
     # Mllama (Llama 3.2 Vision): cross-attention layers (listed in cross_attention_layers, renumbered
     # through the layer map) add gated image attention and MLP; text-only inputs skip them
@@ -226,12 +232,7 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
             r"mlp\.down_proj\.weight",
         ),
         layer_kind=cross_attention_layers,
-        refuses={
-            "ot": "cross-attention layers between the self-attention ones: the OT-DUS flow knows no "
-            "cross-attention roles",
-            "lesa": "cross-attention layers between the self-attention ones: LESA predicts self-attention "
-            "layers' projections only",
-        },
+        traits=frozenset({CROSS_ATTENTION}),
     ),
     Family(
         "deepseek_v3",
@@ -240,7 +241,7 @@ BREADTH_FAMILIES: tuple[Family, ...] = (
         zero_init=MOE_ZERO,
         moe=True,
         layer_kind=first_k_dense_layers,
-        refuses={"ot": "multi-head latent attention has no q/k/v projections for the OT-DUS flow"},
+        traits=frozenset({LATENT_ATTENTION}),
     ),
 )
 

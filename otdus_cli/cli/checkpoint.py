@@ -24,11 +24,11 @@ from otdus_cli.cli.console import (
     show_progress,
     user_errors,
 )
-from otdus_cli.cli.flags import with_flags
+from otdus_cli.cli.flags import method_flags, with_flags, with_method_flags
 from otdus_cli.cli.values import MethodName, device_parser, model_name
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.registry import METHODS
-from otdus_cli.options import LesaVariant, OTSolver, OTVariant, OutputDtype
+from otdus_cli.options import OutputDtype
 from otdus_cli.options import Position as PositionName
 
 Model = Annotated[
@@ -59,8 +59,8 @@ After = Annotated[
 
 
 def _zero_init_default() -> str:
-    """The zero-init defaults in words, from the method registry: "on for ot, lesa and llama-pro (off
-    for lesa published), off otherwise"."""
+    """The zero-init defaults in words, from the method registry, e.g. "on for ot and llama-pro, off
+    otherwise" (with the variants whose default is off in parentheses)."""
     on = [m.name for m in METHODS.values() if m.zero_init_default]
     text = "on for " + (f"{', '.join(on[:-1])} and {on[-1]}" if len(on) > 1 else on[0])
     off = [f"{m.name} {v}" for m in METHODS.values() for v in m.zero_init_off_for]
@@ -74,74 +74,6 @@ ZeroInit = Annotated[
         help="Zero o_proj and down_proj (and MoE expert downs) of new layers, making them exact identities. "
         f"[default: {_zero_init_default()}]",
         show_default=False,
-    ),
-]
-OtVariant = Annotated[
-    OTVariant | None,
-    typer.Option(
-        help="OT-DUS variant. paper: the paper's layer flow with Imfeld et al.'s conventions (plans "
-        "scaled by n, max-normalised cost); official: the released script's computation (unscaled "
-        "plans, raw cost, POT); structured: ours; activation: structured's flow with neurons and heads "
-        "matched by their activations on --calib text. Sources: docs/ot.md. [default: paper]"
-    ),
-]
-Solver = Annotated[
-    OTSolver | None, typer.Option(help="Transport solver; emd: exact assignment. [default: sinkhorn]")
-]
-Reg = Annotated[
-    float | None,
-    typer.Option(
-        help="Sinkhorn entropic regularisation, relative to the largest cost (absolute on "
-        "official's raw cost). [default: 0.06]"
-    ),
-]
-Tol = Annotated[
-    float | None,
-    typer.Option(
-        help="Sinkhorn stopping tolerance (otdus's rule): largest relative row/column mass error "
-        "(the official variant pins the released code's 1e-9). [default: 1e-6]"
-    ),
-]
-Calib = Annotated[
-    str | None,
-    typer.Option(
-        help="Calibration text of --ot-variant activation: a UTF-8 file or bundled:NAME "
-        "(bundled:tinystories-sample, bundled:wikitext-test). [default: bundled:tinystories-sample]"
-    ),
-]
-CalibTokens = Annotated[
-    int | None,
-    typer.Option(
-        help="At most this many calibration tokens (whole windows of 256); the text must give at "
-        "least 512. [default: 4096]"
-    ),
-]
-MaxIter = Annotated[
-    int | None, typer.Option(help="Sinkhorn iteration cap (official pins 10000). [default: 2000]")
-]
-LesaVariantFlag = Annotated[
-    LesaVariant | None,
-    typer.Option(
-        help="LESA variant. pair (ours): the tensors LESA does not predict (norms, biases) from the pair; "
-        "with zero-init, its default, the output is function-preserving. published: the LESA notebook's "
-        "output: those tensors are base layer 0's and nothing is zeroed, so the new layers change the "
-        "model's function (verify reports the change instead of expecting parity; add --zero-init to "
-        "preserve it). README: LESA. [default: pair]"
-    ),
-]
-LesaEpochs = Annotated[int | None, typer.Option(help="LESA predictor training epochs. [default: 10]")]
-LesaRank = Annotated[
-    int | None,
-    typer.Option(
-        help="Keep only the top-k singular directions per projection type (less memory and time; "
-        "new weights of rank <= k). [default: all, as published]"
-    ),
-]
-LesaLoo = Annotated[
-    int | None,
-    typer.Option(
-        help="Layers held out (one at a time, one extra training each) for LESA's leave-one-out "
-        "check; 0 skips it. [default: 1]"
     ),
 ]
 Device = Annotated[
@@ -166,10 +98,6 @@ AllowUnknown = Annotated[
 ]
 
 
-# the LESA options with a flag (the others are set in a recipe's expand.lesa)
-LESA_FLAGS = ("lesa_variant", "lesa_epochs", "lesa_rank", "lesa_loo")
-
-
 @dataclass
 class LayoutFlags:
     """What decides the layer map: shared by `expand` and `plan`."""
@@ -185,11 +113,14 @@ class LayoutFlags:
     allow_unknown_arch: AllowUnknown = False
 
 
-def _options(model: str | None, layout: LayoutFlags, **flags: Any):
-    """Merge recipe and flags (flags win) into validated ExpandOptions."""
+def _options(
+    model: str | None, layout: LayoutFlags, method_flags: dict[str, Any] | None = None, **flags: Any
+):
+    """Merge recipe and flags (flags win) into validated ExpandOptions; ``method_flags``: the
+    methods' flags by option (``{"ot.reg": 0.02}``, None where not given)."""
     from pydantic import ValidationError
 
-    from otdus_cli.options import ExpandOptions, OTOptions, load_recipe
+    from otdus_cli.options import ExpandOptions, load_recipe, merge_options, option_groups
 
     base = load_recipe(layout.recipe) if layout.recipe else None
     model = model or (base.model if base else None)
@@ -200,40 +131,40 @@ def _options(model: str | None, layout: LayoutFlags, **flags: Any):
     del flags["recipe"]
     flags["allow_unknown_arch"] = flags["allow_unknown_arch"] or None
     after = flags.pop("after")
-    ot_keys = ("variant", "solver", "reg", "tol", "max_iter", "calib", "calib_tokens")
-    ot_flags = {k: flags.pop(k, None) for k in ot_keys}
-    lesa_flags = {k.removeprefix("lesa_"): flags.pop(k, None) for k in LESA_FLAGS}
     updates = {k: v for k, v in flags.items() if v is not None}
     if after is not None:
         try:
             updates["after"] = [int(x) for x in after.split(",") if x.strip()]
         except ValueError:
             raise OtdusError(f"--after takes comma-separated layer indices, got {after!r}") from None
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in (method_flags or {}).items():
+        if value is not None:
+            group, field = key.split(".")
+            groups.setdefault(group, {})[field] = value
     try:
-        ot = OTOptions.model_validate(
-            {**options.ot.model_dump(), **{k: v for k, v in ot_flags.items() if v is not None}}
-        )
-        lesa = {**options.lesa.model_dump(), **{k: v for k, v in lesa_flags.items() if v is not None}}
-        merged = ExpandOptions.model_validate(
-            {**options.model_dump(), **updates, "ot": ot.model_dump(), "lesa": lesa}
-        )
+        merged = ExpandOptions.model_validate(merge_options(options.model_dump(), updates, groups))
     except ValidationError as exc:
         err = exc.errors()[0]
         message = err["msg"].removeprefix("Value error, ")
-        if not err["loc"]:  # a rule across options names its flags itself
+        loc = err["loc"]
+        if not loc or (len(loc) == 1 and loc[0] in option_groups()):  # a rule across options names its flags
             raise OtdusError(message) from None
-        raise OtdusError(f"{_flag(err['loc'])} {err['input']!r}: {message}") from None
+        raise OtdusError(f"{_flag(loc)} {err['input']!r}: {message}") from None
     return model, merged, base
 
 
-def _flag(loc: tuple) -> str:
+def _flag(loc: tuple | list) -> str:
     """The command-line flag of an ExpandOptions field: ('ot', 'variant') -> --ot-variant, ('ot', 'reg')
-    -> --reg, ('lesa', 'rank') -> --lesa-rank (LESA options without a flag are named as in recipes)."""
-    if loc[0] == "lesa":
-        name = "_".join(map(str, loc)) if f"lesa_{loc[-1]}" in LESA_FLAGS else f"lesa.{loc[-1]}"
-    else:
-        name = "ot_variant" if tuple(loc) == ("ot", "variant") else str(loc[-1])
-    return "--" + name.replace("_", "-") if "." not in name else name
+    -> --reg (the flags a method's options model declares; options without a flag are named as in
+    recipes, 'group.field')."""
+    from otdus_cli.options import option_groups
+
+    names = tuple(map(str, loc))
+    if names[0] in option_groups():
+        flags = {(f.group, f.field): f.flag.name for f in method_flags()}
+        return flags.get(names[:2], ".".join(names[:2]))
+    return "--" + names[-1].replace("_", "-")
 
 
 def _layer_table(plan) -> Table:
@@ -267,21 +198,12 @@ def _plan_json(plan) -> dict:
 
 
 @with_flags(LayoutFlags)
+@with_method_flags()
 def expand(
     model: Model = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")] = None,
     flags: LayoutFlags = None,
-    ot_variant: OtVariant = None,
-    solver: Solver = None,
-    reg: Reg = None,
-    tol: Tol = None,
-    max_iter: MaxIter = None,
-    calib: Calib = None,
-    calib_tokens: CalibTokens = None,
-    lesa_variant: LesaVariantFlag = None,
-    lesa_epochs: LesaEpochs = None,
-    lesa_rank: LesaRank = None,
-    lesa_loo: LesaLoo = None,
+    method_flags: dict[str, Any] | None = None,  # the methods' own flags (--ot-variant, --reg...)
     device: Device = None,
     dtype: Dtype = None,
     max_shard_size: ShardSize = None,
@@ -319,17 +241,7 @@ def expand(
         model, options, recipe_obj = _options(
             model,
             flags,
-            variant=ot_variant,
-            solver=solver,
-            reg=reg,
-            tol=tol,
-            max_iter=max_iter,
-            calib=calib,
-            calib_tokens=calib_tokens,
-            lesa_variant=lesa_variant,
-            lesa_epochs=lesa_epochs,
-            lesa_rank=lesa_rank,
-            lesa_loo=lesa_loo,
+            method_flags,
             device=device,
             dtype=dtype,
             max_shard_size=max_shard_size,
@@ -367,31 +279,21 @@ def expand(
             )
     if not world.is_main:
         return
-    transport = _transport_warnings(result.manifest.get("transport", {}))
+    method = result.plan.method
+    # the method's warnings on its own report (OT: transport solves that did not converge); the
+    # report names them "transport_warnings" for every method
+    method_warnings = method.report_warnings(result.manifest) if method.report_warnings else []
     warnings = list(result.warnings)  # the manifest's, and the notes already said
-    given = {
-        "ot.variant": ot_variant,
-        "ot.solver": solver,
-        "ot.reg": reg,
-        "ot.tol": tol,
-        "ot.max_iter": max_iter,
-        "ot.calib": calib,
-        "ot.calib_tokens": calib_tokens,
-        "lesa.variant": lesa_variant,
-        "lesa.epochs": lesa_epochs,
-        "lesa.rank": lesa_rank,
-        "lesa.loo": lesa_loo,
-    }
     for option, why in result.manifest.get("ignored_options", {}).items():
-        if given.get(option) is not None:
+        if (method_flags or {}).get(option) is not None:
             warnings.append(f"{_flag(option.split('.'))} was ignored: {why}")
-    for line in [*warnings, *transport]:
+    for line in [*warnings, *method_warnings]:
         say(line)
     summary = {
         "out": str(result.out),
         "replaced_earlier_output": result.replaced,
         "warnings": warnings,
-        "transport_warnings": transport,
+        "transport_warnings": method_warnings,
         **_plan_json(result.plan),
         "bytes_written": result.bytes_written,
         "seconds": round(result.seconds, 3),
@@ -400,14 +302,13 @@ def expand(
         "new_parameter_count": len(result.manifest["new_parameters"]),
         "timings": _timings_json(result.timings),
     }
-    if "lesa" in result.manifest:
-        summary["lesa"] = result.manifest["lesa"]
+    if method.report_json:
+        summary |= method.report_json(result.manifest)
     if json_out:
         emit_json(summary)
         return
-    if "lesa" in result.manifest:
-        for line in lesa_check_lines(result.manifest["lesa"]):
-            out_console.print(line, highlight=False, soft_wrap=True)
+    for line in method.report_lines(result.manifest) if method.report_lines else []:
+        out_console.print(line, highlight=False, soft_wrap=True)
     preserved = "function-preserving" if result.plan.function_preserving else "not function-preserving"
     out_console.print(
         f"[bold green]wrote[/] {result.out}{replacing_note(result.replaced)}: "
@@ -486,69 +387,23 @@ def _timings_json(timings: dict) -> dict:
     return out
 
 
-def lesa_check_lines(report: dict) -> list[str]:
-    """LESA's leave-one-out check in words: per projection type, the held-out error next to the
-    plain average's (the predictor is worth its training where it is lower)."""
-    if "loo_skipped" in report:
-        return [f"LESA leave-one-out check skipped: {report['loo_skipped']}"]
-    lines = []
-    for role, info in report["projections"].items():
-        loo = info["loo"]
-        better = "better" if loo["error"] < loo["average_error"] else "NOT better"
-        lines.append(
-            f"LESA {role}: held-out relative error {loo['error']:.3f} on layer(s) "
-            f"{','.join(map(str, loo['held_out']))} ({better} than the plain neighbour average's "
-            f"{loo['average_error']:.3f}; {loo['fit_error']:.3f} when trained on it)"
-        )
-    return lines
-
-
 def _warn(line: str) -> None:
     err_console.print(Text.assemble(("warning:", "yellow"), " ", line), highlight=False, soft_wrap=True)
 
 
-def _transport_warnings(transport: dict) -> list[str]:
-    """Transport solves that stopped at the iteration cap or hit numerical trouble, each with the
-    options that would change it (the official variant pins its iterations: only --reg applies)."""
-    lines = []
-    official_capped: list[tuple[float, int]] = []
-    solves = 0
-    for layer, stats in transport.items():
-        official = stats.get("variant") == "official"
-        for module, info in (stats.get("modules") or {}).items():
-            if not isinstance(info, dict):
-                continue
-            solves += 1
-            status = info.get("status", "ok")
-            error = info.get("marginal_error", float("nan"))
-            if status == "ok":
-                continue
-            if official and status == "max_iter":
-                official_capped.append((error, info.get("iterations")))
-                continue
-            remedy = "raise --reg" if official or status == "numerical_error" else "raise --max-iter or --reg"
-            lines.append(
-                f"layer {layer} {module}: Sinkhorn {status} after {info.get('iterations')} "
-                f"iterations (marginal error {error:.2g}); {remedy}"
-            )
-    if official_capped:
-        lines.insert(
-            0,
-            f"--ot-variant official: {len(official_capped)} of {solves} Sinkhorn solves ran the released "
-            f"code's fixed {max(i for _, i in official_capped)} iterations without reaching its stopThr "
-            f"1e-9 (largest marginal error {max(e for e, _ in official_capped):.2g}), as the released code "
-            "does; --max-iter and --tol do not apply to it, --reg does",
-        )
-    return lines
-
-
 @with_flags(LayoutFlags)
-def plan(model: Model = None, flags: LayoutFlags = None, json_out: JsonFlag = False) -> None:
+@with_method_flags(for_plan=True)
+def plan(
+    model: Model = None,
+    flags: LayoutFlags = None,
+    method_flags: dict[str, Any] | None = None,  # those that change the layer map (--ot-variant...)
+    json_out: JsonFlag = False,
+) -> None:
     """Show the layer map an expansion would produce; nothing is written."""
     from otdus_cli.expand import make_plan, open_source
 
     with user_errors():
-        model, options, _ = _options(model, flags)
+        model, options, _ = _options(model, flags, method_flags)
         the_plan = make_plan(open_source(model, options.revision, options.allow_unknown_arch), options)
     if json_out:
         emit_json(_plan_json(the_plan))
@@ -637,22 +492,12 @@ def inspect(
         new = [str(lay["index"]) for lay in manifest["layers"] if lay["new"]]
         table.add_row("new layers", ", ".join(new))
         table.add_row("new parameters", f"{len(manifest['new_parameters'])} tensors")
-        if "lesa" in manifest:
-            table.add_row("LESA", lesa_summary(manifest["lesa"]))
+        method = METHODS.get(manifest["method"])  # None: a method this version does not offer
+        for name, text in method.inspect_rows(manifest) if method and method.inspect_rows else []:
+            table.add_row(name, text)
     if card is not None:
         table.add_row("model card", card_line(card, manifest is not None))
     out_console.print(table)
-
-
-def lesa_summary(report: dict) -> str:
-    """One line: the variant and, per projection type, held-out error (plain average's)."""
-    errors = [
-        f"{role} {info['loo']['error']:.3f} ({info['loo']['average_error']:.3f})"
-        for role, info in report["projections"].items()
-        if "loo" in info
-    ]
-    check = "held-out error (plain average's): " + ", ".join(errors) if errors else "no leave-one-out check"
-    return f"variant {report['variant']}; {check}"
 
 
 def _numel(shape: tuple[int, ...]) -> int:

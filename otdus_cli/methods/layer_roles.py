@@ -1,5 +1,5 @@
 """A decoder layer seen as roles (q, k, v, o, gate, up, down, norms), shared by the builders that
-work role by role (ot.py, ot_moe.py, lesa.py).
+work role by role (the OT and LESA builders).
 
 * where each role's weight and bias live in a layer, fused tensors (Phi-3's qkv, gate_up) split
   into their parts and re-fused on the way out (RoleLayout, RoleOutputs);

@@ -1,12 +1,15 @@
-"""Builders that need no alignment: the plain average of a pair, and a fresh random layer."""
+"""The methods that need no alignment: the plain average of a pair, a fresh random layer, and the
+copy-type methods (the engine moves their bytes; they differ only in placement)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+from otdus_cli.methods.base import BuildContext, Method, ParentLayer
 
-from otdus_cli.methods.base import BuildContext, ParentLayer
+if TYPE_CHECKING:
+    import torch
 
 
 class AverageBuilder:
@@ -30,6 +33,8 @@ class RandomBuilder:
     parents_needed = 1
 
     def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
+        import torch  # noqa: PLC0415 - copy-type methods never need torch
+
         (a,) = parents
         std = float(ctx.config.get("initializer_range", 0.02))
         gen = torch.Generator().manual_seed(ctx.seed * 1_000_003 + ctx.output_index)
@@ -46,3 +51,31 @@ class RandomBuilder:
 def _shape(layer: ParentLayer, suffix: str) -> tuple[int, ...]:
     shape_of = getattr(layer, "shape", None)
     return tuple(shape_of(suffix)) if shape_of else tuple(layer.get(suffix).shape)
+
+
+AVERAGE = Method(
+    "average",
+    "plain average 1/2 (f_i + f_{i+1}) (the paper's Avg-DeUS)",
+    "placed",
+    builder="average",
+    pair=True,
+    make_builder=AverageBuilder,
+)
+RANDOM = Method(
+    "random",
+    "a freshly initialised layer",
+    "placed",
+    builder="random",
+    make_builder=RandomBuilder,
+    seeded_by_study=True,
+)
+COPY = Method("copy", "a copy of f_i inserted after it", "placed")
+INTERPOSE = Method("interpose", "each chosen layer duplicated in place (l1 l1 l2 l2 ...)", "placed")
+LLAMA_PRO = Method(
+    "llama-pro",
+    "LLaMA PRO: after every L/k layers, a copy of the group's last layer",
+    "uniform",
+    zero_init_default=True,
+)
+SOLAR = Method("solar", "SOLAR DUS: layers 0..L-m-1 followed by m..L-1", "solar")
+STACK = Method("stack", "the whole stack repeated", "stack")

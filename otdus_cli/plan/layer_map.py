@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from otdus_cli.errors import OtdusError
+
+if TYPE_CHECKING:
+    from otdus_cli.methods.base import Method
 
 POSITIONS = ("top", "bottom", "mid", "top-bottom", "uniform")
 # No growth operator in the literature goes beyond a few times the base depth; a bound keeps a typo
@@ -151,3 +155,40 @@ def is_function_preserving(layer_map: list[OutputLayer], base_layers: int) -> bo
     """True when the output computes the base function: base layers in order, every new layer an identity."""
     base_order = [lay.source for lay in layer_map if not lay.new]
     return base_order == list(range(base_layers)) and all(lay.zero_init for lay in layer_map if lay.new)
+
+
+def plan_layers(
+    base_layers: int,
+    method: Method,
+    position: str = "top",
+    layers: int | None = None,
+    ratio: float | None = None,
+    after: list[int] | None = None,
+    zero_init: bool | None = None,
+) -> list[OutputLayer]:
+    """The output stack for a method and placement; raises OtdusError for impossible requests."""
+    zero = method.zero_init_default if zero_init is None else zero_init
+    if method.layout == "stack":
+        count = _count(base_layers, base_layers if layers is None and ratio is None else layers, ratio)
+        if count % base_layers:
+            raise OtdusError(
+                f"stack repeats the whole {base_layers}-layer stack: --layers must be a multiple of it"
+            )
+        return from_sources(list(range(base_layers)) * (count // base_layers + 1), zero)
+    count = _count(base_layers, layers, ratio)
+    if method.layout == "solar":
+        if count > base_layers or (base_layers - count) % 2:
+            same_parity = list(range(base_layers % 2 or 2, base_layers + 1, 2))
+            raise OtdusError(
+                f"SOLAR adds L - 2m layers: with L={base_layers}, --layers must be at most {base_layers} "
+                f"and have the same parity as {base_layers} (got {count}); {would_work(same_parity, count)}"
+            )
+        m = (base_layers - count) // 2
+        return from_sources(list(range(base_layers - m)) + list(range(m, base_layers)), zero)
+    if after:
+        points = validate_after(base_layers, after, method.pair)
+    elif method.layout == "uniform":
+        points = insertion_points(base_layers, count, "uniform", method.pair)
+    else:
+        points = insertion_points(base_layers, count, position, method.pair)
+    return interleave(base_layers, points, method.builder, zero, method.pair)

@@ -257,7 +257,7 @@ def activation_scores(
 ) -> tuple[dict[str, float], float]:
     """Held-out scores of the activation variant's choices: MLP (plan-weighted, one-to-one) and the
     heads' group matching (``ha``/``hb``: heads x (tokens * hidden) contributions)."""
-    from otdus_cli.methods.ot import Heads, OTSettings, activation_plan, match_head_groups  # noqa: PLC0415
+    from otdus_cli.methods.ot.builder import Heads, OTSettings, activation_plan, match_head_groups  # noqa: PLC0415
 
     s = OTSettings(variant="activation", reg=reg)
     plans: dict[int, TransportPlan] = {}

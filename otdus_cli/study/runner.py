@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.options import ExpandOptions, method_spec_options
+from otdus_cli.options import ExpandOptions, invalid, merge_options, method_spec_options, read_yaml
 from otdus_cli.study.data import Documents, load_documents, split_documents, tokenize_windows
 from otdus_cli.study.stats import crossed_mean_ci, holm, mean_std, sign_flip_p
 from otdus_cli.study.train import TrainConfig, evaluate, load_model, train
@@ -302,7 +301,7 @@ class _ExpansionCache:
         from otdus_cli.expand import expand  # noqa: PLC0415
         from otdus_cli.methods.registry import get_method  # noqa: PLC0415
 
-        seeded = get_method(options.method).builder == "random"
+        seeded = get_method(options.method).seeded_by_study
         opts = options.model_copy(update={"seed": seed if seeded else options.seed})
         key = opts.model_dump_json()
         if key not in self._made:
@@ -635,14 +634,12 @@ class StudyRecipe(BaseModel):
         """Each run's full expand options; ``overrides`` (ExpandOptions fields) win over the recipe's."""
         specs = []
         for r in self.runs:
-            data = {**json.loads(json.dumps(self.expand)), **r.expand, **(overrides or {})}
-            if "ot" in self.expand and "ot" in r.expand:
-                data["ot"] = {**self.expand["ot"], **r.expand["ot"]}
+            # option groups (ot, ...) merge key by key: a run's ot.reg keeps the recipe's ot.variant
+            data = merge_options(self.expand, r.expand, overrides or {})
             try:
                 specs.append(RunSpec(r.name, ExpandOptions.model_validate(data)))
             except ValidationError as exc:
-                err = exc.errors()[0]
-                raise OtdusError(f"run {r.name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+                raise OtdusError(f"run {r.name!r}: {invalid(exc)}") from None
         return specs
 
 
@@ -666,17 +663,11 @@ _SETTINGS = {
 
 def load_study_recipe(path: str | os.PathLike[str]) -> StudyRecipe:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise OtdusError(f"recipe not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise OtdusError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    data = read_yaml(path)
     try:
         recipe = StudyRecipe.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise OtdusError(f"recipe {path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise OtdusError(f"recipe {path}: {invalid(exc)}") from None
     for where, settings in [("settings", recipe.settings)] + [
         (f"studies.{s.name}", s.settings) for s in recipe.studies
     ]:

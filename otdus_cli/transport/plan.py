@@ -48,10 +48,6 @@ class TransportPlan:
         """The plan that keeps neuron i on neuron i (T = I / n)."""
         return cls(n, n, perm=torch.arange(n, device=device), info={"solver": "identity"})
 
-    @property
-    def is_permutation(self) -> bool:
-        return self.perm is not None
-
     def _inverse(self) -> torch.Tensor:
         assert self.perm is not None
         return torch.argsort(self.perm)

@@ -73,13 +73,13 @@ from otdus_cli.device import device_kind
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.methods.layer_roles import ParentRoles, RoleLayout
+from otdus_cli.methods.lesa import LesaOptions
 from otdus_cli.plan.layer_map import OutputLayer
 
 __all__ = ["LesaBuilder", "LesaSettings", "PROJECTIONS", "generator_seed", "held_out_layers"]
 
 # The projection types LESA predicts, in the order they are computed.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
-VARIANTS = ("pair", "published")
 # S_j below this fraction of S_max: the direction carries no weight and is dropped (S^-1 would blow up).
 _RANK_FLOOR = 1e-10
 _REPORTED = ("hidden", "epochs", "batch_size", "lr", "weight_decay", "norm_weight", "rank", "loo")
@@ -106,18 +106,11 @@ class LesaSettings:
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> LesaSettings:
-        opts = {k: v for k, v in (ctx.options or {}).items() if v is not None}
-        fields = {k: opts[k] for k in cls.__dataclass_fields__ if k in opts and k not in ("seed", "device")}
-        s = cls(**fields, seed=ctx.seed, device=ctx.device)
-        if s.variant not in VARIANTS:
-            raise OtdusError(f"unknown LESA variant {s.variant!r}; choose one of {', '.join(VARIANTS)}")
-        if min(s.hidden, s.epochs, s.batch_size) < 1 or s.lr <= 0 or s.loo < 0 or not 0 <= s.norm_weight <= 1:
-            raise OtdusError(
-                "LESA options need hidden, epochs, batch_size >= 1, lr > 0, loo >= 0, 0 <= norm_weight <= 1"
-            )
-        if s.rank is not None and s.rank < 1:
-            raise OtdusError(f"--lesa-rank must be at least 1, got {s.rank}")
-        return s
+        """The settings of one build: the validated ``ctx.options`` (LesaOptions; None: its defaults)."""
+        lesa = ctx.options if ctx.options is not None else LesaOptions()
+        return cls(
+            **lesa.model_dump(), zero_init=ctx.zero_init, seed=ctx.seed, dtype=ctx.dtype, device=ctx.device
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,12 +317,7 @@ class LesaBuilder:
         scratch: Path,
     ) -> dict[str, Any]:
         """Decompose, train and predict for every projection type; returns the manifest's report."""
-        family = ctx.family
-        if family.moe:
-            raise OtdusError(
-                f"--method lesa does not support MoE models ({family.name}: expert matrices have no single "
-                "per-layer projection to decompose); use --method ot, average or a copy-type method"
-            )
+        family = ctx.family  # one LESA cannot build (MoE, ...) was refused at plan time (Method.refuses)
         s = LesaSettings.from_context(ctx)
         if len(layers) < 3:
             raise OtdusError(

@@ -11,7 +11,7 @@ compared choice by choice. Each choice has a ``value`` (what is computed) and a 
 * ``otdus``: our own choice (the paper and the released script cover Llama tensors only);
 * ``user``: an option the user set away from the variant's default.
 
-The builder (methods/ot.py, methods/ot_moe.py) is what computes; this table says what it computes.
+The builder (methods/ot/builder.py, methods/ot/moe.py) is what computes; this table says what it computes.
 tests/test_ot_choices.py checks the two against each other.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from otdus_cli.arch.experts import ExpertLayout
-from otdus_cli.options import OTOptions
+from otdus_cli.methods.ot.options import OTOptions
 
 __all__ = ["MOE_CHOICES", "SOURCES", "ot_choices"]
 
@@ -36,7 +36,7 @@ def _choice(value: Any, source: str) -> dict[str, Any]:
     return {"value": value, "source": source}
 
 
-# The choices only a mixture-of-experts layer has (methods/ot_moe.py): every MoE manifest names them all.
+# The choices only a mixture-of-experts layer has (methods/ot/moe.py): every MoE manifest names them all.
 MOE_CHOICES = ("experts_matching", "expert_plan", "expert_mlp", "router", "router_biases", "shared_experts")
 
 
@@ -158,7 +158,7 @@ def ot_choices(ot: OTOptions, zero_init: bool, moe: ExpertLayout | None = None) 
 def _moe_choices(
     scale: str, structured: bool, zero_init: bool, moe: ExpertLayout
 ) -> dict[str, dict[str, Any]]:
-    """How ot_moe.py matches experts and treats the router and shared experts (none of it is in the
+    """How moe.py matches experts and treats the router and shared experts (none of it is in the
     paper or the released script, which cover dense Llama layers only: all ours)."""
     ours = "otdus"
     router_input = (

@@ -325,12 +325,7 @@ def calibrate(pairs: Sequence[tuple[int, int]], ctx, settings, scratch: Path) ->
 
     from otdus_cli.verify.metrics import model_max_positions  # noqa: PLC0415
 
-    family = ctx.family
-    if family.moe:
-        raise OtdusError(
-            f"--ot-variant activation aligns dense MLP neurons; {family.name} is a mixture of experts "
-            "(use --ot-variant paper, official or structured)"
-        )
+    family = ctx.family  # dense: an MoE family was refused at plan time (methods/ot/__init__.py)
     if ctx.source_folder is None:
         raise RuntimeError("the activation variant needs the source folder in the build context")
     calib = settings.calib or DEFAULT_CALIB

@@ -1,9 +1,9 @@
 """OT-DUS on mixture-of-experts layers: experts matched first, then neurons inside each matched pair.
 
-A new MoE layer comes from the pair (A, B) as a dense one does (ot.py), with the MLP replaced by
+A new MoE layer comes from the pair (A, B) as a dense one does (builder.py), with the MLP replaced by
 the MoE block:
 
-* attention and norms exactly as for dense layers, in all three variants (ot.py's own code);
+* attention and norms exactly as for dense layers, in all three variants (builder.py's own code);
 * experts: an exact assignment of A's experts to B's, on the router rows. A router row is the only
   per-expert parameter with no internal symmetry (it lives on the residual axis, which A and B
   share; in `paper`/`official` it is first moved through T_O like every MLP input), and it is what
@@ -53,7 +53,7 @@ from otdus_cli.methods.layer_roles import (
     f32,
     zeros_like_role,
 )
-from otdus_cli.methods.ot import OTSettings, paper_attention, paper_matcher, structured_attention
+from otdus_cli.methods.ot.builder import OTSettings, paper_attention, paper_matcher, structured_attention
 from otdus_cli.transport.assignment import assignment
 from otdus_cli.transport.cost import paper_cost
 from otdus_cli.transport.plan import TransportPlan

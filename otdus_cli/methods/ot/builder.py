@@ -23,24 +23,16 @@ Four variants (docs/ot.md has the full tables and the reasons):
   V dims matched inside a head with the O columns following; the hidden (residual) axis is not
   permuted at all.
 * ``activation`` (ours, issue 16): the structured flow with plans from activations on calibration
-  text (methods/ot_calibration.py) instead of weights: MLP neurons by the correlation of their
+  text (methods/ot/calibration.py) instead of weights: MLP neurons by the correlation of their
   activations (the input of down_proj), heads (with their GQA group) by the correlation of their
   contributions to the residual stream, V dims by the correlation of the heads' outputs. Needs the
   pre-pass ``prepare`` (one streamed pass of the source over the calibration text).
 
 docs/ot.md, "Where each choice comes from", gives the source of every choice (paper, Imfeld et
-al., released script, ours); methods/ot_choices.py records them in the manifest.
+al., released script, ours); methods/ot/choices.py records them in the manifest.
 
-Options (``ctx.options``; a key that is missing or None takes its default):
-    variant   "paper" | "official" | "structured" | "activation"         (default "paper")
-    solver    "sinkhorn" | "emd" (exact assignment)                       (default "sinkhorn")
-    reg       entropic regularisation                                    (default 0.06)
-    tol       Sinkhorn stop: relative marginal error (our rule)          (default 1e-6)
-    max_iter  Sinkhorn iteration cap                                     (default 2000)
-    device    "auto" | "cpu" | "cuda" | "cuda:N"; default ctx.device
-    zero_init whether o/down come out zero, as in the paper              (default True)
-    calib     activation: calibration text spec                          (default bundled sample)
-    calib_tokens  activation: at most this many calibration tokens       (default 4096)
+Options: ``ctx.options``, the validated OTOptions (options.py; None: its defaults), with
+``ctx.zero_init`` (whether o/down come out zero, as in the paper) and ``ctx.device``.
 ``official`` pins its solver (POT, 10000 iterations, stopThr 1e-9) and ignores tol/max_iter;
 it honours reg. Per-module plan statistics go to ``ctx.stats["modules"]``.
 """
@@ -50,11 +42,10 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
-from otdus_cli.device import resolve_device
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.methods.layer_roles import (
@@ -72,6 +63,7 @@ from otdus_cli.methods.layer_roles import (
     f32,
     zeros_like_role,
 )
+from otdus_cli.methods.ot.options import OTOptions, OTVariant
 from otdus_cli.transport.assignment import assignment
 from otdus_cli.transport.cost import correlation_cost, euclidean_distances, unit_rows
 from otdus_cli.transport.plan import TransportPlan
@@ -85,13 +77,12 @@ from otdus_cli.transport.solve import (
 )
 
 if TYPE_CHECKING:
-    from otdus_cli.methods.ot_calibration import PairActivations
+    from otdus_cli.methods.ot.calibration import PairActivations
     from otdus_cli.plan.layer_map import OutputLayer
 
 __all__ = ["OTBuilder", "OTSettings", "VARIANTS"]
 
-VARIANTS = ("paper", "official", "structured", "activation")
-SOLVERS = ("sinkhorn", "emd")
+VARIANTS = get_args(OTVariant)
 
 
 @dataclass(frozen=True)
@@ -110,40 +101,18 @@ class OTSettings:
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> OTSettings:
-        opts = {k: v for k, v in (ctx.options or {}).items() if v is not None}
-        variant = str(opts.get("variant", "paper"))
-        solver = str(opts.get("solver", "sinkhorn"))
-        if variant not in VARIANTS:
-            raise OtdusError(f"unknown OT variant {variant!r}; choose one of {', '.join(VARIANTS)}")
-        if solver not in SOLVERS:
-            raise OtdusError(f"unknown OT solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-        if variant == "official" and solver != "sinkhorn":
-            raise OtdusError(
-                "--ot-variant official reproduces the released code's POT Sinkhorn; it has no emd solver "
-                "(use --ot-variant paper or structured with --solver emd)"
-            )
-        reg, tol, max_iter = (
-            float(opts.get("reg", DEFAULT_REG)),
-            float(opts.get("tol", DEFAULT_TOL)),
-            int(opts.get("max_iter", DEFAULT_MAX_ITER)),
-        )
-        if reg <= 0 or tol <= 0 or max_iter < 1:
-            raise OtdusError(
-                f"OT options need reg > 0, tol > 0, max_iter >= 1 (got {reg}, {tol}, {max_iter})"
-            )
-        device = resolve_device(opts["device"]) if "device" in opts else ctx.device
-        calib = opts.get("calib")
-        calib_tokens = opts.get("calib_tokens")
+        """The settings of one build: the validated ``ctx.options`` (OTOptions; None: its defaults)."""
+        ot = ctx.options if ctx.options is not None else OTOptions()
         return cls(
-            variant,
-            solver,
-            reg,
-            tol,
-            max_iter,
-            device,
-            bool(opts.get("zero_init", True)),
-            None if calib is None else str(calib),
-            None if calib_tokens is None else int(calib_tokens),
+            ot.variant,
+            ot.solver,
+            ot.reg,
+            ot.tol,
+            ot.max_iter,
+            ctx.device,
+            ctx.zero_init,
+            ot.calib,
+            ot.calib_tokens,
         )
 
 
@@ -168,11 +137,11 @@ class OTBuilder:
         ctx: BuildContext,
         scratch: Path,
     ) -> dict[str, Any] | None:
-        """The activation variant's pre-pass (methods/ot_calibration.py); nothing for the others."""
+        """The activation variant's pre-pass (methods/ot/calibration.py); nothing for the others."""
         settings = OTSettings.from_context(ctx)
         if settings.variant != "activation":
             return None
-        from otdus_cli.methods.ot_calibration import calibrate  # noqa: PLC0415
+        from otdus_cli.methods.ot.calibration import calibrate  # noqa: PLC0415
 
         pairs = sorted({(lay.parents[0], lay.parents[1]) for lay in new_layers})
         report, self._calibrated = calibrate(pairs, ctx, settings, scratch)
@@ -193,8 +162,8 @@ class OTBuilder:
         ctx.stats["solver"] = "pot-sinkhorn" if settings.variant == "official" else settings.solver
         ctx.stats["parents"] = [a.index, b.index]
         ctx.stats["modules"] = stats
-        if family.moe:  # experts matched first, then neurons inside each matched pair (ot_moe.py)
-            from otdus_cli.methods.ot_moe import build_moe_layer  # noqa: PLC0415
+        if family.moe:  # experts matched first, then neurons inside each matched pair (moe.py)
+            from otdus_cli.methods.ot.moe import build_moe_layer  # noqa: PLC0415
 
             yield from build_moe_layer(a, b, ctx, settings, stats)
             return
@@ -205,7 +174,7 @@ class OTBuilder:
             path = self._calibrated.get((a.index, b.index))
             if path is None:
                 raise RuntimeError(f"OTBuilder.build: no activation statistics for ({a.index}, {b.index})")
-            from otdus_cli.methods.ot_calibration import PairActivations  # noqa: PLC0415
+            from otdus_cli.methods.ot.calibration import PairActivations  # noqa: PLC0415
 
             roles = _activation(pair, heads, settings, stats, PairActivations.load(path))
         elif settings.variant == "structured":
@@ -513,7 +482,7 @@ def _structured_attention(
 def _activation(pair: ParentPair, heads: Heads, s: OTSettings, stats: dict, acts: PairActivations) -> Roles:
     """The structured variant's flow (hidden axis never permuted; one plan per MLP neuron; heads
     with their GQA group; V dims inside matched heads) with every plan solved on activation
-    correlations (methods/ot_calibration.py) instead of weight distances. Cost: 1 - correlation,
+    correlations (methods/ot/calibration.py) instead of weight distances. Cost: 1 - correlation,
     divided by its maximum (transport/cost.py, ``correlation_cost``)."""
     for role in NORM_ROLES:
         if pair.has(role):
@@ -581,7 +550,7 @@ class ActivationAttention:
     def __init__(
         self, acts: PairActivations, w_o: tuple[torch.Tensor, torch.Tensor], heads: Heads, s: OTSettings
     ):
-        from otdus_cli.methods.ot_calibration import head_correlation  # noqa: PLC0415
+        from otdus_cli.methods.ot.calibration import head_correlation  # noqa: PLC0415
 
         self.heads, self.s = heads, s
         self.head_corr = head_correlation(acts.o_cross, acts.o_auto_a, acts.o_auto_b, *w_o)

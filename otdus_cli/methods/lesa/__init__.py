@@ -1,0 +1,126 @@
+"""`--method lesa` (LESA, Yang et al.): the declaration of the method; builder.py computes.
+
+Per projection type, an MLP trained on the base layers' SVD coefficients predicts a new layer's
+from its neighbours f_i and f_{i+1} (builder.py has the method, its variants and our choices).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from otdus_cli.arch.families import CROSS_ATTENTION, MOE, UNGATED_MLP
+from otdus_cli.methods.base import Flag, Method
+
+if TYPE_CHECKING:
+    from otdus_cli.methods.base import LayerBuilder
+
+__all__ = ["LESA", "LesaOptions", "lesa_check_lines", "lesa_summary"]
+
+LesaVariant = Literal["pair", "published"]
+
+
+class LesaOptions(BaseModel):
+    """Options of `--method lesa` (builder.py). The predictor's defaults are the published ones
+    (the LESA authors' notebook: MLP 2d -> 256 -> 256 -> d, AdamW lr 1e-3, 10 epochs, batch 64,
+    norm-term weight 0.0005)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    variant: Annotated[
+        LesaVariant,
+        Flag(
+            "--lesa-variant",
+            "LESA variant. pair (ours): the tensors LESA does not predict (norms, biases) from the pair; "
+            "with zero-init, its default, the output is function-preserving. published: the LESA notebook's "
+            "output: those tensors are base layer 0's and nothing is zeroed, so the new layers change the "
+            "model's function (verify reports the change instead of expecting parity; add --zero-init to "
+            "preserve it). README: LESA.",
+            plan=True,
+        ),
+    ] = "pair"
+    hidden: int = Field(256, ge=1, description="hidden width of the predictor MLP")
+    epochs: Annotated[int, Flag("--lesa-epochs", "LESA predictor training epochs.")] = Field(10, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's (torch's default)")
+    norm_weight: float = Field(0.0005, ge=0, le=1, description="lambda of the norm term in the loss")
+    rank: Annotated[
+        int | None,
+        Flag(
+            "--lesa-rank",
+            "Keep only the top-k singular directions per projection type (less memory and time; "
+            "new weights of rank <= k).",
+            default="all, as published",
+        ),
+    ] = Field(None, ge=1, description="keep the top-k singular directions (default all)")
+    loo: Annotated[
+        int,
+        Flag(
+            "--lesa-loo",
+            "Layers held out (one at a time, one extra training each) for LESA's leave-one-out "
+            "check; 0 skips it.",
+        ),
+    ] = Field(1, ge=0, description="layers held out, one at a time, for the leave-one-out check")
+
+
+def _builder() -> LayerBuilder:
+    from otdus_cli.methods.lesa.builder import LesaBuilder  # noqa: PLC0415 - torch only when building
+
+    return LesaBuilder()
+
+
+def lesa_check_lines(manifest: dict) -> list[str]:
+    """LESA's leave-one-out check in words: per projection type, the held-out error next to the
+    plain average's (the predictor is worth its training where it is lower)."""
+    report = manifest.get("lesa")
+    if report is None:
+        return []
+    if "loo_skipped" in report:
+        return [f"LESA leave-one-out check skipped: {report['loo_skipped']}"]
+    lines = []
+    for role, info in report["projections"].items():
+        loo = info["loo"]
+        better = "better" if loo["error"] < loo["average_error"] else "NOT better"
+        lines.append(
+            f"LESA {role}: held-out relative error {loo['error']:.3f} on layer(s) "
+            f"{','.join(map(str, loo['held_out']))} ({better} than the plain neighbour average's "
+            f"{loo['average_error']:.3f}; {loo['fit_error']:.3f} when trained on it)"
+        )
+    return lines
+
+
+def lesa_summary(report: dict) -> str:
+    """One line: the variant and, per projection type, held-out error (plain average's)."""
+    errors = [
+        f"{role} {info['loo']['error']:.3f} ({info['loo']['average_error']:.3f})"
+        for role, info in report["projections"].items()
+        if "loo" in info
+    ]
+    check = "held-out error (plain average's): " + ", ".join(errors) if errors else "no leave-one-out check"
+    return f"variant {report['variant']}; {check}"
+
+
+LESA = Method(
+    "lesa",
+    "LESA: per projection, an MLP predicts f_i+1/2's SVD coefficients from f_i and f_{i+1}",
+    "placed",
+    builder="lesa",
+    zero_init_default=True,
+    pair=True,
+    zero_init_off_for=("published",),
+    label="LESA",
+    options=LesaOptions,
+    make_builder=_builder,
+    refuses={
+        MOE: "MoE layers: expert matrices have no single per-layer projection to decompose",
+        UNGATED_MLP: "non-gated MLP (c_fc, c_proj): LESA predicts a gated MLP's gate, up and down "
+        "projections",
+        CROSS_ATTENTION: "cross-attention layers between the self-attention ones: LESA predicts "
+        "self-attention layers' projections only",
+    },
+    report_json=lambda manifest: {"lesa": manifest["lesa"]} if "lesa" in manifest else {},
+    report_lines=lesa_check_lines,
+    inspect_rows=lambda manifest: [("LESA", lesa_summary(manifest["lesa"]))] if "lesa" in manifest else [],
+)
