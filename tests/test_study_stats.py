@@ -12,7 +12,7 @@ from scipy import stats
 from otdus_cli.errors import OtdusError
 from otdus_cli.study.report import study_markdown
 from otdus_cli.study.runner import StudyResult
-from otdus_cli.study.stats import crossed_mean_ci, holm, sign_flip_p, t_quantile
+from otdus_cli.study.stats import crossed_mean_ci, holm, sign_flip_p, t_quantile, tost
 
 # Per-seed final-loss differences to `ot` on the new domain, 3 seeds, from the first Table 6 run
 # (docs/evidence/table6*/new-domain/study.json at commit d08f74a): 7 comparisons with one reference.
@@ -200,3 +200,25 @@ def test_arms_added_from_a_later_run_are_compared_as_if_run_together():
     drifted = [[x + 1e-4 for x in seed] for seed in ref]
     with pytest.raises(OtdusError, match="differ by up to"):
         first.with_arms(study_from_window_losses({"ref": drifted, "b": b}))
+
+
+def test_tost_is_two_one_sided_t_tests_and_the_90_percent_interval_inside_the_margin():
+    """One seed: the crossed model is the paired t test over windows, so TOST is the larger of
+    scipy's one-sided tests against -margin and +margin; it rejects exactly when the 90% interval
+    lies inside (-margin, +margin). A clear difference, a tight zero and a noisy zero."""
+    rng = np.random.default_rng(11)
+    margin = 0.01
+    for shift, noise, equivalent in ((0.03, 0.01, False), (0.001, 0.005, True), (0.0, 0.05, False)):
+        x = shift + rng.normal(0, noise, 40)
+        ci = crossed_mean_ci([list(x)])
+        p = tost(ci["mean"], ci["se"], ci["df"], margin)
+        want = max(
+            stats.ttest_1samp(x, -margin, alternative="greater").pvalue,
+            stats.ttest_1samp(x, margin, alternative="less").pvalue,
+        )
+        assert p == pytest.approx(want, rel=1e-10)
+        ninety = stats.ttest_1samp(x, 0.0).confidence_interval(0.90)
+        assert (p < 0.05) == (-margin < ninety.low and ninety.high < margin) == equivalent
+    assert tost(0.0, None, None, margin) is None
+    with pytest.raises(ValueError, match="margin"):
+        tost(0.0, 1.0, 3.0, 0.0)

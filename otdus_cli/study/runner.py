@@ -618,6 +618,21 @@ class _RecipeStudy(BaseModel):
     settings: dict[str, Any] = Field(default_factory=dict)  # per-study overrides of the defaults
 
 
+class PrimaryFamily(BaseModel):
+    """The comparisons a recipe declares, before its data, as the primary (confirmatory) family:
+    ``reference`` minus each of ``against`` in every study, Holm-adjusted within the study; with
+    TOST at ``equivalence_margin`` (nats) behind any "no difference" reading. Everything else a
+    study reports is exploratory. ``declared`` says when (and whether before the data)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reference: str
+    against: list[str] = Field(min_length=1)
+    alpha: float = Field(0.05, gt=0, lt=1)
+    equivalence_margin: float = Field(gt=0)
+    declared: str
+
+
 class StudyRecipe(BaseModel):
     """A YAML study recipe: a base, shared settings, expand options, runs (arms), studies (domains)."""
 
@@ -630,6 +645,7 @@ class StudyRecipe(BaseModel):
     expand: dict[str, Any] = Field(default_factory=dict)  # ExpandOptions fields for every run
     runs: list[_RecipeRun]
     studies: list[_RecipeStudy]
+    primary: PrimaryFamily | None = None
 
     def run_specs(self, overrides: dict[str, Any] | None = None) -> list[RunSpec]:
         """Each run's full expand options; ``overrides`` (ExpandOptions fields) win over the recipe's."""
