@@ -200,6 +200,15 @@ def test_arms_added_from_a_later_run_are_compared_as_if_run_together():
     drifted = [[x + 1e-4 for x in seed] for seed in ref]
     with pytest.raises(OtdusError, match="differ by up to"):
         first.with_arms(study_from_window_losses({"ref": drifted, "b": b}))
+    # a study stored before window documents were recorded takes a later run's arms and documents;
+    # two runs that record different documents are not the same study
+    later = study_from_window_losses({"ref": ref, "b": b})
+    later.data["eval_window_documents"] = list(range(16))
+    assert first.with_arms(later).data["eval_window_documents"] == list(range(16))
+    other = study_from_window_losses({"ref": ref, "a": a})
+    other.data["eval_window_documents"] = [0] * 16
+    with pytest.raises(OtdusError, match="not the same study"):
+        other.with_arms(later)
 
 
 def test_tost_is_two_one_sided_t_tests_and_the_90_percent_interval_inside_the_margin():

@@ -474,11 +474,26 @@ def _contrast_value(vs: dict[str, Any], field: str) -> str:
     return fields[field]()
 
 
+def _gaps(result: StudyResult, a: str, b: str) -> str:
+    """A's held-out loss minus B's at each evaluation step (mean over the seeds both ran)."""
+    by = {(r.label, r.seed): r for r in result.runs}
+    seeds = sorted(s for label, s in by if label == a and (b, s) in by)
+    if not seeds:
+        raise KeyError(f"no seed with both {a!r} and {b!r}")
+    steps = by[a, seeds[0]].eval_steps
+    gaps = [
+        sum(by[a, s].eval_loss[i] - by[b, s].eval_loss[i] for s in seeds) / len(seeds)
+        for i in range(len(steps))
+    ]
+    return " -> ".join(f"{g:+.3f}" for g in gaps)
+
+
 def values(evidence: Path) -> Callable[[str], str]:
     """The inline value of a key, from the stored results:
 
     * ``STUDY|A|B|FIELD``: contrast A minus B (unadjusted) in a Table 6 study, or ``SET/STUDY|...``
-      in another set; FIELD one of abs3/abs4 (|Δ|), d3/d4 (signed Δ), ci3/ci4, absci3, p, seeds;
+      in another set; FIELD one of abs3/abs4 (|Δ|), d3/d4 (signed Δ), ci3/ci4, absci3, p, seeds,
+      or gaps (A's held-out loss minus B's at each evaluation step, mean over seeds);
     * ``STUDY|A|start3`` / ``final3``: an arm's mean start / final loss; ``STUDY|base|loss3``;
     * ``diagnose|mlp|KEY|range`` (or ``heads``), ``|zrange``: the range over the layer pairs of a
       score, or of its distance from the random-pairing mean in SDs; ``diagnose|entropy|MODULE|range``
@@ -501,6 +516,8 @@ def values(evidence: Path) -> Callable[[str], str]:
                 return _range([(x[field] - x["random_mean"]) / x["random_sd"] for x in rows], 1)
             return _range([x[field] for x in rows], 3)
         r = study(parts[0])
+        if len(parts) == 4 and parts[3] == "gaps":
+            return _gaps(r, parts[1], parts[2])
         if len(parts) == 4:
             return _contrast_value(r.contrast(parts[1], parts[2]), parts[3])
         arm, field = parts[1:]

@@ -38,7 +38,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.options import ExpandOptions, method_spec_options
-from otdus_cli.study.data import Documents, load_documents, split_documents, tokenize_windows
+from otdus_cli.study.data import (
+    Documents,
+    load_documents,
+    split_documents,
+    tokenize_windows,
+    window_documents,
+)
 from otdus_cli.study.stats import crossed_mean_ci, holm, mean_std, sign_flip_p
 from otdus_cli.study.train import TrainConfig, evaluate, load_model, train
 
@@ -209,7 +215,12 @@ class StudyResult:
         """
         mine = {k: v for k, v in self.config.items() if k not in ("methods", "threads")}
         theirs = {k: v for k, v in other.config.items() if k not in ("methods", "threads")}
-        if self.base != other.base or self.data != other.data or mine != theirs:
+        # a study stored before the window documents were recorded still takes a later run's arms
+        late = "eval_window_documents"
+        data_mine, data_theirs = dict(self.data), dict(other.data)
+        if late not in data_mine or late not in data_theirs:
+            data_mine.pop(late, None), data_theirs.pop(late, None)
+        if self.base != other.base or data_mine != data_theirs or mine != theirs:
             diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
             raise OtdusError(
                 f"not the same study (base, data or settings differ: {', '.join(diff) or 'base/data'})"
@@ -228,6 +239,8 @@ class StudyResult:
         if not worst <= tol:
             raise OtdusError(f"the shared runs differ by up to {worst:.3g} per window (more than {tol:g})")
         out = StudyResult.from_dict(self.to_dict())
+        if late in other.data:
+            out.data.setdefault(late, other.data[late])
         known = {m.label for m in out.methods}
         added = StudyResult.from_dict(other.to_dict())
         out.methods += [m for m in added.methods if m.label not in known]
@@ -391,7 +404,7 @@ def study(
     train_w = tokenize_windows(tokenizer, train_docs, seq_len, max_train_windows)
     # spread over the held-out text: windows from many documents, not the first few (the paired
     # interval treats windows as independent draws from the evaluation text)
-    eval_w = tokenize_windows(tokenizer, eval_docs, seq_len, eval_windows, spread=True)
+    eval_w, eval_owner = window_documents(tokenizer, eval_docs, seq_len, eval_windows, spread=True)
     data = {
         "train": train_docs.name,
         "eval": eval_docs.name,
@@ -402,6 +415,9 @@ def study(
         "seq_len": seq_len,
         "eval_tokens_scored": int(eval_w.shape[0] * (seq_len - 1)),
         "train_tokens_seen": steps * batch * seq_len,
+        # the held-out document of each evaluation window's first token, in window order: what a
+        # by-document (cluster) interval resamples (results stored before this have none)
+        "eval_window_documents": eval_owner,
     }
     if data["eval_windows"] < eval_windows:
         notes.append(
