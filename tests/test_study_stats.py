@@ -12,7 +12,7 @@ from scipy import stats
 from otdus_cli.errors import OtdusError
 from otdus_cli.study.report import study_markdown
 from otdus_cli.study.runner import StudyResult
-from otdus_cli.study.stats import crossed_mean_ci, holm, sign_flip_p, t_quantile, tost
+from otdus_cli.study.stats import by_document_mean_ci, crossed_mean_ci, holm, sign_flip_p, t_quantile, tost
 
 # Per-seed final-loss differences to `ot` on the new domain, 3 seeds, from the first Table 6 run
 # (docs/evidence/table6*/new-domain/study.json at commit d08f74a): 7 comparisons with one reference.
@@ -231,3 +231,28 @@ def test_tost_is_two_one_sided_t_tests_and_the_90_percent_interval_inside_the_ma
     assert tost(0.0, None, None, margin) is None
     with pytest.raises(ValueError, match="margin"):
         tost(0.0, 1.0, 3.0, 0.0)
+
+
+def test_by_document_interval_resamples_documents_not_windows():
+    """Windows averaged within their document, then seeds crossed with documents: with one window per
+    document it is the windows' interval; when a document's windows share its effect, counting them
+    as independent draws gives a narrower interval than counting the documents."""
+    rng = np.random.default_rng(13)
+    table = rng.normal(0.01, 0.02, (3, 12)).tolist()
+    alone = by_document_mean_ci(table, list(range(12)))
+    assert {k: alone[k] for k in ("mean", "se", "df", "p")} == {
+        k: crossed_mean_ci(table)[k] for k in ("mean", "se", "df", "p")
+    }
+    documents = [w // 4 for w in range(12)]  # 3 documents of 4 windows each
+    effect = rng.normal(0, 0.05, 3)
+    shared = [[x + effect[documents[w]] for w, x in enumerate(seed)] for seed in table]
+    want = crossed_mean_ci(np.asarray(shared).reshape(3, 3, 4).mean(axis=2).tolist())
+    got = by_document_mean_ci(shared, documents)
+    assert got["n_documents"] == 3 and got["se"] == pytest.approx(want["se"], rel=1e-12)
+    assert got["high"] - got["low"] > crossed_mean_ci(shared)["high"] - crossed_mean_ci(shared)["low"]
+    with pytest.raises(ValueError, match="one document per window"):
+        by_document_mean_ci(table, [0, 1])
+    # a study that recorded its windows' documents reports the interval with each comparison
+    result = study_from_window_losses({"ref": [[1.0] * 12] * 3, "a": [[1.0 + x for x in s] for s in shared]})
+    result.data["eval_window_documents"] = documents
+    assert result.recompute().summary("a").vs_reference["by_document"]["se"] == pytest.approx(got["se"])

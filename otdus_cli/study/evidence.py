@@ -372,7 +372,7 @@ def _runs_markdown(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-EXPLORATORY = "*Exploratory: not in the primary family the recipe declares; Holm over this table only.*"
+EXPLORATORY = "*Exploratory: not in the primary family the recipe declares.*"
 
 
 def _study_blocks(

@@ -45,7 +45,7 @@ from otdus_cli.study.data import (
     tokenize_windows,
     window_documents,
 )
-from otdus_cli.study.stats import crossed_mean_ci, holm, mean_std, sign_flip_p
+from otdus_cli.study.stats import by_document_mean_ci, crossed_mean_ci, holm, mean_std, sign_flip_p
 from otdus_cli.study.train import TrainConfig, evaluate, load_model, train
 
 __all__ = [
@@ -188,7 +188,8 @@ class StudyResult:
         for name in (label, reference):
             if name not in labels:
                 raise OtdusError(f"method {name!r} is not among the methods ({', '.join(labels)})")
-        return paired_difference(self.runs, [int(s) for s in self.config["seeds"]], label, reference)
+        seeds = [int(s) for s in self.config["seeds"]]
+        return paired_difference(self.runs, seeds, label, reference, self.data.get("eval_window_documents"))
 
     def recompute(self, reference: str | None = None) -> StudyResult:
         """A copy whose comparisons are re-derived from the stored runs, with the current statistics
@@ -199,7 +200,8 @@ class StudyResult:
             raise OtdusError(f"reference method {ref!r} is not among the methods ({', '.join(labels)})")
         out = StudyResult.from_dict(self.to_dict())
         out.reference = ref or ""
-        _compare(out.methods, [int(s) for s in out.config["seeds"]], out.runs, ref or None)
+        seeds = [int(s) for s in out.config["seeds"]]
+        _compare(out.methods, seeds, out.runs, ref or None, out.data.get("eval_window_documents"))
         return out
 
     def with_arms(
@@ -464,7 +466,7 @@ def study(
         shutil.rmtree(tmp, ignore_errors=True)
         torch.set_num_threads(threads_before)
 
-    summaries = _summarise(runs_spec, seeds, results, ref)
+    summaries = _summarise(runs_spec, seeds, results, ref, data["eval_window_documents"])
     result = StudyResult(
         base=base,
         reference=ref or "",
@@ -544,7 +546,11 @@ def _one_run(
 
 
 def _summarise(
-    specs: list[RunSpec], seeds: list[int], runs: list[RunResult], ref: str | None
+    specs: list[RunSpec],
+    seeds: list[int],
+    runs: list[RunResult],
+    ref: str | None,
+    documents: Sequence[int] | None = None,
 ) -> list[MethodSummary]:
     by = {(r.label, r.seed): r for r in runs}
     out = []
@@ -567,12 +573,16 @@ def _summarise(
                 trainable_parameters=rs[0].trainable_parameters,
             )
         )
-    _compare(out, seeds, runs, ref)
+    _compare(out, seeds, runs, ref, documents)
     return out
 
 
 def _compare(
-    summaries: list[MethodSummary], seeds: list[int], runs: list[RunResult], ref: str | None
+    summaries: list[MethodSummary],
+    seeds: list[int],
+    runs: list[RunResult],
+    ref: str | None,
+    documents: Sequence[int] | None = None,
 ) -> None:
     """Each method's final loss minus the reference's, paired by seed and by evaluation window
     (:func:`paired_difference`); ``p_holm`` adjusts the p-values of all the comparisons against the
@@ -581,19 +591,25 @@ def _compare(
     for m in summaries:
         m.vs_reference = None
     for m in compared:
-        m.vs_reference = paired_difference(runs, seeds, m.label, ref)
+        m.vs_reference = paired_difference(runs, seeds, m.label, ref, documents)
     for m, q in zip(compared, holm([m.vs_reference["p"] for m in compared]), strict=True):
         m.vs_reference["p_holm"] = q
         m.vs_reference["comparisons"] = len(compared)
 
 
 def paired_difference(
-    runs: Sequence[RunResult], seeds: Sequence[int], label: str, ref: str
+    runs: Sequence[RunResult],
+    seeds: Sequence[int],
+    label: str,
+    ref: str,
+    documents: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """``label``'s final loss minus ``ref``'s, paired by seed and by evaluation window.
 
     The interval accounts for both seeds and the shared evaluation windows (stats.crossed_mean_ci;
     seeds only when the runs carry no per-window losses). Not adjusted for multiple comparisons.
+    With ``documents`` (each window's held-out document), ``by_document`` adds the interval with
+    documents as the sampled unit (stats.by_document_mean_ci).
     """
     by = {(r.label, r.seed): r for r in runs}
     pairs = [(by[label, s], by[ref, s]) for s in seeds]
@@ -605,6 +621,9 @@ def paired_difference(
         ]
     else:  # results saved before per-window losses were recorded
         table = [[x] for x in diffs]
+    by_document = {}
+    if documents is not None and len(table[0]) == len(documents) > 1:
+        by_document = {"by_document": by_document_mean_ci(table, documents)}
     return {
         "reference": ref,
         "diffs": diffs,  # per seed (mean over the windows)
@@ -613,6 +632,7 @@ def paired_difference(
         **crossed_mean_ci(table),
         "seeds_lower": sum(x < 0 for x in diffs),
         "sign_flip_p": sign_flip_p(diffs),
+        **by_document,
     }
 
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.stats import t as student_t
 
-__all__ = ["crossed_mean_ci", "holm", "mean_std", "sign_flip_p", "t_quantile", "tost"]
+__all__ = ["by_document_mean_ci", "crossed_mean_ci", "holm", "mean_std", "sign_flip_p", "t_quantile", "tost"]
 
 
 def t_quantile(df: float, confidence: float = 0.95) -> float:
@@ -123,6 +123,25 @@ def crossed_mean_ci(diffs: Sequence[Sequence[float]], confidence: float = 0.95) 
         "ms_resid": None if math.isnan(ms_resid) else ms_resid,
         **components,
     }
+
+
+def by_document_mean_ci(
+    diffs: Sequence[Sequence[float]], documents: Sequence[int], confidence: float = 0.95
+) -> dict[str, object]:
+    """:func:`crossed_mean_ci` with documents, not windows, as the sampled unit: each seed's
+    differences are first averaged over the windows of each document (``documents[w]``: window w's
+    document), then seeds are crossed with documents. Windows of one document are not independent
+    draws; this interval does not assume they are. Its mean weights documents equally, so it
+    differs from the window mean when documents give different numbers of windows."""
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.ndim != 2 or d.shape[1] != len(documents):
+        raise ValueError(
+            f"one document per window: {len(documents)} documents for a table of shape {d.shape}"
+        )
+    groups = sorted(set(documents))
+    owner = np.asarray(documents)
+    table = np.stack([d[:, owner == g].mean(axis=1) for g in groups], axis=1)
+    return {**crossed_mean_ci(table.tolist(), confidence), "n_documents": len(groups)}
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
