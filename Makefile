@@ -17,7 +17,7 @@ COMPAT_TESTS := tests/test_verify_streaming.py tests/test_verify_compare.py test
 	tests/test_trainable.py \
 	--deselect tests/test_verify_cli.py::test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint
 
-.PHONY: setup setup-compat demo test test-main test-compat check-docs lint bench bench-copy bench-8b-copy faults coverage \
+.PHONY: setup setup-compat demo test test-main test-compat check-docs lint evidence bench bench-copy bench-8b-copy faults coverage \
 	lm-eval-check lm-eval-record clean
 
 setup: $(VENV)/.installed
@@ -61,6 +61,11 @@ check-docs: setup
 lint: setup
 	$(VENV)/bin/ruff check otdus_cli tests scripts
 	$(VENV)/bin/ruff format --check otdus_cli tests scripts
+
+# docs/evidence.md's generated tables, verdicts and inline figures, from the stored results under
+# docs/evidence/ and the recipes' declared primary families (no training: seconds)
+evidence: setup
+	$(PY) scripts/evidence.py render
 
 # the 1B-shaped table (every method, memory, OT, verify), the paired warm/cold copy runs against
 # `cp -r && sync` and mergekit side by side; then the copy runs at Llama-3.1-8B width (8 layers: ~15 GB

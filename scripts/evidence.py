@@ -11,9 +11,11 @@
 `study` and `diagnose` write JSON (and PNG) under docs/evidence/ (a study set's results under
 docs/evidence/SET/STUDY/, SET one of RECIPES) and log their wall time and the
 machine's load average to docs/evidence/runs.json; `render` rewrites only the blocks between
-`<!-- evidence:NAME -->` and `<!-- evidence:end -->` in docs/evidence.md from that JSON (the prose
-around them is written by hand and must follow from them). tests/test_evidence.py fails when the
-blocks differ from what `render` makes of the stored results.
+`<!-- evidence:NAME -->` and `<!-- evidence:end -->`, and the inline values between `<!-- v:KEY -->`
+and `<!-- /v -->`, in docs/evidence.md from that JSON and the recipes' declared primary families
+(the prose around them is written by hand, carries no figure, and must follow from them; `make
+evidence` runs `render`). tests/test_evidence.py fails when the blocks or values differ from what
+`render` makes of the stored results, and on any figure typed into the prose.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def render() -> bool:
     from otdus_cli.study.evidence import render_document  # noqa: PLC0415
 
     before = DOC.read_text()
-    after = render_document(before, EVIDENCE)
+    after = render_document(before, EVIDENCE, RECIPES)
     if after != before:
         DOC.write_text(after)
     return after != before

@@ -3,7 +3,7 @@
 
 The tiny models are the test suite's (tests/conftest.py: built in-process with transformers, vocab
 96); the text is the bundled TinyStories sample, tokenised with stories260K's tokenizer and folded
-into the tiny vocabulary (ids mod 96), 63 windows of 64 tokens. Figures: docs/evidence.md.
+into the tiny vocabulary (ids mod 96), 63 windows of 64 tokens. Figures: docs/widen-ppl.md.
 
     python scripts/widen_tiny_ppl.py
 """

@@ -16,13 +16,32 @@ from otdus_cli.study.evidence import (
     contrasts_markdown,
     error_markdown,
     error_parts,
+    primary_markdown,
     render_document,
+    strip_generated,
     verdict_lines,
 )
-from otdus_cli.study.stats import holm
+from otdus_cli.study.runner import PrimaryFamily
+from otdus_cli.study.stats import holm, tost
 
 ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "evidence.md"
+RECIPES = {
+    "table6": ROOT / "recipes" / "study-table6.yaml",
+    "interpose-stack": ROOT / "recipes" / "study-interpose-stack.yaml",
+}
+# A figure: a decimal, a number with thousands separators, a percentage, "41k".
+FIGURE = re.compile(r"(?<![\w./-])[-+±]?(?:\d+(?:\.\d+)?%|\d+(?:,\d{3})+(?:\.\d+)?|\d*\.\d+|\d+k\b)")
+# Settings the prose may name (they are inputs, fixed in the recipes and the code, not results).
+SETTINGS = re.compile(
+    r"reg 0\.0[16]\b|betas 0\.9/0\.95|10% linear warmup|cosine to 10%|clip 1\.0|first 95%|last 5%"
+    r"|p < 0\.05|below 0\.05|N\(0, 0\.02\^2\)"
+)
+
+
+def hand_typed_figures(text: str) -> list[str]:
+    """Figures in ``text`` outside its generated blocks and values, settings excepted."""
+    return [m.group() for m in FIGURE.finditer(SETTINGS.sub("", strip_generated(text)))]
 
 
 def test_evidence_doc_is_what_its_stored_results_render():
@@ -43,9 +62,44 @@ def test_evidence_doc_is_what_its_stored_results_render():
         "diagnose-mlp",
         "planted",
         "runs",
+        "primary",
     ):
         assert wanted in names
-    assert render_document(text, ROOT / "docs" / "evidence") == text, "run: python scripts/evidence.py render"
+    assert render_document(text, ROOT / "docs" / "evidence", RECIPES) == text, "run: make evidence"
+    assert "<!-- v:" in text
+
+
+def test_evidence_prose_carries_no_hand_typed_figure():
+    """Every figure in docs/evidence.md's prose is a generated value: a number typed by hand (which
+    goes stale when an arm is added, as six once did) fails here."""
+    assert hand_typed_figures(DOC.read_text()) == []
+
+
+def test_hand_typed_figures_are_found_and_generated_ones_are_not():
+    doc = (
+        "Holm p 0.034 here, a 12.5% gain, 41k tokens, 16,256 windows, reg 0.06 is a setting.\n"
+        "<!-- v:in-domain|ot|average|abs3 -->0.106<!-- /v --> nats\n"
+        "<!-- evidence:runs -->\n| 4.5 min |\n<!-- evidence:end -->\n"
+    )
+    assert hand_typed_figures(doc) == ["0.034", "12.5%", "41k", "16,256"]
+
+
+def test_hand_edited_value_or_block_fails_the_render_check():
+    """Changing one generated value (or one digit of a block) makes the document differ from what
+    the stored results render."""
+    text = DOC.read_text()
+    value = re.search(r"(<!-- v:[^ ]+ -->)([^\n]*?)(<!-- /v -->)", text)
+    edited = text[: value.start(2)] + "9.999" + text[value.end(2) :]
+    assert render_document(edited, ROOT / "docs" / "evidence", RECIPES) != edited
+    block = text.index("<!-- evidence:primary -->")
+    digit = re.compile(r"\d").search(text, block)
+    edited = text[: digit.start()] + str((int(digit.group()) + 1) % 10) + text[digit.end() :]
+    assert render_document(edited, ROOT / "docs" / "evidence", RECIPES) != edited
+
+
+def test_unknown_value_refused(tmp_path):
+    with pytest.raises(KeyError, match="docs value"):
+        render_document("<!-- v:nowhere|a|b|abs3 -->1<!-- /v -->\n", tmp_path)
 
 
 def test_unknown_block_refused(tmp_path):
@@ -207,3 +261,35 @@ def test_each_study_set_gets_its_own_blocks(tmp_path):
     assert {"study:s", "study-setup", "interpose-stack:study:s", "interpose-stack:study-setup"} <= set(made)
     assert "`a`" in made["study:s"]() and "`b`" not in made["study:s"]()
     assert "`b`" in made["interpose-stack:study:s"]() and "`a`" not in made["interpose-stack:study:s"]()
+
+
+def test_primary_family_holm_within_it_and_tost_backs_equivalence():
+    """The declared family only: Holm over its three contrasts per study, TOST at its margin; a
+    study missing an arm of the family is refused (the family is fixed before the data)."""
+    rng = np.random.default_rng(8)
+    base = rng.normal(1.5, 0.2, 32)
+    result = study_from_window_losses(
+        {
+            "ot": _windows(rng, base, 0.0, 0.01),
+            "average": _windows(rng, base, 0.05, 0.01),
+            "copy": _windows(rng, base, 0.004, 0.05),
+            "average+zero": _windows(rng, base, 0.0, 0.001),
+            "random": _windows(rng, base, 0.3, 0.01),
+        },
+        reference="ot",
+    )
+    family = PrimaryFamily(
+        reference="ot", against=["average", "copy", "average+zero"], equivalence_margin=0.01, declared="test"
+    )
+    table = primary_markdown({"s": result}, family, "recipes/x.yaml")
+    rows = [r for r in table.splitlines() if r.startswith("| s |")]
+    assert len(rows) == 3 and "random" not in table
+    stats = [result.contrast("ot", a) for a in family.against]
+    for row, vs, q in zip(rows, stats, holm([s["p"] for s in stats]), strict=True):
+        cells = [c.strip() for c in row.split("|")]
+        assert cells[5] == _fmt(q)
+        assert cells[6] == _fmt(tost(vs["mean"], vs["se"], vs["df"], 0.01))
+    assert rows[0].endswith("| lower | not shown |") and rows[2].endswith("| n.s. | within ±0.01 |")
+    with pytest.raises(KeyError, match="lacks the primary family"):
+        lacking = study_from_window_losses({"ot": [list(base)], "copy": [list(base)]}, reference="ot")
+        primary_markdown({"s": lacking}, family, "x")

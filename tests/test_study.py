@@ -190,10 +190,13 @@ def test_recipe_runs_subset_keeps_the_reference_and_lesa_starts_at_base(tmp_path
 def test_evaluation_windows_spread_over_the_held_out_text():
     """The evaluation windows are evenly spaced over the whole held-out stream (windows from the
     first article or two alone are not a sample of the text); without spread, the first ones."""
+    import bisect
+    import itertools
+
     import torch
 
     from otdus_cli.bundled import STORIES260K
-    from otdus_cli.study.data import tokenize_windows
+    from otdus_cli.study.data import tokenize_windows, window_documents
     from otdus_cli.verify.metrics import load_tokenizer
 
     tokenizer = load_tokenizer(str(STORIES260K))
@@ -204,6 +207,16 @@ def test_evaluation_windows_spread_over_the_held_out_text():
     assert n > 8 and torch.equal(spread, every[[0, n // 4, n // 2, 3 * n // 4]])
     assert torch.equal(tokenize_windows(tokenizer, docs, 32, 4), every[:4])
     assert torch.equal(tokenize_windows(tokenizer, docs, 32, n + 5, spread=True), every)
+    # each window's document: the one its first token comes from (its text, or the BOS opening it)
+    windows, owners = window_documents(tokenizer, docs, 32, 4, spread=True)
+    assert torch.equal(windows, spread) and len(set(owners)) > 1
+    ends = list(
+        itertools.accumulate(
+            1 + len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs.documents
+        )
+    )
+    starts = [k * n // 4 * 32 for k in range(4)]  # stream offset of each spread window
+    assert owners == [bisect.bisect_right(ends, s) for s in starts]
 
 
 def test_interpose_stack_recipe_grows_the_same_copies_in_two_places():

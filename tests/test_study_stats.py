@@ -12,7 +12,7 @@ from scipy import stats
 from otdus_cli.errors import OtdusError
 from otdus_cli.study.report import study_markdown
 from otdus_cli.study.runner import StudyResult
-from otdus_cli.study.stats import crossed_mean_ci, holm, sign_flip_p, t_quantile
+from otdus_cli.study.stats import by_document_mean_ci, crossed_mean_ci, holm, sign_flip_p, t_quantile, tost
 
 # Per-seed final-loss differences to `ot` on the new domain, 3 seeds, from the first Table 6 run
 # (docs/evidence/table6*/new-domain/study.json at commit d08f74a): 7 comparisons with one reference.
@@ -200,3 +200,59 @@ def test_arms_added_from_a_later_run_are_compared_as_if_run_together():
     drifted = [[x + 1e-4 for x in seed] for seed in ref]
     with pytest.raises(OtdusError, match="differ by up to"):
         first.with_arms(study_from_window_losses({"ref": drifted, "b": b}))
+    # a study stored before window documents were recorded takes a later run's arms and documents;
+    # two runs that record different documents are not the same study
+    later = study_from_window_losses({"ref": ref, "b": b})
+    later.data["eval_window_documents"] = list(range(16))
+    assert first.with_arms(later).data["eval_window_documents"] == list(range(16))
+    other = study_from_window_losses({"ref": ref, "a": a})
+    other.data["eval_window_documents"] = [0] * 16
+    with pytest.raises(OtdusError, match="not the same study"):
+        other.with_arms(later)
+
+
+def test_tost_is_two_one_sided_t_tests_and_the_90_percent_interval_inside_the_margin():
+    """One seed: the crossed model is the paired t test over windows, so TOST is the larger of
+    scipy's one-sided tests against -margin and +margin; it rejects exactly when the 90% interval
+    lies inside (-margin, +margin). A clear difference, a tight zero and a noisy zero."""
+    rng = np.random.default_rng(11)
+    margin = 0.01
+    for shift, noise, equivalent in ((0.03, 0.01, False), (0.001, 0.005, True), (0.0, 0.05, False)):
+        x = shift + rng.normal(0, noise, 40)
+        ci = crossed_mean_ci([list(x)])
+        p = tost(ci["mean"], ci["se"], ci["df"], margin)
+        want = max(
+            stats.ttest_1samp(x, -margin, alternative="greater").pvalue,
+            stats.ttest_1samp(x, margin, alternative="less").pvalue,
+        )
+        assert p == pytest.approx(want, rel=1e-10)
+        ninety = stats.ttest_1samp(x, 0.0).confidence_interval(0.90)
+        assert (p < 0.05) == (-margin < ninety.low and ninety.high < margin) == equivalent
+    assert tost(0.0, None, None, margin) is None
+    with pytest.raises(ValueError, match="margin"):
+        tost(0.0, 1.0, 3.0, 0.0)
+
+
+def test_by_document_interval_resamples_documents_not_windows():
+    """Windows averaged within their document, then seeds crossed with documents: with one window per
+    document it is the windows' interval; when a document's windows share its effect, counting them
+    as independent draws gives a narrower interval than counting the documents."""
+    rng = np.random.default_rng(13)
+    table = rng.normal(0.01, 0.02, (3, 12)).tolist()
+    alone = by_document_mean_ci(table, list(range(12)))
+    assert {k: alone[k] for k in ("mean", "se", "df", "p")} == {
+        k: crossed_mean_ci(table)[k] for k in ("mean", "se", "df", "p")
+    }
+    documents = [w // 4 for w in range(12)]  # 3 documents of 4 windows each
+    effect = rng.normal(0, 0.05, 3)
+    shared = [[x + effect[documents[w]] for w, x in enumerate(seed)] for seed in table]
+    want = crossed_mean_ci(np.asarray(shared).reshape(3, 3, 4).mean(axis=2).tolist())
+    got = by_document_mean_ci(shared, documents)
+    assert got["n_documents"] == 3 and got["se"] == pytest.approx(want["se"], rel=1e-12)
+    assert got["high"] - got["low"] > crossed_mean_ci(shared)["high"] - crossed_mean_ci(shared)["low"]
+    with pytest.raises(ValueError, match="one document per window"):
+        by_document_mean_ci(table, [0, 1])
+    # a study that recorded its windows' documents reports the interval with each comparison
+    result = study_from_window_losses({"ref": [[1.0] * 12] * 3, "a": [[1.0 + x for x in s] for s in shared]})
+    result.data["eval_window_documents"] = documents
+    assert result.recompute().summary("a").vs_reference["by_document"]["se"] == pytest.approx(got["se"])

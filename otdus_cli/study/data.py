@@ -89,6 +89,39 @@ def split_documents(docs: Documents, eval_fraction: float) -> tuple[Documents, D
     )
 
 
+def window_documents(
+    tokenizer, docs: Documents, seq_len: int, max_windows: int | None = None, spread: bool = False
+) -> tuple[torch.Tensor, list[int]]:
+    """:func:`tokenize_windows`'s windows and, for each, the index (in ``docs.documents``) of the
+    document its first token belongs to: the cluster a by-document interval resamples."""
+    bos = tokenizer.bos_token_id
+    stream: list[int] = []
+    owner: list[int] = []  # the document of each stream token
+    need = None if max_windows is None or spread else max_windows * seq_len
+    step = 256
+    for s in range(0, len(docs.documents), step):
+        batch = docs.documents[s : s + step]
+        for k, ids in enumerate(tokenizer(batch, add_special_tokens=False)["input_ids"]):
+            start = len(stream)
+            if bos is not None:
+                stream.append(bos)
+            stream.extend(ids)
+            owner.extend([s + k] * (len(stream) - start))
+        if need is not None and len(stream) >= need:
+            break
+    n = len(stream) // seq_len
+    if n == 0:
+        raise OtdusError(f"{docs.name}: fewer than {seq_len} tokens of text")
+    windows = torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    if max_windows is None or n <= max_windows:
+        rows = torch.arange(n)
+    elif not spread:
+        rows = torch.arange(max_windows)
+    else:
+        rows = torch.arange(max_windows) * n // max_windows
+    return windows[rows], [owner[int(r) * seq_len] for r in rows]
+
+
 def tokenize_windows(
     tokenizer, docs: Documents, seq_len: int, max_windows: int | None = None, spread: bool = False
 ) -> torch.Tensor:
@@ -98,24 +131,4 @@ def tokenize_windows(
     the whole stream (an evaluation sample that spans the documents instead of the first few; the
     whole text is tokenised for it).
     """
-    bos = tokenizer.bos_token_id
-    stream: list[int] = []
-    need = None if max_windows is None or spread else max_windows * seq_len
-    step = 256
-    for s in range(0, len(docs.documents), step):
-        batch = docs.documents[s : s + step]
-        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
-            if bos is not None:
-                stream.append(bos)
-            stream.extend(ids)
-        if need is not None and len(stream) >= need:
-            break
-    n = len(stream) // seq_len
-    if n == 0:
-        raise OtdusError(f"{docs.name}: fewer than {seq_len} tokens of text")
-    windows = torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
-    if max_windows is None or n <= max_windows:
-        return windows
-    if not spread:
-        return windows[:max_windows]
-    return windows[torch.arange(max_windows) * n // max_windows]
+    return window_documents(tokenizer, docs, seq_len, max_windows, spread)[0]

@@ -6,9 +6,12 @@ docs/evidence.md is prose written by hand around blocks
     ...generated...
     <!-- evidence:end -->
 
-that :func:`render_document` fills from the JSON under docs/evidence/ (scripts/evidence.py writes
-both). Verdicts are not written by hand: :func:`verdict_lines` lists, for one study, what the
-Holm-adjusted tests show and what they do not, so a rerun with other figures changes them too.
+and inline values ``<!-- v:KEY -->0.038<!-- /v -->`` that :func:`render_document` fills from the JSON
+under docs/evidence/ (scripts/evidence.py writes both); the prose itself carries no figure.
+Verdicts are not written by hand: :func:`verdict_lines` lists, for one study, what the
+Holm-adjusted tests show and what they do not, so a rerun with other figures changes them too, and
+:func:`primary_markdown` gives the verdicts of the primary family a recipe declares
+(:class:`~otdus_cli.study.runner.PrimaryFamily`); every other table is labelled exploratory.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from otdus_cli.errors import OtdusError
 from otdus_cli.study.diagnose import MODULES, DiagnoseResult, PairDiagnosis, norm_bars
 from otdus_cli.study.report import study_markdown
-from otdus_cli.study.runner import StudyResult
-from otdus_cli.study.stats import crossed_mean_ci, holm
+from otdus_cli.study.runner import PrimaryFamily, StudyResult, load_study_recipe
+from otdus_cli.study.stats import crossed_mean_ci, holm, tost
 
 __all__ = [
     "ALIGNMENT_VS_AVERAGE",
@@ -31,7 +35,10 @@ __all__ = [
     "TWO_BY_TWO",
     "contrasts_markdown",
     "error_parts",
+    "primary_markdown",
     "render_document",
+    "strip_generated",
+    "values",
     "verdict_lines",
 ]
 
@@ -79,17 +86,31 @@ def _agree(vs: dict[str, Any]) -> str:
     return f"{same}/{len(vs['diffs'])} seeds"
 
 
-def verdict_lines(result: StudyResult, alpha: float = ALPHA) -> list[str]:
+def _equivalence(vs: dict[str, Any], margin: float | None, alpha: float = ALPHA) -> str:
+    """ ", within ±margin (TOST p ...)" when the difference is shown smaller than ``margin``,
+    ", not shown within ±margin (TOST p ...)" when not; nothing without a margin."""
+    if margin is None:
+        return ""
+    p = tost(vs["mean"], vs.get("se"), vs.get("df"), margin)
+    if p is None:
+        return ""
+    shown = "within" if p < alpha else "not shown within"
+    return f", {shown} ±{margin:g} (TOST p {_p(p)})"
+
+
+def verdict_lines(result: StudyResult, alpha: float = ALPHA, margin: float | None = None) -> list[str]:
     """Markdown bullets: the methods whose final loss is lower / higher than the reference's at
-    Holm-adjusted p < alpha, and those the study cannot tell apart from it."""
+    Holm-adjusted p < alpha, and those the study cannot tell apart from it; with ``margin`` (nats)
+    each of those also says whether TOST shows the difference smaller than the margin."""
     ref = result.reference
     rows = [m for m in result.methods if m.vs_reference]
     if not rows:
         return [f"* No comparisons: {'; '.join(result.notes) or 'no reference among the methods'}."]
 
-    def item(m) -> str:
+    def item(m, equivalence: bool = False) -> str:
         vs = m.vs_reference
-        return f"`{m.label}` ({_ci(vs)}, Holm p {_p(vs['p_holm'])}, {_agree(vs)})"
+        tail = _equivalence(vs, margin, alpha) if equivalence else ""
+        return f"`{m.label}` ({_ci(vs)}, Holm p {_p(vs['p_holm'])}, {_agree(vs)}{tail})"
 
     lower = [m for m in rows if m.vs_reference["p_holm"] < alpha and m.vs_reference["mean"] < 0]
     higher = [m for m in rows if m.vs_reference["p_holm"] < alpha and m.vs_reference["mean"] > 0]
@@ -101,10 +122,55 @@ def verdict_lines(result: StudyResult, alpha: float = ALPHA) -> list[str]:
         )
     lines.append(
         f"* Not told apart from `{ref}` (Holm p >= {alpha:g}): "
-        + ("; ".join(map(item, unclear)) if unclear else "none")
+        + ("; ".join(item(m, equivalence=True) for m in unclear) if unclear else "none")
         + "."
     )
     return lines
+
+
+def primary_markdown(studies: dict[str, StudyResult], family: PrimaryFamily, recipe: str) -> str:
+    """The primary family's table: ``family.reference`` minus each of ``family.against`` in every
+    study, Holm within the study, TOST at the declared margin; then one verdict line per study.
+    A study that lacks an arm of the family is an error (the family is fixed, not what was run)."""
+    m, alpha = family.equivalence_margin, family.alpha
+    head = (
+        f"Declared in `{recipe}`, {family.declared}: `{family.reference}` minus each of "
+        + ", ".join(f"`{a}`" for a in family.against)
+        + f", per study, Holm over these {len(family.against)} within the study, alpha {alpha:g}; "
+        f"equivalence margin ±{m:g} nats (TOST)."
+    )
+    lines = [
+        head,
+        "",
+        f"| study | contrast | Δ final loss, 95% CI | p | Holm p | TOST p (±{m:g}) | seeds | difference "
+        "| equivalence |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for name, r in studies.items():
+        labels = {x.label for x in r.methods}
+        missing = [a for a in [family.reference, *family.against] if a not in labels]
+        if missing:
+            raise KeyError(f"study {name!r} lacks the primary family's arm(s) {', '.join(missing)}")
+        stats = [r.contrast(family.reference, a) for a in family.against]
+        adjusted = holm([s["p"] for s in stats])
+        said = []
+        for a, vs, q in zip(family.against, stats, adjusted, strict=True):
+            e = tost(vs["mean"], vs.get("se"), vs.get("df"), m)
+            diff = "n.s." if q is None or q >= alpha else ("lower" if vs["mean"] < 0 else "higher")
+            equivalent = e is not None and e < alpha
+            lines.append(
+                f"| {name} | `{family.reference}` - `{a}` | {_ci(vs)} | {_p(vs['p'])} | {_p(q)} | {_p(e)} "
+                f"| {_agree(vs)} | {diff} | {'within ±' + format(m, 'g') if equivalent else 'not shown'} |"
+            )
+            if diff != "n.s.":
+                said.append(f"{diff} than `{a}`'s ({_ci(vs, 3)})")
+            elif equivalent:
+                said.append(f"within ±{m:g} of `{a}`'s ({_ci(vs, 4)})")
+            else:
+                said.append(f"not told apart from `{a}`'s, nor shown within ±{m:g} ({_ci(vs, 3)})")
+        verdicts.append(f"* **{name}**: `{family.reference}`'s final loss is " + "; ".join(said) + ".")
+    return "\n".join(lines + [""] + verdicts)
 
 
 def error_parts(vs: dict[str, Any]) -> dict[str, float]:
@@ -139,18 +205,30 @@ def error_markdown(result: StudyResult) -> str:
 
 
 def contrasts_markdown(
-    result: StudyResult, contrasts: Sequence[tuple[str, str, str]] = TWO_BY_TWO, alpha: float = ALPHA
+    result: StudyResult,
+    contrasts: Sequence[tuple[str, str, str]] = TWO_BY_TWO,
+    alpha: float = ALPHA,
+    margin: float | None = None,
 ) -> str:
-    """A table of chosen contrasts (each ``label - minus``), Holm-adjusted over these contrasts."""
+    """A table of chosen contrasts (each ``label - minus``), Holm-adjusted over these contrasts; with
+    ``margin`` (nats) a TOST column: p of "|Δ| >= margin" (below alpha: shown within ±margin)."""
     labels = {m.label for m in result.methods}
     chosen = [c for c in contrasts if c[0] in labels and c[1] in labels]
     stats = [result.contrast(a, b) for a, b, _ in chosen]
     adjusted = holm([s["p"] for s in stats])
-    lines = ["| contrast | Δ final loss, 95% CI | p | Holm p | seeds | |", "|---|---|---|---|---|---|"]
+    tost_head = f" TOST p (±{margin:g}) |" if margin is not None else ""
+    lines = [
+        f"| contrast | Δ final loss, 95% CI | p | Holm p | seeds |{tost_head} |",
+        "|---|---|---|---|---|" + ("---|" if margin is not None else "") + "---|",
+    ]
     for (a, b, what), vs, q in zip(chosen, stats, adjusted, strict=True):
         verdict = "n.s." if q is None or q >= alpha else ("lower" if vs["mean"] < 0 else "higher")
+        equivalence = ""
+        if margin is not None:
+            equivalence = f" {_p(tost(vs['mean'], vs.get('se'), vs.get('df'), margin))} |"
         lines.append(
-            f"| {what}: `{a}` - `{b}` | {_ci(vs)} | {_p(vs['p'])} | {_p(q)} | {_agree(vs)} | {verdict} |"
+            f"| {what}: `{a}` - `{b}` | {_ci(vs)} | {_p(vs['p'])} | {_p(q)} | {_agree(vs)} |{equivalence} "
+            f"{verdict} |"
         )
     return "\n".join(lines)
 
@@ -294,34 +372,64 @@ def _runs_markdown(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _study_blocks(studies: dict[str, StudyResult], prefix: str) -> dict[str, Callable[[], str]]:
-    """The blocks of one study set (one recipe's studies), their names prefixed with ``prefix``."""
+EXPLORATORY = "*Exploratory: not in the primary family the recipe declares.*"
+
+
+def _study_blocks(
+    studies: dict[str, StudyResult], prefix: str, family: PrimaryFamily | None, recipe: str
+) -> dict[str, Callable[[], str]]:
+    """The blocks of one study set (one recipe's studies), their names prefixed with ``prefix``;
+    with the recipe's declared primary family a ``primary`` block, every other table labelled
+    exploratory."""
+    margin = family.equivalence_margin if family else None
+    label = EXPLORATORY if family else "*Exploratory: the recipe declares no primary family.*"
     out: dict[str, Callable[[], str]] = {}
     if studies:
         out[f"{prefix}study-setup"] = lambda: setup_markdown(studies)
-        out[f"{prefix}across-studies"] = lambda: "\n".join(across_studies_lines(studies))
+        out[f"{prefix}across-studies"] = lambda: label + "\n\n" + "\n".join(across_studies_lines(studies))
+        if family:
+            out[f"{prefix}primary"] = lambda: primary_markdown(studies, family, recipe)
     for name, r in studies.items():
-        out[f"{prefix}study:{name}"] = lambda r=r: study_markdown(r) + "\n\n" + "\n".join(verdict_lines(r))
+        out[f"{prefix}study:{name}"] = lambda r=r: (
+            label + "\n\n" + study_markdown(r) + "\n\n" + "\n".join(verdict_lines(r, margin=margin))
+        )
         out[f"{prefix}errors:{name}"] = lambda r=r: error_markdown(r)
-        out[f"{prefix}contrasts:{name}"] = lambda r=r: contrasts_markdown(r)
-        out[f"{prefix}alignment:{name}"] = lambda r=r: contrasts_markdown(r, ALIGNMENT_VS_AVERAGE)
-        out[f"{prefix}sharpness:{name}"] = lambda r=r: contrasts_markdown(r, SHARPNESS)
+        out[f"{prefix}contrasts:{name}"] = lambda r=r: label + "\n\n" + contrasts_markdown(r, margin=margin)
+        out[f"{prefix}alignment:{name}"] = lambda r=r: (
+            label + "\n\n" + contrasts_markdown(r, ALIGNMENT_VS_AVERAGE, margin=margin)
+        )
+        out[f"{prefix}sharpness:{name}"] = lambda r=r: (
+            label + "\n\n" + contrasts_markdown(r, SHARPNESS, margin=margin)
+        )
     return out
 
 
-def blocks(evidence: Path) -> dict[str, Callable[[], str]]:
-    """Every generated block by name, computed from the results stored under ``evidence``: a study
-    set is a folder of studies (``SET/STUDY/study.json``); the Table 6 set's blocks are named
-    ``study:STUDY`` etc., another set's ``SET:study:STUDY``."""
-    out: dict[str, Callable[[], str]] = {}
+def _study_sets(evidence: Path) -> dict[str, dict[str, StudyResult]]:
+    """Every study set under ``evidence`` (``SET/STUDY/study.json``), re-derived with the current
+    statistics (a result saved by an older version is still read)."""
+    sets = {}
     for folder in sorted(p for p in evidence.iterdir() if p.is_dir()) if evidence.exists() else []:
-        # re-derived with the current statistics (a result saved by an older version is still read)
         studies = {
             p.name: StudyResult.load(p).recompute()
             for p in sorted(folder.iterdir())
             if (p / "study.json").exists()
         }
-        out.update(_study_blocks(studies, "" if folder.name == "table6" else f"{folder.name}:"))
+        if studies:
+            sets[folder.name] = studies
+    return sets
+
+
+def blocks(evidence: Path, recipes: Mapping[str, Path] | None = None) -> dict[str, Callable[[], str]]:
+    """Every generated block by name, computed from the results stored under ``evidence``: a study
+    set is a folder of studies (``SET/STUDY/study.json``); the Table 6 set's blocks are named
+    ``study:STUDY`` etc., another set's ``SET:study:STUDY``. ``recipes`` maps a set to the recipe
+    that produced it: its declared primary family (if any) gives the set's ``primary`` block."""
+    out: dict[str, Callable[[], str]] = {}
+    for set_name, studies in _study_sets(evidence).items():
+        recipe = (recipes or {}).get(set_name)
+        family = load_study_recipe(recipe).primary if recipe else None
+        prefix = "" if set_name == "table6" else f"{set_name}:"
+        out.update(_study_blocks(studies, prefix, family, f"recipes/{recipe.name}" if recipe else ""))
     diag = evidence / "diagnose" / "stories260k.json"
     if diag.exists():
         d = _diagnose_result(diag)
@@ -338,13 +446,99 @@ def blocks(evidence: Path) -> dict[str, Callable[[], str]]:
     return out
 
 
+# -- inline values --------------------------------------------------------------------------------
+def _range(values: Sequence[float], digits: int) -> str:
+    if min(values) < 0:  # signed: "-1.3 to +1.6"
+        lo, hi = f"{min(values):+.{digits}f}", f"{max(values):+.{digits}f}"
+        return lo if lo == hi else f"{lo} to {hi}"
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _contrast_value(vs: dict[str, Any], field: str) -> str:
+    fields: dict[str, Callable[[], str]] = {
+        "abs3": lambda: f"{abs(vs['mean']):.3f}",
+        "abs4": lambda: f"{abs(vs['mean']):.4f}",
+        "d3": lambda: f"{vs['mean']:+.3f}",
+        "d4": lambda: f"{vs['mean']:+.4f}",
+        "ci3": lambda: f"[{vs['low']:+.3f}, {vs['high']:+.3f}]",
+        "ci4": lambda: f"[{vs['low']:+.4f}, {vs['high']:+.4f}]",
+        "absci3": lambda: (
+            "[" + ", ".join(f"{x:.3f}" for x in sorted((abs(vs["low"]), abs(vs["high"])))) + "]"
+        ),
+        "p": lambda: _p(vs["p"]),
+        "seeds": lambda: _agree(vs),
+    }
+    if field not in fields:
+        raise KeyError(f"unknown contrast field {field!r} (known: {', '.join(fields)})")
+    return fields[field]()
+
+
+def _gaps(result: StudyResult, a: str, b: str) -> str:
+    """A's held-out loss minus B's at each evaluation step (mean over the seeds both ran)."""
+    by = {(r.label, r.seed): r for r in result.runs}
+    seeds = sorted(s for label, s in by if label == a and (b, s) in by)
+    if not seeds:
+        raise KeyError(f"no seed with both {a!r} and {b!r}")
+    steps = by[a, seeds[0]].eval_steps
+    gaps = [
+        sum(by[a, s].eval_loss[i] - by[b, s].eval_loss[i] for s in seeds) / len(seeds)
+        for i in range(len(steps))
+    ]
+    return " -> ".join(f"{g:+.3f}" for g in gaps)
+
+
+def values(evidence: Path) -> Callable[[str], str]:
+    """The inline value of a key, from the stored results:
+
+    * ``STUDY|A|B|FIELD``: contrast A minus B (unadjusted) in a Table 6 study, or ``SET/STUDY|...``
+      in another set; FIELD one of abs3/abs4 (|Δ|), d3/d4 (signed Δ), ci3/ci4, absci3, p, seeds,
+      or gaps (A's held-out loss minus B's at each evaluation step, mean over seeds);
+    * ``STUDY|A|start3`` / ``final3``: an arm's mean start / final loss; ``STUDY|base|loss3``;
+    * ``diagnose|mlp|KEY|range`` (or ``heads``), ``|zrange``: the range over the layer pairs of a
+      score, or of its distance from the random-pairing mean in SDs; ``diagnose|entropy|MODULE|range``
+      (normalised entropy)."""
+    sets = _study_sets(evidence)
+
+    def study(key: str) -> StudyResult:
+        set_name, _, name = key.rpartition("/")
+        return sets[set_name or "table6"][name]
+
+    def get(key: str) -> str:
+        parts = key.split("|")
+        if parts[0] == "diagnose":
+            d = _diagnose_result(evidence / "diagnose" / "stories260k.json")
+            table, field, how = parts[1:]
+            if table == "entropy":
+                return _range([p.entropy[field]["entropy_normalized"] for p in d.pairs], 2)
+            rows = [getattr(p, table) for p in d.pairs]
+            if how == "zrange":
+                return _range([(x[field] - x["random_mean"]) / x["random_sd"] for x in rows], 1)
+            return _range([x[field] for x in rows], 3)
+        r = study(parts[0])
+        if len(parts) == 4 and parts[3] == "gaps":
+            return _gaps(r, parts[1], parts[2])
+        if len(parts) == 4:
+            return _contrast_value(r.contrast(parts[1], parts[2]), parts[3])
+        arm, field = parts[1:]
+        if arm == "base" and field == "loss3":
+            return f"{r.base_loss:.3f}"
+        m = r.summary(arm)
+        return f"{m.initial_loss if field == 'start3' else m.final_loss:.3f}"
+
+    return get
+
+
 _BLOCK = re.compile(r"(<!-- evidence:(?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- evidence:end -->)", re.S)
+_VALUE = re.compile(r"(<!-- v:(?P<key>[^ ]+) -->)(?P<body>[^\n]*?)(<!-- /v -->)")
 
 
-def render_document(text: str, evidence: str | Path) -> str:
-    """``text`` with every ``<!-- evidence:NAME -->`` block replaced by its generated content.
-    A block whose NAME has no stored result is an error (a typo would otherwise go stale silently)."""
-    made = blocks(Path(evidence))
+def render_document(text: str, evidence: str | Path, recipes: Mapping[str, Path] | None = None) -> str:
+    """``text`` with every ``<!-- evidence:NAME -->`` block and every ``<!-- v:KEY -->`` value replaced
+    by its generated content. A NAME or KEY with no stored result is an error (a typo would otherwise
+    go stale silently)."""
+    made = blocks(Path(evidence), recipes)
+    value = values(Path(evidence))
 
     def fill(match: re.Match) -> str:
         name = match.group("name")
@@ -352,4 +546,17 @@ def render_document(text: str, evidence: str | Path) -> str:
             raise KeyError(f"docs block {name!r}: no such generated block (known: {', '.join(sorted(made))})")
         return match.group(1) + made[name]().rstrip("\n") + "\n" + match.group(4)
 
-    return _BLOCK.sub(fill, text)
+    def fill_value(match: re.Match) -> str:
+        key = match.group("key")
+        try:
+            got = value(key)
+        except (KeyError, ValueError, AttributeError, OtdusError) as exc:
+            raise KeyError(f"docs value {key!r}: {exc}") from None
+        return match.group(1) + got + match.group(4)
+
+    return _VALUE.sub(fill_value, _BLOCK.sub(fill, text))
+
+
+def strip_generated(text: str) -> str:
+    """``text`` without its generated blocks and values: what is written by hand."""
+    return _VALUE.sub("", _BLOCK.sub("", text))

@@ -37,8 +37,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.options import ExpandOptions, invalid, merge_options, method_spec_options, read_yaml
-from otdus_cli.study.data import Documents, load_documents, split_documents, tokenize_windows
-from otdus_cli.study.stats import crossed_mean_ci, holm, mean_std, sign_flip_p
+from otdus_cli.study.data import (
+    Documents,
+    load_documents,
+    split_documents,
+    tokenize_windows,
+    window_documents,
+)
+from otdus_cli.study.stats import by_document_mean_ci, crossed_mean_ci, holm, mean_std, sign_flip_p
 from otdus_cli.study.train import TrainConfig, evaluate, load_model, train
 
 __all__ = [
@@ -181,7 +187,8 @@ class StudyResult:
         for name in (label, reference):
             if name not in labels:
                 raise OtdusError(f"method {name!r} is not among the methods ({', '.join(labels)})")
-        return paired_difference(self.runs, [int(s) for s in self.config["seeds"]], label, reference)
+        seeds = [int(s) for s in self.config["seeds"]]
+        return paired_difference(self.runs, seeds, label, reference, self.data.get("eval_window_documents"))
 
     def recompute(self, reference: str | None = None) -> StudyResult:
         """A copy whose comparisons are re-derived from the stored runs, with the current statistics
@@ -192,7 +199,8 @@ class StudyResult:
             raise OtdusError(f"reference method {ref!r} is not among the methods ({', '.join(labels)})")
         out = StudyResult.from_dict(self.to_dict())
         out.reference = ref or ""
-        _compare(out.methods, [int(s) for s in out.config["seeds"]], out.runs, ref or None)
+        seeds = [int(s) for s in out.config["seeds"]]
+        _compare(out.methods, seeds, out.runs, ref or None, out.data.get("eval_window_documents"))
         return out
 
     def with_arms(
@@ -208,7 +216,12 @@ class StudyResult:
         """
         mine = {k: v for k, v in self.config.items() if k not in ("methods", "threads")}
         theirs = {k: v for k, v in other.config.items() if k not in ("methods", "threads")}
-        if self.base != other.base or self.data != other.data or mine != theirs:
+        # a study stored before the window documents were recorded still takes a later run's arms
+        late = "eval_window_documents"
+        data_mine, data_theirs = dict(self.data), dict(other.data)
+        if late not in data_mine or late not in data_theirs:
+            data_mine.pop(late, None), data_theirs.pop(late, None)
+        if self.base != other.base or data_mine != data_theirs or mine != theirs:
             diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
             raise OtdusError(
                 f"not the same study (base, data or settings differ: {', '.join(diff) or 'base/data'})"
@@ -227,6 +240,8 @@ class StudyResult:
         if not worst <= tol:
             raise OtdusError(f"the shared runs differ by up to {worst:.3g} per window (more than {tol:g})")
         out = StudyResult.from_dict(self.to_dict())
+        if late in other.data:
+            out.data.setdefault(late, other.data[late])
         known = {m.label for m in out.methods}
         added = StudyResult.from_dict(other.to_dict())
         out.methods += [m for m in added.methods if m.label not in known]
@@ -390,7 +405,7 @@ def study(
     train_w = tokenize_windows(tokenizer, train_docs, seq_len, max_train_windows)
     # spread over the held-out text: windows from many documents, not the first few (the paired
     # interval treats windows as independent draws from the evaluation text)
-    eval_w = tokenize_windows(tokenizer, eval_docs, seq_len, eval_windows, spread=True)
+    eval_w, eval_owner = window_documents(tokenizer, eval_docs, seq_len, eval_windows, spread=True)
     data = {
         "train": train_docs.name,
         "eval": eval_docs.name,
@@ -401,6 +416,9 @@ def study(
         "seq_len": seq_len,
         "eval_tokens_scored": int(eval_w.shape[0] * (seq_len - 1)),
         "train_tokens_seen": steps * batch * seq_len,
+        # the held-out document of each evaluation window's first token, in window order: what a
+        # by-document (cluster) interval resamples (results stored before this have none)
+        "eval_window_documents": eval_owner,
     }
     if data["eval_windows"] < eval_windows:
         notes.append(
@@ -447,7 +465,7 @@ def study(
         shutil.rmtree(tmp, ignore_errors=True)
         torch.set_num_threads(threads_before)
 
-    summaries = _summarise(runs_spec, seeds, results, ref)
+    summaries = _summarise(runs_spec, seeds, results, ref, data["eval_window_documents"])
     result = StudyResult(
         base=base,
         reference=ref or "",
@@ -527,7 +545,11 @@ def _one_run(
 
 
 def _summarise(
-    specs: list[RunSpec], seeds: list[int], runs: list[RunResult], ref: str | None
+    specs: list[RunSpec],
+    seeds: list[int],
+    runs: list[RunResult],
+    ref: str | None,
+    documents: Sequence[int] | None = None,
 ) -> list[MethodSummary]:
     by = {(r.label, r.seed): r for r in runs}
     out = []
@@ -550,12 +572,16 @@ def _summarise(
                 trainable_parameters=rs[0].trainable_parameters,
             )
         )
-    _compare(out, seeds, runs, ref)
+    _compare(out, seeds, runs, ref, documents)
     return out
 
 
 def _compare(
-    summaries: list[MethodSummary], seeds: list[int], runs: list[RunResult], ref: str | None
+    summaries: list[MethodSummary],
+    seeds: list[int],
+    runs: list[RunResult],
+    ref: str | None,
+    documents: Sequence[int] | None = None,
 ) -> None:
     """Each method's final loss minus the reference's, paired by seed and by evaluation window
     (:func:`paired_difference`); ``p_holm`` adjusts the p-values of all the comparisons against the
@@ -564,19 +590,25 @@ def _compare(
     for m in summaries:
         m.vs_reference = None
     for m in compared:
-        m.vs_reference = paired_difference(runs, seeds, m.label, ref)
+        m.vs_reference = paired_difference(runs, seeds, m.label, ref, documents)
     for m, q in zip(compared, holm([m.vs_reference["p"] for m in compared]), strict=True):
         m.vs_reference["p_holm"] = q
         m.vs_reference["comparisons"] = len(compared)
 
 
 def paired_difference(
-    runs: Sequence[RunResult], seeds: Sequence[int], label: str, ref: str
+    runs: Sequence[RunResult],
+    seeds: Sequence[int],
+    label: str,
+    ref: str,
+    documents: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """``label``'s final loss minus ``ref``'s, paired by seed and by evaluation window.
 
     The interval accounts for both seeds and the shared evaluation windows (stats.crossed_mean_ci;
     seeds only when the runs carry no per-window losses). Not adjusted for multiple comparisons.
+    With ``documents`` (each window's held-out document), ``by_document`` adds the interval with
+    documents as the sampled unit (stats.by_document_mean_ci).
     """
     by = {(r.label, r.seed): r for r in runs}
     pairs = [(by[label, s], by[ref, s]) for s in seeds]
@@ -588,6 +620,9 @@ def paired_difference(
         ]
     else:  # results saved before per-window losses were recorded
         table = [[x] for x in diffs]
+    by_document = {}
+    if documents is not None and len(table[0]) == len(documents) > 1:
+        by_document = {"by_document": by_document_mean_ci(table, documents)}
     return {
         "reference": ref,
         "diffs": diffs,  # per seed (mean over the windows)
@@ -596,6 +631,7 @@ def paired_difference(
         **crossed_mean_ci(table),
         "seeds_lower": sum(x < 0 for x in diffs),
         "sign_flip_p": sign_flip_p(diffs),
+        **by_document,
     }
 
 
@@ -617,6 +653,21 @@ class _RecipeStudy(BaseModel):
     settings: dict[str, Any] = Field(default_factory=dict)  # per-study overrides of the defaults
 
 
+class PrimaryFamily(BaseModel):
+    """The comparisons a recipe declares, before its data, as the primary (confirmatory) family:
+    ``reference`` minus each of ``against`` in every study, Holm-adjusted within the study; with
+    TOST at ``equivalence_margin`` (nats) behind any "no difference" reading. Everything else a
+    study reports is exploratory. ``declared`` says when (and whether before the data)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reference: str
+    against: list[str] = Field(min_length=1)
+    alpha: float = Field(0.05, gt=0, lt=1)
+    equivalence_margin: float = Field(gt=0)
+    declared: str
+
+
 class StudyRecipe(BaseModel):
     """A YAML study recipe: a base, shared settings, expand options, runs (arms), studies (domains)."""
 
@@ -629,6 +680,7 @@ class StudyRecipe(BaseModel):
     expand: dict[str, Any] = Field(default_factory=dict)  # ExpandOptions fields for every run
     runs: list[_RecipeRun]
     studies: list[_RecipeStudy]
+    primary: PrimaryFamily | None = None
 
     def run_specs(self, overrides: dict[str, Any] | None = None) -> list[RunSpec]:
         """Each run's full expand options; ``overrides`` (ExpandOptions fields) win over the recipe's."""

@@ -15,6 +15,10 @@ Several methods compared with one reference are several tests: :func:`holm` adju
 p-values (Holm's step-down method, family-wise error controlled under any dependence).
 With few seeds no distribution-free seed-level test can be significant: a sign-flip test over
 S seeds cannot go below 2 / 2^S (0.25 for 3 seeds, 0.0625 for 5); :func:`sign_flip_p` reports it.
+
+A non-significant difference is not evidence of no difference. :func:`tost` (two one-sided tests)
+is: it rejects "the difference is at least ``margin`` in size" when both one-sided t tests against
+-margin and +margin reject, i.e. when the 1 - 2 alpha interval lies inside (-margin, +margin).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.stats import t as student_t
 
-__all__ = ["crossed_mean_ci", "holm", "mean_std", "sign_flip_p", "t_quantile"]
+__all__ = ["by_document_mean_ci", "crossed_mean_ci", "holm", "mean_std", "sign_flip_p", "t_quantile", "tost"]
 
 
 def t_quantile(df: float, confidence: float = 0.95) -> float:
@@ -121,6 +125,25 @@ def crossed_mean_ci(diffs: Sequence[Sequence[float]], confidence: float = 0.95) 
     }
 
 
+def by_document_mean_ci(
+    diffs: Sequence[Sequence[float]], documents: Sequence[int], confidence: float = 0.95
+) -> dict[str, object]:
+    """:func:`crossed_mean_ci` with documents, not windows, as the sampled unit: each seed's
+    differences are first averaged over the windows of each document (``documents[w]``: window w's
+    document), then seeds are crossed with documents. Windows of one document are not independent
+    draws; this interval does not assume they are. Its mean weights documents equally, so it
+    differs from the window mean when documents give different numbers of windows."""
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.ndim != 2 or d.shape[1] != len(documents):
+        raise ValueError(
+            f"one document per window: {len(documents)} documents for a table of shape {d.shape}"
+        )
+    groups = sorted(set(documents))
+    owner = np.asarray(documents)
+    table = np.stack([d[:, owner == g].mean(axis=1) for g in groups], axis=1)
+    return {**crossed_mean_ci(table.tolist(), confidence), "n_documents": len(groups)}
+
+
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
     """Holm-adjusted p-values (None entries are not tests: left None and not counted).
 
@@ -147,3 +170,18 @@ def sign_flip_p(values: Sequence[float]) -> float | None:
     signs = np.array(list(itertools.product((1.0, -1.0), repeat=n)))
     sums = np.abs(signs @ x)
     return float((sums >= observed - 1e-12 * max(1.0, observed)).mean())
+
+
+def tost(mean: float, se: float | None, df: float | None, margin: float) -> float | None:
+    """Two one-sided tests of equivalence: the p-value of "|true difference| >= margin", the larger
+    of the t tests of H0: mu <= -margin and H0: mu >= +margin (Schuirmann). Below alpha, the
+    difference is shown to be smaller than ``margin``. None when there is no spread to test with."""
+    if margin <= 0:
+        raise ValueError(f"equivalence margin must be positive, got {margin}")
+    if se is None or df is None or not df > 0:
+        return None
+    if se == 0:
+        return 0.0 if abs(mean) < margin else 1.0
+    below = float(student_t.sf((mean + margin) / se, df))  # H0: mu <= -margin
+    above = float(student_t.cdf((mean - margin) / se, df))  # H0: mu >= +margin
+    return max(below, above)

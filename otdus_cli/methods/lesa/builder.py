@@ -27,20 +27,26 @@ Two variants (``--lesa-variant``):
 
 Choices of ours, where the notebook has none or cannot be followed as written:
 
-* The SVD is computed through the Gram matrix, M M^T = sum_l W_l W_l^T (out x out, accumulated in
-  float64 one layer at a time), its eigendecomposition M M^T = U S^2 U^T, and V_l^T = S^-1 U^T W_l
-  (one layer at a time again). This is the SVD of M (same U, S, V up to signs) without ever
-  holding M or its LAPACK workspace; the V blocks, which the training reads, are the only thing as
-  large as M. Directions with S below 1e-10 S_max (none in a trained model) are dropped. Each
+* The SVD is computed through the Gram matrix, M M^T = sum_l W_l W_l^T (out x out, each product and
+  the sum in float64, one layer at a time), its eigendecomposition M M^T = U S^2 U^T, and V_l^T =
+  S^-1 U^T W_l (one layer at a time again). This is the SVD of M (same U, S, V up to signs) without
+  ever holding M or its LAPACK workspace; the V blocks, which the training reads, are the only thing
+  as large as M. Directions with S below 1e-10 S_max (none in a trained model) are dropped. Each
   singular pair's sign is fixed (the largest-magnitude entry of U's column is positive), so results
-  do not depend on the LAPACK build. ``rank`` keeps the top-k directions only (our option, not the
-  published default: less memory and training time, new weights of rank <= k).
+  do not depend on the LAPACK build. The sign is not neutral: flipping direction j flips row j of
+  every V_l^T, and the predictor (an MLP with biases and ReLUs, trained on all rows at once) is not
+  equivariant to that, so another convention (LAPACK's own signs, say) trains another predictor and
+  gives other new weights; this convention is ours, the notebook has none (it keeps numpy's).
+  ``rank`` keeps the top-k directions only (our option, not the published default: less memory and
+  training time, new weights of rank <= k).
 * Seeded: each projection type has its own generator (seed, type), which draws the MLP's initial
   weights (uniform in +-1/sqrt(fan_in), weights and biases, as torch.nn.Linear's default init, in
   the order fc1.weight, fc1.bias, fc2..., fc3.bias) and then one permutation of the training rows
   per epoch (torch.randperm). The last batch of an epoch may be smaller, as with a DataLoader.
 * The leave-one-out check (``loo`` held-out layers per type): for a held-out interior layer h the
-  predictor is retrained without the target h (same settings, own generator), then predicts W_h
+  predictor is retrained without the samples whose *target* is h (same settings, own generator); h
+  stays an *input* of its neighbours' samples (targets h-1 and h+1 read V_h), so the check is not a
+  full hold-out: dropping those too would leave no training target on a 5-layer model. It predicts W_h
   from W_{h-1} and W_{h+1}; reported as ||W_hat - W_h||_F / ||W_h||_F, next to the same error of
   the plain average 1/2 (W_{h-1} + W_{h+1}) and of the full predictor (which saw h in training).
   Held-out layers are spread evenly over the interior layers the insertion pairs span. The SVD
@@ -61,9 +67,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import chain, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +154,19 @@ def _read(layer: ParentLayer, layout: RoleLayout, role: str, device: torch.devic
     return ParentRoles(layer, layout, device).take(role)["weight"]
 
 
+def gram_matrix(weights: Iterable[torch.Tensor]) -> torch.Tensor:
+    """sum_l W_l W_l^T, each product and the sum in float64 (float32 products would lose the
+    smallest directions: an eigenvalue below ~1e-7 of the largest is rounding there)."""
+    gram: torch.Tensor | None = None
+    for w in weights:
+        w64 = w.double()
+        gram = w64 @ w64.T if gram is None else gram.addmm_(w64, w64.T)
+        del w64
+    if gram is None:
+        raise ValueError("no weights to decompose")
+    return gram
+
+
 def decompose(layers: Sequence[ParentLayer], layout: RoleLayout, role: str, s: LesaSettings) -> Basis:
     """The SVD of [W_0 ... W_{L-1}] through its Gram matrix, streamed one layer at a time."""
     dev = s.device
@@ -155,11 +174,7 @@ def decompose(layers: Sequence[ParentLayer], layout: RoleLayout, role: str, s: L
     stored_dtype = first.dtype
     first = first.to(torch.float32)
     out, width = first.shape
-    gram = torch.zeros(out, out, dtype=torch.float64, device=dev)
-    for i, layer in enumerate(layers):
-        w = first if i == 0 else _read(layer, layout, role, dev).to(torch.float32)
-        gram += (w @ w.T).double()
-        del w
+    gram = gram_matrix(chain([first], (_read(layer, layout, role, dev) for layer in layers[1:])))
     del first
     evals, evecs = torch.linalg.eigh(gram)  # ascending
     del gram
