@@ -4,20 +4,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
-# The oldest transformers pyproject.toml accepts: `make test` also runs the verify/ppl tests (and their
-# expand -> verify passes) under it, in a second environment.
+# The oldest transformers pyproject.toml accepts: `make test` also runs the tests marked compat (verify,
+# ppl, widen, wrappers, trainable, with their expand -> verify passes) under it, in a second environment.
 COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 OLDEST_TRANSFORMERS ?= transformers==4.57.6
-# (the memory-limit verify run is left to the main run: it tests the streaming, not transformers, and is
-# the slowest test)
-COMPAT_TESTS := tests/test_verify_streaming.py tests/test_verify_compare.py tests/test_verify_cli.py \
-	tests/test_verify_families.py tests/test_verify_self_check.py tests/test_verify_static.py \
-	tests/test_arch_breadth.py tests/test_wrappers.py tests/test_verify_lm_eval_reference.py tests/test_widen.py \
-	tests/test_trainable.py \
-	--deselect tests/test_verify_cli.py::test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint
 
-.PHONY: setup setup-compat demo test test-main test-compat check-docs lint evidence bench bench-copy bench-8b-copy faults coverage \
+.PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint evidence bench bench-copy bench-8b-copy faults coverage \
 	lm-eval-check lm-eval-record clean
 
 setup: $(VENV)/.installed
@@ -45,16 +38,21 @@ demo: setup
 test: test-main test-compat
 
 test-main: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow"
+
+# the slow tests (docs commands from a fresh copy, the device-check dry run, thread identity, verify under
+# a memory limit): CI runs them after `make test`
+test-long: setup
+	$(PY) -m pytest -m slow
 
 # one intra-op thread: these tests run tiny models, where a second thread only adds synchronisation
 test-compat: setup-compat
 	$(COMPAT_PY) -c "import transformers; print('transformers', transformers.__version__)"
-	OMP_NUM_THREADS=1 $(COMPAT_PY) -m pytest $(COMPAT_TESTS)
+	OMP_NUM_THREADS=1 $(COMPAT_PY) -m pytest -m "compat and not slow"
 
 # every command block of README.md and docs/*.md, run from a fresh clone of HEAD, offline, long ones
 # with quick options (scripts/check_docs.py --list shows what runs, what is shortened or skipped and
-# why); `make test` runs the quick part (tests/test_docs.py)
+# why); `make test-long` runs the quick part (tests/test_docs.py, marked slow)
 check-docs: setup
 	$(PY) scripts/check_docs.py
 

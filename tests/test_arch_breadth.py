@@ -24,6 +24,8 @@ from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.options import ExpandOptions
 
+pytestmark = [pytest.mark.compat]
+
 BREADTH_TYPES = BREADTH_DENSE_TYPES + BREADTH_MOE_TYPES
 
 

@@ -23,6 +23,8 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 
+pytestmark = [pytest.mark.distributed]
+
 OTDUS = [sys.executable, "-m", "otdus_cli.cli"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
 QUICK = ["--max-tokens", "1500", "--device", "cpu", "--json"]

@@ -83,6 +83,7 @@ def test_docs_commands_are_found_and_sorted():
     assert all("matplotlib" in c.why for c in cmds if c.run is None and "bundled:" in c.text)
 
 
+@pytest.mark.slow
 def test_quick_docs_commands_run_from_a_fresh_copy():
     """scripts/check_docs.py --quick: README's first hour, offline widening, ppl, diagnose... exit 0."""
     done = subprocess.run(

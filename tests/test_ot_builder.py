@@ -498,6 +498,7 @@ def test_modules_are_yielded_before_later_modules_are_read(stories, variant):
         assert {LLAMA["gate"], LLAMA["up"], LLAMA["down"], LLAMA["o"]} <= read_after
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 @pytest.mark.parametrize("variant", ["paper", "structured"])
 def test_cuda_build_matches_cpu(planted_mlp, variant):

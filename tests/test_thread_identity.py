@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.slow]
+
 # Checks the thread count torch took from the environment, then runs the CLI as `otdus` does.
 RUN_AT_THREADS = (
     "import os, sys, torch\n"

@@ -27,7 +27,10 @@ from otdus_cli.options import ExpandOptions
 from otdus_cli.trainable import apply
 from otdus_cli.widen import WidenOptions, widen
 
-pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: threads only add contention
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.compat,
+]  # tiny models: threads only add contention
 runner = CliRunner()
 
 

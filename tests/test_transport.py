@@ -168,6 +168,7 @@ def test_sinkhorn_does_not_modify_the_cost():
     assert torch.equal(cost, before)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_sinkhorn_on_cuda_matches_cpu():
     cost = paper_cost(_rows(256, 64, 18), _rows(256, 64, 19))

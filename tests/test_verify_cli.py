@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import one_error_line
 from typer.testing import CliRunner
@@ -16,6 +17,8 @@ from otdus_cli.expand import expand
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
 from otdus_cli.methods.lesa import LesaOptions
 from otdus_cli.options import ExpandOptions
+
+pytestmark = [pytest.mark.compat]
 
 runner = CliRunner()
 QUICK = ["--max-tokens", "2048", "--device", "cpu", "--json"]
@@ -203,6 +206,7 @@ def run_limited(args: list[str], limit: int) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_verify_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
     size = write_random_checkpoint(tmp_path / "big", layers=20, hidden=1024, inter=4096)
     limit = 900_000_000

@@ -23,7 +23,7 @@ from otdus_cli.verify.compare import (
 )
 from otdus_cli.verify.text import Corpus, text_corpus, wikitext_corpus
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
 # The real model and its in-domain text are shipped inside the package (see otdus_cli/bundled.py).
 STORIES = Path(STORIES260K)
@@ -276,6 +276,7 @@ def test_streamed_and_plain_torch_agree_on_stories(story_plan, story_report):
     assert math.exp(-total / count) == pytest.approx(story_report.metrics.token_perplexity, rel=1e-12)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_lockstep_parity_on_cuda(tmp_path, small_plan):
     report = verify_expansion(STORIES, _expand(tmp_path / "exp", after=2), small_plan, device="cuda")

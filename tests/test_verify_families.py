@@ -16,7 +16,7 @@ from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.metrics import EvalPlan, Window
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
 # longer than the tiny models' sliding windows (16); two equal lengths batch together
 LENGTHS = (40, 40, 23)

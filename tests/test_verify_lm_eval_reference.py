@@ -20,6 +20,8 @@ from otdus_cli.cli import app
 from otdus_cli.verify.lm_eval_presets import LM_EVAL_NEWEST, RELEASES, lm_eval_releases, wikitext_tokenization
 from otdus_cli.verify.metrics import load_tokenizer
 
+pytestmark = [pytest.mark.compat]
+
 REFERENCE = json.loads((Path(__file__).parent / "data" / "lm_eval_reference.json").read_text())
 RUNS = {entry["run"]: entry for entry in REFERENCE["runs"]}
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")

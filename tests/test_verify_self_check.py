@@ -21,7 +21,7 @@ from otdus_cli.verify import hf_compat, self_check
 from otdus_cli.verify.compare import perplexity, verify_expansion
 from otdus_cli.verify.streaming import StreamedModel
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
 PPL = ["ppl", "bundled:stories260k", "--protocol", "token", "--token-mode", "documents"]
 PPL += ["--text", str(TINYSTORIES_SAMPLE), "--max-tokens", "300", "--json"]

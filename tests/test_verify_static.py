@@ -15,6 +15,8 @@ from otdus_cli.cli import app
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 
+pytestmark = [pytest.mark.compat]
+
 runner = CliRunner()
 SMALL = ("--protocol", "token", "--max-tokens", "300", "--seq-len", "128")
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from otdus_cli.errors import OtdusError
 from otdus_cli.verify.streaming import StreamedModel, group_windows
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
 LENGTHS = (40, 40, 23)  # longer than the tiny models' sliding windows (16); two equal lengths batch together
 

@@ -30,7 +30,7 @@ from otdus_cli.verify.proof import static_check
 from otdus_cli.widen import WidenOptions, make_widen_plan, widen
 from tests.test_verify_families import random_plan
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
 ATOL = 2e-6
 runner = CliRunner()

@@ -22,6 +22,8 @@ from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.options import ExpandOptions
 
+pytestmark = [pytest.mark.compat]
+
 _VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
 WRAPPERS: dict[str, dict] = {
     "gemma3": dict(
