@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from typer.testing import CliRunner
 from otdus_cli.cli import app
 
 runner = CliRunner()
+OTDUS = [sys.executable, "-m", "otdus_cli.cli"]
 
 
 def run_cli(*args):
@@ -86,3 +91,40 @@ def test_malformed_manifest_fingerprints(stories, tmp_path, damage):
     manifest["source"]["fingerprints"].update(damage)
     (out / "otdus.json").write_text(json.dumps(manifest))
     one_error_line(run_cli("verify", out, "--base", stories, "--static"), 2, "otdus.json is damaged")
+
+
+_AS_MAPPED_ROOT = ["unshare", "--user", "--map-root-user"]
+
+
+def _user_namespaces_work() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run([*_AS_MAPPED_ROOT, "true"]).returncode == 0
+
+
+@pytest.mark.skipif(not _user_namespaces_work(), reason="needs unprivileged user namespaces (unshare -r)")
+def test_an_unreadable_source_folder(stories, tmp_path):
+    """Root reads every folder, so the test runs otdus as the root of a user namespace, where a folder
+    of an unmapped owner with mode 000 is unreadable (as a user's folder of another account is)."""
+    os.chown(stories, 12345, 12345)
+    os.chmod(stories, 0)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            *_AS_MAPPED_ROOT,
+            *OTDUS,
+            "expand",
+            str(stories),
+            "--out",
+            str(out),
+            "--method",
+            "copy",
+            "--layers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    os.chmod(stories, 0o755)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: cannot read") and "Permission denied" in lines[0], lines
+    assert not out.exists()

@@ -82,13 +82,19 @@ class CheckpointReader:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise OtdusError(f"model folder not found: {self.folder}")
-        self.config = self._read_config()
         self.index_file: str | None = None
         self._infos: dict[str, TensorInfo] = {}
         self._bin_files: dict[str, Path] = {}  # tensor name -> pickle shard (weights_only loading)
         self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
         self._metas: dict[str, TensorMeta] = {}
-        self._locate_tensors()
+        try:
+            self.config = self._read_config()
+            self._locate_tensors()
+        except PermissionError as exc:  # a folder (or file) this user may not read: a user's error
+            where = exc.filename or self.folder
+            raise OtdusError(
+                f"cannot read {where} ({exc.strerror}): the model folder must be readable"
+            ) from None
 
     # -- discovery -------------------------------------------------------------------------
     def _read_config(self) -> dict:
