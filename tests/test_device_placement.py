@@ -118,7 +118,11 @@ def test_two_ranks_use_two_gpus_and_make_theirs_current(tmp_path):
 
 
 def test_a_gpu_that_is_not_there_is_one_error_line_before_the_model_is_read(tmp_path):
-    for command in (["expand", tmp_path / "missing", "--out", tmp_path / "o"], ["ppl", tmp_path / "missing"]):
+    # a model that is there: a missing one is refused first, before torch is imported (test_cli_usage)
+    for command in (
+        ["expand", "bundled:stories260k", "--out", tmp_path / "o"],
+        ["ppl", "bundled:stories260k"],
+    ):
         with emulated_cuda(2):
             result = runner.invoke(app, [*map(str, command), "--device", "cuda:2"])
         assert "cuda:2" in one_error_line(result) and "2 GPU(s)" in result.output
