@@ -41,7 +41,7 @@ test-main: setup
 	$(PY) -m pytest -m "not slow"
 
 # the slow tests (docs commands from a fresh copy, the device-check dry run, thread identity, verify under
-# a memory limit): CI runs them after `make test`
+# a memory limit, two ranks on two emulated GPUs): CI runs them after `make test`
 test-long: setup
 	$(PY) -m pytest -m slow
 

@@ -89,6 +89,7 @@ def test_moe_ot_and_widen_on_the_gpu(tmp_path, tiny_moe):
             assert perplexity(wide, plan, device="cuda:1", dtype=dtype).device == "cuda"
 
 
+@pytest.mark.slow
 def test_two_ranks_use_two_gpus_and_make_theirs_current(tmp_path):
     """torchrun's LOCAL_RANK picks the GPU (round-robin when ranks outnumber GPUs) and it becomes the
     current device, so a bare "cuda" inside a library (POT's backend) lands on the rank's GPU."""

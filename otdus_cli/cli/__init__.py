@@ -8,6 +8,7 @@ broken parity in `verify` is exit code 1.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -112,4 +113,23 @@ def main(argv: list[str] | None = None) -> Callable | None:
             stopped(exc)
         except typer.Exit as done:
             raise SystemExit(done.exit_code) from None
+    except SystemExit as done:
+        _end_rank(done.code)
+        raise
     return None
+
+
+def _end_rank(code: object) -> None:
+    """Under torchrun/srun, end this rank once its command is over: its output is whole (or removed)
+    and said, and gloo's threads, left to C++ static destructors at interpreter exit, abort some runs
+    ('terminate called without an active exception', SIGABRT) even after the group was destroyed; so
+    the group is closed and the process ends here with the command's exit code. One process: nothing."""
+    from otdus_cli import distributed  # noqa: PLC0415
+
+    world = distributed._WORLD
+    if world is None or world.size == 1:
+        return
+    world.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
