@@ -49,7 +49,7 @@ TWO_BY_TWO = (
     ("ot", "average+zero", "OT vs Average, with zero-init"),
     ("ot+nozero", "average", "OT vs Average, without zero-init"),
 )
-# Does any alignment beat the review's control, plain average with zero-init (issue 16)? Every OT
+# Does any alignment beat the review's control, plain average with zero-init? Every OT
 # arm with zero-init minus `average+zero`. An arm a study lacks is left out of its table (e.g.
 # an arm not yet added to the stored studies), so the table grows when it is run.
 ALIGNMENT_VS_AVERAGE = (

@@ -733,7 +733,7 @@ def load_study_recipe(path: str | os.PathLike[str]) -> StudyRecipe:
 def _resolve_text(spec: str | None, folder: Path) -> str | None:
     if spec is None or spec.startswith("bundled:") or os.path.isabs(spec):
         return spec
-    return os.path.normpath(folder / spec)  # "recipes/../../shared/x" is reported as "../shared/x"
+    return os.path.normpath(folder / spec)  # "recipes/../data/x" is reported as "data/x"
 
 
 def run_recipe(

@@ -11,7 +11,7 @@ Two costs are offered:
   transformer-fusion code, ground_metric.py: ``wts.norm: True``, ``type: euclidean``,
   ``squared: False``, ``norm: max``), for which their configuration names 0.06 as the best
   Sinkhorn regularisation with weights; on a [0, 1] cost reg = 0.06 means "a cost gap of 0.06
-  weighs e times less". As far as we could check (issue 22; docs/ot.md, "Where each choice
+  weighs e times less". As far as we could check (docs/ot.md, "Where each choice
   comes from"), the OT-DUS paper's text does not state this normalisation: taking it for
   `paper` is our choice.
 * ``raw_cost``: Euclidean distance between the raw rows, as the authors' released script

@@ -7,7 +7,7 @@ neuron i sent to B's neuron j. With uniform marginals, n T has rows and columns 
 shrinks by ~n. Scaling by n is the fusion codes' convention (Imfeld et al.'s otfusion_lib.py,
 "normalize t_out with beta (marginals)"; Singh & Jaggi's ``--correction``), which the `paper`
 and `structured` variants follow. The OT-DUS paper's transport-matrix-flow table writes T_O and
-1/2 (T_O + I) with no factor (as issue 22 quotes it), and the authors' released script applies
+1/2 (T_O + I) with no factor, and the authors' released script applies
 T unscaled (`official`): hence ``scale`` (docs/ot.md, "Where each choice comes from").
 
 A plan is stored either densely (Sinkhorn) or as a permutation (exact assignment with uniform

@@ -14,15 +14,15 @@ Four variants (docs/ot.md has the full tables and the reasons):
   writes otherwise (no factor n): plans applied scaled by n (so an aligned row is a convex
   combination of A's rows, not 1/n of one), unit-row Euclidean cost divided by its max (the
   cost on which Imfeld et al. found reg 0.06 best for weight-based fusion).
-* ``official``: what the authors' released script (Model/OT-DUS.py) computes (reference.md
-  section 2.1): raw Euclidean cost, POT's standard Sinkhorn (reg 0.06, 10000 iterations, stopThr
+* ``official``: what the authors' released script (Model/OT-DUS.py) computes (docs/ot.md,
+  "Where each choice comes from"): raw Euclidean cost, POT's standard Sinkhorn (reg 0.06, 10000 iterations, stopThr
   1e-9) in float32, plans applied WITHOUT the factor n, as the paper's table writes them.
-* ``structured`` (ours, section 2.2): alignment only along the layer's real symmetries. One plan
+* ``structured`` (ours): alignment only along the layer's real symmetries. One plan
   per MLP neuron (gate row, up row, down column together); attention aligned by whole heads (a
   KV head with its group of query heads), no permutation inside q/k heads (RoPE pairs intact),
   V dims matched inside a head with the O columns following; the hidden (residual) axis is not
   permuted at all.
-* ``activation`` (ours, issue 16): the structured flow with plans from activations on calibration
+* ``activation`` (ours): the structured flow with plans from activations on calibration
   text (methods/ot/calibration.py) instead of weights: MLP neurons by the correlation of their
   activations (the input of down_proj), heads (with their GQA group) by the correlation of their
   contributions to the residual stream, V dims by the correlation of the heads' outputs. Needs the
@@ -352,7 +352,7 @@ def _output_norm(
 
 
 def _structured(pair: ParentPair, heads: Heads, s: OTSettings, stats: dict) -> Roles:
-    """Alignment along the layer's real symmetries only (reference.md section 2.2, docs/ot.md).
+    """Alignment along the layer's real symmetries only (docs/ot.md).
 
     * Residual (hidden) axis: identity. A and B read and write the same residual stream, whose
       basis is fixed by the embeddings and every other layer; no permutation of it relates the
