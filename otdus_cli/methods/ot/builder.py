@@ -15,8 +15,8 @@ Four variants (docs/ot.md has the full tables and the reasons):
   combination of A's rows, not 1/n of one), unit-row Euclidean cost divided by its max (the
   cost on which Imfeld et al. found reg 0.06 best for weight-based fusion).
 * ``official``: what the authors' released script (Model/OT-DUS.py) computes (docs/ot.md,
-  "Where each choice comes from"): raw Euclidean cost, POT's standard Sinkhorn (reg 0.06, 10000 iterations, stopThr
-  1e-9) in float32, plans applied WITHOUT the factor n, as the paper's table writes them.
+  "Where each choice comes from"): raw Euclidean cost, POT's standard Sinkhorn (reg 0.06, 10000
+  iterations, stopThr 1e-9) in float32, plans applied WITHOUT the factor n, as the paper's table writes them.
 * ``structured`` (ours): alignment only along the layer's real symmetries. One plan
   per MLP neuron (gate row, up row, down column together); attention aligned by whole heads (a
   KV head with its group of query heads), no permutation inside q/k heads (RoPE pairs intact),
