@@ -192,6 +192,11 @@ def shard(weights: Sequence[float], world: World) -> range:
 _WORLD: World | None = None
 
 
+def joined_world() -> World | None:
+    """The world this process joined, if it has (never joins one, unlike current_world)."""
+    return _WORLD
+
+
 def current_world() -> World:
     """This process's world, joined on first use (a world of one when no launcher started it)."""
     global _WORLD
