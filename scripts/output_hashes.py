@@ -4,10 +4,11 @@ no byte.
 
 Runs 25 `otdus expand` / `otdus widen` commands (every method and OT variant on the bundled
 stories260K, and tiny Gemma 2, Qwen 3 and Mixtral checkpoints written by make_synthetic.py), each
-with `--json`, and records the sha256 of every output file and of each report. What legitimately
-differs between two runs is left out: the manifest's creation time, timings and per-plan seconds,
-a report's seconds and timings (wall-clock figures), and the path of a bundled source (inside the
-checkout that runs, so the old and the new code may sit in different worktrees).
+with `--json`, and records the sha256 of every output file and of each report (JSON with its keys
+in the order written). What legitimately differs between two runs is left out: the manifest's
+creation time, timings and per-plan seconds, a report's seconds and timings (wall-clock figures),
+and the path of a bundled source (inside the checkout that runs, so the old and the new code may
+sit in different worktrees).
 
     python scripts/output_hashes.py --record before.json     # on the old code
     python scripts/output_hashes.py --compare before.json    # on the new code: exit 1 on a difference
@@ -83,7 +84,7 @@ def _output_hashes(out: Path) -> dict[str, str]:
                 # where a bundled model lies is where otdus's checkout is, not what was written: two
                 # checkouts (a worktree of the old code, one of the new) compare equal
                 del manifest["source"]["path"]
-            data = json.dumps(manifest, sort_keys=True).encode()
+            data = json.dumps(manifest, indent=2).encode()  # the keys' order is part of the bytes
         hashes[str(path.relative_to(out))] = _digest(data)
     return hashes
 
@@ -108,7 +109,7 @@ def run_cases(work: Path, only: list[str] | None) -> dict[str, dict]:
         if done.returncode != 0:
             results[name] = {"exit": done.returncode, "stderr": done.stderr.strip().splitlines()[-1:]}
         else:
-            report = json.dumps(_scrub(json.loads(done.stdout), _VOLATILE_REPORT), sort_keys=True)
+            report = json.dumps(_scrub(json.loads(done.stdout), _VOLATILE_REPORT), indent=2)
             results[name] = {
                 "exit": 0,
                 "report": _digest(report.encode()),
