@@ -3,6 +3,9 @@
 Base layers and copies move bytes (no decode); built layers are made one at a time from their
 parents, read lazily; only the current tensor (and what a builder's formulas need) is in memory.
 
+The output is written as every otdus output is (output.py: claim, stage, shards, config, side
+files, manifest, swap); this module provides the plan, the tensors and the manifest.
+
 Under torchrun or srun (see distributed.py) the ranks share the work: the built layers are split
 across them (each on its own device), every other tensor is copied by the rank that owns its shard
 file; rank 0 claims the output and creates the temporary folder and the shard files, every rank
@@ -13,9 +16,6 @@ output layer). A world of one goes through the same steps.
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
-import json
 import shutil
 import sys
 import time
@@ -24,48 +24,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from otdus_cli import __version__
 from otdus_cli.arch.config_rules import (
     check_depth_rules,
     rewrite_config,
     validate_with_transformers,
 )
-from otdus_cli.arch.families import family_for
-from otdus_cli.card import write_output_card
 from otdus_cli.device import resolve_device
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.fingerprint import stack_fingerprints
-from otdus_cli.io.output_dir import OutputReport, staged_output
-from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
-from otdus_cli.io.stack import LayerStack, read_stack
-from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
-from otdus_cli.manifest import MANIFEST, write_manifest
+from otdus_cli.io.writer import PlannedTensor, ShardedWriter
+from otdus_cli.manifest import Manifest, ManifestLayer, created_now, source_record
 from otdus_cli.methods.base import BuildContext, Method
 from otdus_cli.methods.registry import get_method
 from otdus_cli.options import ExpandOptions, ignored_options
+from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
 from otdus_cli.plan.layer_map import OutputLayer, is_function_preserving, plan_layers
-from otdus_cli.source import SIDE_FILE_PATTERNS, ResolvedSource, resolve_source
+from otdus_cli.source import SourceModel, open_source
 
 SCRATCH = ".otdus-scratch"  # inside the staging folder; never part of an output
-_NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", MANIFEST}
 
 ProgressFn = Callable[[int], None]
-
-
-@dataclass
-class SourceModel(LayerStack):
-    """The source checkpoint of an expansion: its layer stack and where it came from."""
-
-    resolved: ResolvedSource
-
-
-def open_source(model: str, revision: str | None = None, allow_unknown_arch: bool = False) -> SourceModel:
-    resolved = resolve_source(model, revision)
-    reader = CheckpointReader(resolved.folder)
-    stack = read_stack(reader, family_for(reader.config, allow_unknown_arch))
-    return SourceModel(**vars(stack), resolved=resolved)
 
 
 @dataclass
@@ -226,21 +205,16 @@ def rank_tensors(plan: ExpansionPlan, writer: ShardedWriter, world: World) -> tu
 class _Engine:
     """Writes this rank's part of one planned expansion into a folder (all of it in a world of one)."""
 
-    def __init__(
-        self, plan: ExpansionPlan, folder: Path, progress: ProgressFn | None, world: World | None = None
-    ):
+    def __init__(self, plan: ExpansionPlan, writer: ShardedWriter, progress: ProgressFn | None, world: World):
         self.plan = plan
         self.src = plan.source
-        self.world = world = world if world is not None else World()
-        # rank 0 creates the shard files (headers included) before any other rank opens them
-        self.writer = ShardedWriter(
-            folder, plan.tensors, parse_size(plan.options.max_shard_size), create=world.is_main
-        )
-        self.mine, self.my_layers = rank_tensors(plan, self.writer, world)
+        self.world = world
+        self.writer = writer  # the shard files, open (output.py)
+        self.mine, self.my_layers = rank_tensors(plan, writer, world)
         self.progress = progress or (lambda n: None)
         self.stats: dict[int, dict] = {}
         # builders that need the whole source first (LESA) predict into this folder, removed after
-        self.scratch = folder / (SCRATCH if world.is_main else f"{SCRATCH}-rank{world.rank}")
+        self.scratch = writer.folder / (SCRATCH if world.is_main else f"{SCRATCH}-rank{world.rank}")
         self.reports: dict[str, dict] = {}  # builder name -> what its pre-pass reports (manifest)
         self.first_byte_at: float | None = None  # time.time() when the work proper started
         self.first_byte_cpu_s: float | None = None  # this process's CPU seconds (all threads) by then
@@ -346,78 +320,28 @@ class _Engine:
             self.stats[lay.index] = ctx.stats
 
 
-def readable_side_files(source_folder: Path) -> list[Path]:
-    """The source's files an output carries (tokenizer, generation config, licence ...), each checked
-    readable now: one that is not must stop the run before any tensor is written, not after."""
-    try:
-        listed = sorted(source_folder.iterdir())
-    except OSError as exc:
-        raise OtdusError(f"cannot list the model folder {source_folder} ({exc.strerror})") from None
-    found = []
-    for path in listed:
-        if not path.is_file() or path.name in _NOT_SIDE_FILES:
-            continue
-        if any(fnmatch.fnmatch(path.name, p) for p in SIDE_FILE_PATTERNS):
-            try:
-                with open(path, "rb") as f:
-                    f.read(1)
-            except OSError as exc:
-                raise OtdusError(f"cannot read {path} ({exc.strerror}); nothing was written") from None
-            found.append(path)
-    return found
-
-
-def copy_side_files(source_folder: Path, folder: Path) -> list[str]:
-    copied = []
-    for path in readable_side_files(source_folder):
-        shutil.copyfile(path, folder / path.name)  # follows hub-cache symlinks
-        copied.append(path.name)
-    return copied
-
-
-def source_record(src: SourceModel) -> dict:
-    """What a manifest records of its source, so verify can tell whether a base is that model."""
-    return {
-        "id": src.resolved.id,
-        "revision": src.resolved.revision,
-        "path": str(src.resolved.folder.absolute()),
-        "model_type": src.config.get("model_type"),
-        "family": src.family.name,
-        "num_hidden_layers": src.depth,
-        "kind": src.resolved.kind,
-        **src.reader.fingerprint(),
-        "fingerprints": stack_fingerprints(src),
-        "config": src.config,
-    }
-
-
 def build_manifest(
-    plan: ExpansionPlan,
-    stats: dict[int, dict],
-    side_files: list[str],
-    config_check_skipped: str | None = None,
-    reports: dict[str, dict] | None = None,
-    config_check: str = "transformers",
-) -> dict:
-    return {
-        "otdus_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": source_record(plan.source),
-        "method": plan.method.name,
-        "options": plan.options.model_dump(),
-        "ignored_options": ignored_options(plan.options),  # option -> why it had no effect
-        "num_hidden_layers": len(plan.layer_map),
-        "function_preserving": plan.function_preserving,
-        "layers": [lay.to_json() for lay in plan.layer_map],
-        "new_parameters": plan.new_parameter_names,
-        "transport": {str(k): v for k, v in sorted(stats.items())},
-        **_method_extras(plan),
-        **(reports or {}),  # a pre-pass's report, under its builder's name (LESA: its leave-one-out check)
-        "copied_files": side_files,
-        "config_checked_by_transformers": config_check == "transformers" and config_check_skipped is None,
-        "config_check": config_check,  # "transformers" or "otdus depth rules" (see expand())
-        "warnings": [config_check_skipped] if config_check_skipped else [],
-    }
+    plan: ExpansionPlan, stats: dict[int, dict], finished: Finished[dict[int, dict]], reports: dict[str, dict]
+) -> Manifest:
+    """The manifest of an expansion; ``reports``: each pre-pass's report, under its builder's name."""
+    check = finished.config_check
+    return Manifest(
+        **created_now(),
+        source=source_record(plan.source),
+        method=plan.method.name,
+        options=plan.options.model_dump(),
+        ignored_options=ignored_options(plan.options),  # option -> why it had no effect
+        num_hidden_layers=len(plan.layer_map),
+        function_preserving=plan.function_preserving,
+        layers=[ManifestLayer(**lay.to_json()) for lay in plan.layer_map],
+        new_parameters=plan.new_parameter_names,
+        transport={str(k): v for k, v in sorted(stats.items())},
+        method_sections={**_method_extras(plan), **reports},  # LESA: its leave-one-out check
+        copied_files=finished.copied_files,
+        config_checked_by_transformers=check.by == "transformers" and check.skipped is None,
+        config_check=check.by,
+        warnings=[check.skipped] if check.skipped else [],
+    )
 
 
 def _method_extras(plan: ExpansionPlan) -> dict:
@@ -425,6 +349,21 @@ def _method_extras(plan: ExpansionPlan) -> dict:
     if plan.method.manifest_extras is None:
         return {}
     return plan.method.manifest_extras(plan, plan.zero_init)
+
+
+def _merged(stats: list[dict[int, dict]]) -> dict[int, dict]:
+    """Every rank's transport statistics, by output layer."""
+    return {k: v for part in stats for k, v in part.items()}
+
+
+def check_config(plan: ExpansionPlan, folder: Path) -> ConfigCheck:
+    """transformers loads the written config when it derives fields of this family from the depth
+    (or knows nothing of an unknown one), or is imported already; otherwise otdus's depth rules
+    (checked when the plan was made) are the whole check, and copies never pay transformers' import
+    (seconds)."""
+    if plan.source.family.derives_layer_types or "transformers" in sys.modules:
+        return ConfigCheck("transformers", validate_with_transformers(folder, len(plan.layer_map)))
+    return ConfigCheck("otdus depth rules")
 
 
 def expand(
@@ -445,87 +384,61 @@ def expand(
     options = options or ExpandOptions()
     world = current_world() if world is None else world
     start = time.perf_counter()
-    out = Path(out)
-    report = OutputReport(notify=on_note)
     timings: dict = {}
     engines: list[_Engine] = []
-    planned: list[ExpansionPlan] = []
-    with contextlib.ExitStack() as claimed:
 
-        def claim() -> Path | None:
-            """Every rank: the plan. Rank 0: the claim and the temporary folder (io/output_dir.py),
-            held open until the swap, and the shard files."""
-            # a GPU that is not there fails before the model is read (inside the exchange: every rank
-            # hears of it)
-            if options.device not in ("auto", "cpu"):
-                resolve_device(options.device, world)
-            source = open_source(model, options.revision, options.allow_unknown_arch)
-            plan = make_plan(source, options)
-            planned.append(plan)
-            if on_plan:
-                on_plan(plan)
-            timings["plan_s"] = time.perf_counter() - start
-            # otdus's own depth rules first (pure Python): a wrong rewrite fails before any output exists
-            check_depth_rules(plan.config, source.config, len(plan.layer_map), source.family.per_layer_fields)
-            if not world.is_main:
-                return None
-            readable_side_files(source.resolved.folder)
-            staged = staged_output(out, protected=[source.resolved.folder], force=force, report=report)
-            tmp = claimed.enter_context(staged)
-            engines.append(_Engine(plan, tmp, progress, world))  # creates the shard files
-            return tmp
+    def plan() -> ExpansionPlan:
+        # a GPU that is not there fails before the model is read (every rank hears of it)
+        if options.device not in ("auto", "cpu"):
+            resolve_device(options.device, world)
+        source = open_source(model, options.revision, options.allow_unknown_arch)
+        the_plan = make_plan(source, options)
+        if on_plan:
+            on_plan(the_plan)
+        timings["plan_s"] = time.perf_counter() - start
+        # otdus's own depth rules first (pure Python): a wrong rewrite fails before any output exists
+        check_depth_rules(
+            the_plan.config, source.config, len(the_plan.layer_map), source.family.per_layer_fields
+        )
+        return the_plan
 
-        tmp = world.exchange(claim)[0]
-        plan = planned[0]
-        source = plan.source
+    def write(the_plan: ExpansionPlan, writer: ShardedWriter) -> RankWrite[dict[int, dict]]:
+        """This rank's tensors; the transport statistics of its built layers."""
+        engine = _Engine(the_plan, writer, progress, world)
+        engines.append(engine)
+        engine.run()
+        return RankWrite(engine.mine, engine.stats)
 
-        def write_mine() -> dict[int, dict]:
-            """This rank's tensors, flushed to disk; the transport statistics of its built layers."""
-            engine = engines[0] if engines else _Engine(plan, tmp, progress, world)
-            engines[:] = [engine]
-            try:
-                t = time.perf_counter()
-                engine.run()
-                engine.writer.finish(engine.mine, index=world.is_main)
-                timings["copy_s"] = time.perf_counter() - t
-            finally:
-                engine.writer.close()
-            return engine.stats
+    def manifest(the_plan: ExpansionPlan, finished: Finished[dict[int, dict]]) -> Manifest:
+        return build_manifest(the_plan, _merged(finished.reports), finished, engines[0].reports)
 
-        stats = {k: v for part in world.exchange(write_mine) for k, v in part.items()}
-
-        def finish() -> dict | None:
-            """Rank 0, once every rank's tensors are on disk: config, side files, manifest, swap."""
-            if not world.is_main:
-                return None
-            engine = engines[0]
-            (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-            side_files = copy_side_files(source.resolved.folder, tmp)
-            t = time.perf_counter()
-            config_check, skipped = "otdus depth rules", None
-            # transformers loads the written config when it derives fields of this family from the
-            # depth (or knows nothing of an unknown one), or is imported already; otherwise otdus's
-            # depth rules are the whole check, and copies never pay transformers' import (seconds)
-            if source.family.derives_layer_types or "transformers" in sys.modules:
-                config_check, skipped = "transformers", validate_with_transformers(tmp, len(plan.layer_map))
-            timings["config_check_s"] = time.perf_counter() - t
-            timings["config_check"] = config_check
-            t = time.perf_counter()
-            manifest = build_manifest(plan, stats, side_files, skipped, engine.reports, config_check)
-            timings["manifest_s"] = time.perf_counter() - t  # mostly the source's tensor fingerprints
-            manifest["card"] = write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest
-            manifest = write_manifest(tmp, manifest)  # with the size and hash of every file written
-            claimed.close()  # the swap into place (or, on any failure before, the clean-up)
-            return manifest
-
-        manifest = world.exchange(finish)[0]
+    written = write_output(
+        out,
+        plan,
+        write,
+        check_config,
+        manifest,
+        max_shard_size=options.max_shard_size,
+        force=force,
+        world=world,
+        on_note=on_note,
+    )
     engine = engines[0]
+    timings |= written.timings
     timings.update(
         first_byte_at=engine.first_byte_at,
         startup_cpu_s=engine.first_byte_cpu_s,
         sync_s=engine.writer.sync_s,
     )
-    written = sum(t.nbytes for t in plan.tensors)
-    seconds = time.perf_counter() - start
-    notes = list(manifest["warnings"]) + report.notes
-    return ExpandResult(out, plan, manifest, written, seconds, stats, notes, timings, report.replaced)
+    the_plan = written.plan
+    return ExpandResult(
+        written.out,
+        the_plan,
+        written.manifest,
+        sum(t.nbytes for t in the_plan.tensors),
+        time.perf_counter() - start,
+        _merged(written.reports),
+        written.warnings,
+        timings,
+        written.replaced,
+    )

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from otdus_cli.expand import ExpandResult, expand, open_source
+from otdus_cli.expand import ExpandResult, expand
 from otdus_cli.io.output_dir import check_target, scratch_folder
 from otdus_cli.options import ExpandOptions
 from otdus_cli.signals import output_in_place
+from otdus_cli.source import open_source
 from otdus_cli.widen import WidenOptions, WidenResult, check_widenable, widen
 
 

@@ -1,20 +1,41 @@
-"""The `otdus.json` manifest written beside every expanded checkpoint (see README: Output).
+"""The `otdus.json` manifest written beside every otdus output (see README: Output).
 
-A manifest is read as untrusted input: a damaged or hand-edited one is one clear error, never a
-traceback, and nothing in it decides by itself what verify expects (see verify/proof.py).
+A manifest is written from the :class:`Manifest` model (otdus_cli/output.py writes it, after the
+model card, with the size and hash of every other file of the output) and read as untrusted input:
+a damaged or hand-edited one is one clear error, never a traceback, and nothing in it decides by
+itself what verify expects (see verify/proof.py).
+
+Its keys are written in the order the models declare them; a key a command did not set is not
+written (each command writes the keys it has: ``ignored_options`` and ``config_check`` by expand,
+``widen`` and ``history`` by widen ...).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
+from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.file_hashes import record_files
+from otdus_cli.io.fingerprint import stack_fingerprints
 from otdus_cli.io.reader import read_json_object
+
+if TYPE_CHECKING:
+    from otdus_cli.source import SourceModel
 
 MANIFEST = "otdus.json"
 
@@ -31,38 +52,124 @@ class ManifestLayer(BaseModel):
 
 
 class ManifestSource(BaseModel):
+    """The source an output was made from, so verify can tell whether a base is that model."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
     id: str
     revision: str | None = None
     path: str | None = None
+    model_type: str | None = None
+    family: str | None = None
+    num_hidden_layers: int | None = None
     kind: str | None = None  # "local", "hub", "bundled" (absent in manifests of otdus <= 0.1.0 runs)
     config_sha256: str | None = None
     index_sha256: str | None = None
-    fingerprints: dict | None = None
+    fingerprints: dict | None = None  # io/fingerprint.py: one per base layer, one per other tensor
+    config: dict | None = None
+
+
+class WidenRecord(BaseModel):
+    """What `otdus widen` did to the experts (README: Widening MoE models)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    factor: int
+    experts: list[int]  # [before, after]
+    top_k: list[int]  # [before, after]
+    noise: float
+    seed: int
+    layers: list[int]  # the MoE layers widened
+    copies: str
+    routing: str
 
 
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     otdus_version: str
+    created: str | None = None
     source: ManifestSource
     method: str
+    options: dict[str, Any] | None = None
+    ignored_options: dict[str, str] | None = None  # option -> why it had no effect
     num_hidden_layers: int
+    # claimed (verify checks it): the same function as the source's, up to rounding
+    function_preserving: bool | None = None
+    widen: WidenRecord | None = None
     layers: list[ManifestLayer]
     new_parameters: list[str] = []
+    transport: dict[str, Any] | None = None  # output layer -> its transport statistics
+    # what the method adds (Method.manifest_extras; a builder's pre-pass report under its name),
+    # each key written after ``transport``; read back, every key not declared here is one
+    method_sections: dict[str, Any] = Field(default_factory=dict, exclude=True)
     copied_files: list[str] = []
+    config_checked_by_transformers: bool | None = None
+    config_check: str | None = None  # "transformers" or "otdus depth rules"
+    warnings: list[str] = []
+    # the records of the earlier otdus steps that made the source (expand, then widen)
+    history: list[dict[str, Any]] | None = None
+    intermediate: str | None = None  # a step's output that was removed (expand --experts)
+    card: dict | None = None  # the model card's record (card.py)
     # every other file of the output as otdus wrote it: name -> size, sha256, "whole" or "sampled"
     # (io/file_hashes.py); absent in manifests of otdus <= 0.1.x, whose outputs --force never replaces
     files: dict[str, dict] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _undeclared_keys_are_method_sections(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "method_sections" in data:
+            return data
+        sections = {k: v for k, v in data.items() if k not in cls.model_fields}
+        if not sections:
+            return data
+        return {k: v for k, v in data.items() if k in cls.model_fields} | {"method_sections": sections}
 
-def write_manifest(folder: Path, manifest: dict) -> dict:
+    @model_serializer(mode="wrap")
+    def _method_sections_after_transport(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        if not self.method_sections:
+            return data
+        out = {}
+        for key, value in data.items():
+            out[key] = value
+            if key == "transport":
+                out.update(self.method_sections)
+        return out
+
+    def to_json(self) -> dict:
+        """The manifest as written: the keys set, in the declared order."""
+        return self.model_dump(exclude_unset=True)
+
+
+def created_now() -> dict[str, str]:
+    """The first keys of a new manifest: which otdus wrote it, and when (UTC)."""
+    return {"otdus_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def source_record(src: SourceModel) -> ManifestSource:
+    """What a manifest records of its source, so verify can tell whether a base is that model."""
+    return ManifestSource(
+        id=src.resolved.id,
+        revision=src.resolved.revision,
+        path=str(src.resolved.folder.absolute()),
+        model_type=src.config.get("model_type"),
+        family=src.family.name,
+        num_hidden_layers=src.depth,
+        kind=src.resolved.kind,
+        **src.reader.fingerprint(),
+        fingerprints=stack_fingerprints(src),
+        config=src.config,
+    )
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> dict:
     """Write ``manifest`` into the staged output ``folder``, with the size and hash of every other
     file there (what `--force` checks before it replaces this output); returns what was written."""
-    manifest = {**manifest, "files": record_files(folder, skip={MANIFEST})}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    manifest.files = record_files(folder, skip={MANIFEST})
+    data = manifest.to_json()
+    (folder / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+    return data
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> dict | None:

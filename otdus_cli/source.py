@@ -1,4 +1,6 @@
-"""Resolving a model argument to a local folder: a path, or a hub id fetched into the local cache.
+"""The source model of a command that writes one: its argument resolved to a local folder (a path,
+or a hub id fetched into the local cache), opened as a layer stack, and the side files an output
+carries from it.
 
 Only the files expansion needs are fetched: config, index, the shards the index names, tokenizer
 and generation files. With HF_HUB_OFFLINE=1 (or no network) a cached model works and a missing one
@@ -7,13 +9,18 @@ is one clear error.
 
 from __future__ import annotations
 
+import fnmatch
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from otdus_cli.arch.families import family_for
 from otdus_cli.bundled import BUNDLED_MODELS
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.reader import read_json_object
+from otdus_cli.io.reader import CheckpointReader, read_json_object
+from otdus_cli.io.stack import LayerStack, read_stack
+from otdus_cli.manifest import MANIFEST
 
 # Small files worth carrying to the expanded model (everything else a repo holds is left behind).
 SIDE_FILE_PATTERNS = [
@@ -34,6 +41,8 @@ SIDE_FILE_PATTERNS = [
     "NOTICE*",
     "USE_POLICY*",
 ]
+# fetched with the side files, but written by otdus itself for the output
+_NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", MANIFEST}
 # the hub's rules for "owner/name": letters, digits, "-", "_", "."; neither part starts or ends with
 # "-" or ".", nor holds "--" or ".."; at most 96 characters
 _HUB_PART = r"[A-Za-z0-9_](?:[\w.\-]*[A-Za-z0-9_])?"
@@ -138,3 +147,47 @@ def _weight_files(folder: Path) -> list[str]:
                 raise OtdusError(f"{index_name} of the downloaded model is corrupt (no weight_map)")
             return sorted({str(v) for v in weight_map.values()})
     return ["model.safetensors"]
+
+
+@dataclass
+class SourceModel(LayerStack):
+    """The source checkpoint of a command: its layer stack and where it came from."""
+
+    resolved: ResolvedSource
+
+
+def open_source(model: str, revision: str | None = None, allow_unknown_arch: bool = False) -> SourceModel:
+    resolved = resolve_source(model, revision)
+    reader = CheckpointReader(resolved.folder)
+    stack = read_stack(reader, family_for(reader.config, allow_unknown_arch))
+    return SourceModel(**vars(stack), resolved=resolved)
+
+
+def readable_side_files(source_folder: Path) -> list[Path]:
+    """The source's files an output carries (tokenizer, generation config, licence ...), each checked
+    readable now: one that is not must stop the run before any tensor is written, not after."""
+    try:
+        listed = sorted(source_folder.iterdir())
+    except OSError as exc:
+        raise OtdusError(f"cannot list the model folder {source_folder} ({exc.strerror})") from None
+    found = []
+    for path in listed:
+        if not path.is_file() or path.name in _NOT_SIDE_FILES:
+            continue
+        if any(fnmatch.fnmatch(path.name, p) for p in SIDE_FILE_PATTERNS):
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+            except OSError as exc:
+                raise OtdusError(f"cannot read {path} ({exc.strerror}); nothing was written") from None
+            found.append(path)
+    return found
+
+
+def copy_side_files(source_folder: Path, folder: Path) -> list[str]:
+    """Copy the source's side files into ``folder``; their names."""
+    copied = []
+    for path in readable_side_files(source_folder):
+        shutil.copyfile(path, folder / path.name)  # follows hub-cache symlinks
+        copied.append(path.name)
+    return copied

@@ -12,14 +12,14 @@ another order, so logits agree to rounding, not bit for bit).
 
 Streaming as in expand: tensors outside the MoE blocks and unperturbed copies move as bytes; a
 noisy copy or an expert-indexed tensor (router weight: [E, hidden] -> [m E, hidden]) is built alone,
-from its source read once for the original and all its copies.
+from its source read once for the original and all its copies. The output is staged, checked and
+swapped into place as every otdus output is (output.py).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,19 +28,25 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from otdus_cli import __version__
 from otdus_cli.arch.config_rules import (
     finish_prefetch,
     prefetch_config_validation,
     validate_with_transformers,
 )
 from otdus_cli.arch.experts import UNGROWABLE_ROUTING_FIELDS, ExpertLayout, expert_layout
-from otdus_cli.card import write_output_card
 from otdus_cli.errors import OtdusError
-from otdus_cli.expand import SourceModel, copy_side_files, open_source, readable_side_files, source_record
-from otdus_cli.io.output_dir import OutputReport, staged_output
-from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
-from otdus_cli.manifest import read_manifest, seen_from_first_source, write_manifest
+from otdus_cli.io.writer import PlannedTensor, ShardedWriter
+from otdus_cli.manifest import (
+    Manifest,
+    ManifestLayer,
+    WidenRecord,
+    created_now,
+    read_manifest,
+    seen_from_first_source,
+    source_record,
+)
+from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
+from otdus_cli.source import SourceModel, open_source
 
 if TYPE_CHECKING:
     import torch
@@ -235,39 +241,34 @@ class WidenResult:
     replaced: bool = False  # --force replaced an earlier (unchanged) otdus output at ``out``
 
 
-def _write(plan: WidenPlan, folder: Path, progress: ProgressFn) -> None:
+def _write(plan: WidenPlan, writer: ShardedWriter, progress: ProgressFn) -> None:
     """Each source tensor is read once for all the outputs made from it (the original and its m - 1
     copies): moved as bytes when none of them changes it, else decoded once and written m times."""
     reader = plan.source.reader
-    writer = ShardedWriter(folder, plan.tensors, parse_size(plan.options.max_shard_size))
     by_source: dict[str, list[_Job]] = {}
     for job in plan.jobs:
         by_source.setdefault(job.src, []).append(job)
-    try:
-        for src, jobs in by_source.items():
-            raw = reader.raw(src)
-            if raw is not None and all(job.kind == "copy" for job in jobs):
-                for job in jobs:
-                    progress(writer.copy_raw(job.out, raw))
-                continue
-            t = reader.get(src)
+    for src, jobs in by_source.items():
+        raw = reader.raw(src)
+        if raw is not None and all(job.kind == "copy" for job in jobs):
             for job in jobs:
-                if job.kind == "copy":  # the same bytes: the planned dtype is the source's
-                    n = writer.write_tensor(job.out, t)
-                elif job.kind == "noisy":
-                    gen = _generator(plan.options.seed, job.out)
-                    n = writer.write_tensor(job.out, _perturbed(t, plan.options.noise, gen))
-                else:
-                    gen = _generator(plan.options.seed, job.out)
-                    n = writer.write_tensor(job.out, _tiled(t, plan.options.factor, plan.options.noise, gen))
-                progress(n)
-            del t
-        writer.finish()
-    finally:
-        writer.close()
+                progress(writer.copy_raw(job.out, raw))
+            continue
+        t = reader.get(src)
+        for job in jobs:
+            if job.kind == "copy":  # the same bytes: the planned dtype is the source's
+                n = writer.write_tensor(job.out, t)
+            elif job.kind == "noisy":
+                gen = _generator(plan.options.seed, job.out)
+                n = writer.write_tensor(job.out, _perturbed(t, plan.options.noise, gen))
+            else:
+                gen = _generator(plan.options.seed, job.out)
+                n = writer.write_tensor(job.out, _tiled(t, plan.options.factor, plan.options.noise, gen))
+            progress(n)
+        del t
 
 
-def build_widen_manifest(plan: WidenPlan, side_files: list[str], config_check_skipped: str | None) -> dict:
+def build_widen_manifest(plan: WidenPlan, finished: Finished[None]) -> Manifest:
     src = plan.source
     m = plan.options.factor
     widened = set(plan.moe_layers)
@@ -276,57 +277,65 @@ def build_widen_manifest(plan: WidenPlan, side_files: list[str], config_check_sk
     earlier = read_manifest(src.resolved.folder) if src.resolved.kind == "local" else None
     if earlier:  # the source was itself made by otdus (e.g. expand, then widen): keep its record
         history = [*earlier.get("history", []), {k: v for k, v in earlier.items() if k != "history"}]
-    return {
-        "otdus_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": source_record(src),
-        "method": "widen",
-        "options": plan.options.model_dump(),
-        "num_hidden_layers": src.depth,
+    skipped = finished.config_check.skipped
+    return Manifest(
+        **created_now(),
+        source=source_record(src),
+        method="widen",
+        options=plan.options.model_dump(),
+        num_hidden_layers=src.depth,
         # claimed: the same function up to rounding when no noise was added (verify checks it)
-        "function_preserving": plan.function_preserving,
-        "widen": {
-            "factor": m,
-            "experts": [plan.experts, plan.experts * m],
-            "top_k": [plan.top_k, plan.top_k * m],
-            "noise": noise,
-            "seed": plan.options.seed,
-            "layers": plan.moe_layers,
-            "copies": f"expert e + j*{plan.experts} (j = 1..{m - 1}) copies expert e; router rows likewise",
-            "routing": plan.layout.routing,
-        },
-        "layers": [
-            {
-                "index": i,
-                "source": i,
-                "new": False,
-                "parents": [],
-                "builder": "widen" if i in widened else "base",
-                "zero_init": False,
+        function_preserving=plan.function_preserving,
+        widen=WidenRecord(
+            factor=m,
+            experts=[plan.experts, plan.experts * m],
+            top_k=[plan.top_k, plan.top_k * m],
+            noise=noise,
+            seed=plan.options.seed,
+            layers=plan.moe_layers,
+            copies=f"expert e + j*{plan.experts} (j = 1..{m - 1}) copies expert e; router rows likewise",
+            routing=plan.layout.routing,
+        ),
+        layers=[
+            ManifestLayer(
+                index=i,
+                source=i,
+                new=False,
+                parents=[],
+                builder="widen" if i in widened else "base",
+                zero_init=False,
                 **({"widened": True, "noise": noise} if i in widened else {}),
-            }
+            )
             for i in range(src.depth)
         ],
-        "new_parameters": plan.new_parameter_names,
-        "transport": {},
-        "copied_files": side_files,
-        "config_checked_by_transformers": config_check_skipped is None,
-        "warnings": [config_check_skipped] if config_check_skipped else [],
-        "history": history,
-    }
+        new_parameters=plan.new_parameter_names,
+        transport={},
+        copied_files=finished.copied_files,
+        config_checked_by_transformers=skipped is None,
+        warnings=[skipped] if skipped else [],
+        history=history,
+    )
 
 
-def _from_first_source(manifest: dict) -> dict:
-    first = seen_from_first_source(manifest)
+def _from_first_source(manifest: Manifest) -> Manifest:
+    record = manifest.to_json()
+    first = seen_from_first_source(record)
     if first is None:
         raise OtdusError("widen was asked to record an earlier otdus step, but its source has no manifest")
-    earlier = manifest["history"][-1]
-    return {
-        **first,
-        # the depth step's claim and the width step's together
-        "function_preserving": bool(manifest["function_preserving"] and earlier.get("function_preserving")),
-        "intermediate": "the expanded model was widened from a scratch folder, then removed",
-    }
+    earlier = record["history"][-1]
+    return Manifest.model_validate(
+        {
+            **first,
+            # the depth step's claim and the width step's together
+            "function_preserving": bool(record["function_preserving"] and earlier.get("function_preserving")),
+            "intermediate": "the expanded model was widened from a scratch folder, then removed",
+        }
+    )
+
+
+def _check_config(plan: WidenPlan, folder: Path) -> ConfigCheck:
+    """transformers loads the written config (its import was started while the tensors were written)."""
+    return ConfigCheck("transformers", validate_with_transformers(folder, plan.source.depth))
 
 
 def widen(
@@ -347,28 +356,43 @@ def widen(
     ``protected``: folders besides the source's that ``out`` may not touch (that first model's)."""
     options = options or WidenOptions()
     start = time.perf_counter()
-    source = open_source(model, options.revision)
-    plan = make_widen_plan(source, options)
-    if on_plan:
-        on_plan(plan)
-    out = Path(out)
-    report = OutputReport(notify=on_note)
-    readable_side_files(source.resolved.folder)
-    guarded = [source.resolved.folder, *protected]
-    with staged_output(out, protected=guarded, force=force, report=report) as tmp:
-        prefetch_config_validation(source.config.get("model_type"))
+
+    def plan() -> WidenPlan:
+        the_plan = make_widen_plan(open_source(model, options.revision), options)
+        if on_plan:
+            on_plan(the_plan)
+        return the_plan
+
+    def write(the_plan: WidenPlan, writer: ShardedWriter) -> RankWrite[None]:
+        prefetch_config_validation(the_plan.source.config.get("model_type"))
         try:
-            _write(plan, tmp, progress or (lambda n: None))
+            _write(the_plan, writer, progress or (lambda n: None))
         finally:
             finish_prefetch()
-        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-        side_files = copy_side_files(source.resolved.folder, tmp)
-        skipped = validate_with_transformers(tmp, source.depth)
-        manifest = build_widen_manifest(plan, side_files, skipped)
-        if from_first_source:
-            manifest = _from_first_source(manifest)
-        manifest["card"] = write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest
-        manifest = write_manifest(tmp, manifest)  # with the size and hash of every file written
-    written = sum(t.nbytes for t in plan.tensors)
-    notes = list(manifest["warnings"]) + report.notes
-    return WidenResult(out, plan, manifest, written, time.perf_counter() - start, notes, report.replaced)
+        return RankWrite(None, None)
+
+    def manifest(the_plan: WidenPlan, finished: Finished[None]) -> Manifest:
+        record = build_widen_manifest(the_plan, finished)
+        return _from_first_source(record) if from_first_source else record
+
+    written = write_output(
+        out,
+        plan,
+        write,
+        _check_config,
+        manifest,
+        max_shard_size=options.max_shard_size,
+        force=force,
+        protected=protected,
+        on_note=on_note,
+    )
+    the_plan = written.plan
+    return WidenResult(
+        written.out,
+        the_plan,
+        written.manifest,
+        sum(t.nbytes for t in the_plan.tensors),
+        time.perf_counter() - start,
+        written.warnings,
+        written.replaced,
+    )

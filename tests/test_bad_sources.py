@@ -114,7 +114,7 @@ def test_a_layer_with_a_different_shape_is_refused(stories, tmp_path):
 def test_moe_dense_layers_are_a_declared_difference(tmp_path):
     from conftest import build_tiny
 
-    from otdus_cli.expand import open_source
+    from otdus_cli.source import open_source
 
     folder = tmp_path / "qwen2_moe"
     build_tiny("qwen2_moe", folder)

@@ -509,7 +509,8 @@ def test_planning_does_not_import_torch(stories):
     code = (
         "import sys\n"
         "from otdus_cli.cli import app\n"
-        "from otdus_cli.expand import make_plan, open_source\n"
+        "from otdus_cli.expand import make_plan\n"
+        "from otdus_cli.source import open_source\n"
         "from otdus_cli.options import ExpandOptions\n"
         f"make_plan(open_source({str(stories)!r}), ExpandOptions(method='copy'))\n"
         "assert 'torch' not in sys.modules, 'planning imported torch'\n"

@@ -314,8 +314,9 @@ def test_bad_lesa_requests_are_one_error_line(tiny_models, stories, tmp_path):
 
 
 def test_method_spec_and_zero_init_defaults():
-    from otdus_cli.expand import make_plan, open_source
+    from otdus_cli.expand import make_plan
     from otdus_cli.options import method_spec_options
+    from otdus_cli.source import open_source
 
     spec = method_spec_options("lesa:published")
     assert spec.method == "lesa" and spec.lesa.variant == "published" and spec.zero_init is None

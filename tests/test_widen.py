@@ -22,9 +22,10 @@ from typer.testing import CliRunner
 from otdus_cli.bundled import STORIES260K
 from otdus_cli.cli import app
 from otdus_cli.errors import OtdusError
-from otdus_cli.expand import expand, open_source
+from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.options import ExpandOptions
+from otdus_cli.source import open_source
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.proof import static_check
 from otdus_cli.widen import WidenOptions, make_widen_plan, widen

@@ -400,7 +400,8 @@ def plan(
     json_out: JsonFlag = False,
 ) -> None:
     """Show the layer map an expansion would produce; nothing is written."""
-    from otdus_cli.expand import make_plan, open_source
+    from otdus_cli.expand import make_plan
+    from otdus_cli.source import open_source
 
     with user_errors():
         model, options, _ = _options(model, flags, method_flags)
