@@ -105,6 +105,9 @@ def test_the_seam_modules_import_alone():
         "otdus_cli.methods.lesa",
         "otdus_cli.methods.lesa.builder",
         "otdus_cli.expand",
+        "otdus_cli.output",
+        "otdus_cli.source",
+        "otdus_cli.manifest",
         "otdus_cli.plan.layer_map",
         "otdus_cli.cli.flags",
     ):
