@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from otdus_cli.bundled import STORIES260K
 from otdus_cli.verify.lm_eval_presets import wikitext_tokenization
-from otdus_cli.verify.metrics import load_tokenizer, plan_rolling
+from otdus_cli.verify.metrics import load_tokenizer, rolling_eval_set
 from otdus_cli.verify.text import Corpus, count_words
 
 
@@ -27,7 +27,7 @@ def test_one_huge_document_is_cut_before_tokenising():
     tokenizer = Recording(load_tokenizer(STORIES260K))
     huge = "Once upon a time there was a little dog who liked to run. " * 20_000  # 1.2 MB, one line
     corpus = Corpus("huge", [huge, "never reached"], "text")
-    plan = plan_rolling(corpus, tokenizer, wikitext_tokenization(None, {}, tokenizer, 32), max_tokens=64)
+    plan = rolling_eval_set(corpus, tokenizer, wikitext_tokenization(None, {}, tokenizer, 32), max_tokens=64)
     assert tokenizer.longest <= 64 * 64
     assert plan.n_docs == 1 and plan.n_tokens >= 64
     assert plan.settings["cut_document"] == 0
@@ -38,6 +38,6 @@ def test_documents_within_the_budget_are_scored_whole():
     tokenizer = Recording(load_tokenizer(STORIES260K))
     docs = ["The cat sat on the mat. " * 40, "A bird sang. " * 10]
     corpus = Corpus("small", docs, "text")
-    plan = plan_rolling(corpus, tokenizer, wikitext_tokenization(None, {}, tokenizer, 32), max_tokens=64)
+    plan = rolling_eval_set(corpus, tokenizer, wikitext_tokenization(None, {}, tokenizer, 32), max_tokens=64)
     assert "cut_document" not in plan.settings
     assert plan.words[0] == count_words(docs[0]) and tokenizer.longest == len(docs[0])
