@@ -6,11 +6,18 @@ device. This module fills it from the checkpoint one piece at a time: a decoder 
 needs. It maps module names to the checkpoint's (wrapper layouts, Mixtral's ``block_sparse_moe``,
 per-expert matrices of transformers' fused expert tensors), checks every layer's tensors before
 anything runs, and converts large matrices in row blocks so a second full copy is never held.
+
+Loading is a fixed cost per layer and per run (a plain forward pays it once, in ``from_pretrained``), so
+it is kept cheap: safetensors data is converted straight from the file's pages (mapped, not read into
+a buffer first), and a freed layer's tensors are reused for the next layer of the same shapes instead
+of fresh memory, whose first touch costs a page fault per 4 KiB.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,6 +26,7 @@ from torch import nn
 from otdus_cli.arch.wrappers import text_model_prefix
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.io.safetensors_format import TensorInfo, itemsize, torch_dtype
 from otdus_cli.verify import hf_compat
 
 # Large tensors are copied from disk in blocks of this size (float32 destination bytes).
@@ -56,6 +64,26 @@ def _disk_sources(prefix: str, key: str, on_disk: set[str], n_experts: int | Non
         if all(s in on_disk for s in sources):
             return sources
     return None
+
+
+def _copy_mapped(target: torch.Tensor, info: TensorInfo, offset: int) -> None:
+    """target <- ``target.numel()`` elements of ``info``'s data from byte ``offset``, converted from the
+    file's pages mapped read-only (no intermediate buffer); unmapped before returning."""
+    start = info.begin + offset
+    nbytes = target.numel() * itemsize(info.dtype)
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    with open(info.file, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), start + nbytes - aligned, offset=aligned, access=mmap.ACCESS_READ)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the buffer is read-only: it is only read
+            source = torch.frombuffer(
+                mapped, dtype=torch_dtype(info.dtype), count=target.numel(), offset=start - aligned
+            )
+        target.copy_(source.view(target.shape))
+        del source  # the mapping cannot close while a tensor still exports it
+    finally:
+        mapped.close()
 
 
 def num_experts(text_config) -> int | None:
@@ -106,6 +134,8 @@ class CheckpointWeights:
         self._sources = self._layer_sources()
         self._stage_skips = self._shell_stages()
         self._shell_loaded: str | None = None  # "embed", "head" or "all": what is on the device
+        # tensors of freed layers, by (shape, dtype): the next layer's parameters are taken from here
+        self._spare: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
 
     # -- names -------------------------------------------------------------------------------------
     def _disk_name_rules(self, decoder: nn.Module) -> list[tuple[str, str]]:
@@ -183,13 +213,24 @@ class CheckpointWeights:
             raise OtdusError(
                 f"{self.folder.name}: {name} has shape {shape}, config implies {tuple(target.shape)}"
             )
-        row_bytes = target[0].numel() * target.element_size() if target.dim() and len(target) else 0
+        info = self.reader.raw(name)  # None for a pickled checkpoint: read through the reader
+        if target.numel() == 0:
+            return
+        row_bytes = target[0].numel() * target.element_size() if target.dim() else 0
         if target.dim() == 0 or row_bytes * len(target) <= _COPY_BLOCK_BYTES:
-            target.copy_(self.reader.get(name))
+            if info is not None and target.device.type == "cpu":
+                _copy_mapped(target, info, 0)
+            else:
+                target.copy_(self.reader.get(name))
             return
         step = max(1, _COPY_BLOCK_BYTES // row_bytes)
+        stored_row_bytes = target[0].numel() * itemsize(info.dtype) if info is not None else 0
         for start in range(0, len(target), step):
-            target[start : start + step].copy_(self.reader.get_rows(name, start, start + step))
+            block = target[start : start + step]
+            if info is not None and target.device.type == "cpu":
+                _copy_mapped(block, info, start * stored_row_bytes)
+            else:
+                block.copy_(self.reader.get_rows(name, start, start + step))
 
     def _fused_experts(self, sources: tuple[str, ...], key: str) -> torch.Tensor:
         """A fused experts tensor from its per-expert matrices on disk."""
@@ -199,14 +240,27 @@ class CheckpointWeights:
             return torch.stack([torch.cat([tensors[e], tensors[n + e]], dim=0) for e in range(n)])
         return torch.stack(tensors)  # [E, H, I] down projections
 
+    def _allocate(self, module: nn.Module) -> None:
+        """Parameters of ``module`` (on meta) on the device, taken from freed layers' tensors where one of
+        the same shape and dtype is spare; buffers fresh."""
+        for sub in module.modules():
+            for name, param in list(sub.named_parameters(recurse=False)):
+                spare = self._spare.get((tuple(param.shape), param.dtype))
+                data = spare.pop() if spare else torch.empty_like(param, device=self.device)
+                setattr(sub, name, nn.Parameter(data, requires_grad=param.requires_grad))
+            for name, buf in list(sub.named_buffers(recurse=False)):
+                setattr(sub, name, torch.empty_like(buf, device=self.device))
+
     def _materialise(self, module: nn.Module, prefix: str, sources: dict[str, tuple[str, ...]]) -> None:
-        """Allocate ``module`` on the device and fill it from the checkpoint (tensors under ``prefix``)."""
-        module.to_empty(device=self.device)
-        hf_compat.restore_buffers(module, self._buffer_values)  # rotary inv_freq, Gemma's embed_scale, ...
+        """Allocate ``module`` on the device and fill it from the checkpoint (tensors under ``prefix``),
+        in inference mode: tensors reused from a layer loaded in it may only be updated in it."""
+        with torch.inference_mode():
+            self._allocate(module)
+            hf_compat.restore_buffers(module, self._buffer_values)  # rotary inv_freq, embed_scale, ...
         skip = non_persistent_keys(module)
         targets = dict(module.named_parameters())
         targets.update(dict(module.named_buffers()))
-        with torch.no_grad():
+        with torch.inference_mode():
             for key, target in targets.items():
                 if key in skip:
                     continue
@@ -230,7 +284,12 @@ class CheckpointWeights:
         return layer
 
     def free_layer(self, index: int) -> None:
-        self.layers[index].to_empty(device="meta")
+        """Layer ``index`` back on meta; its parameters' memory is kept for the next layer to load."""
+        layer = self.layers[index]
+        for param in layer.parameters():
+            if not param.is_meta:
+                self._spare.setdefault((tuple(param.shape), param.dtype), []).append(param.data)
+        layer.to_empty(device="meta")
 
     # -- the shell ----------------------------------------------------------------------------------
     def _shell_stages(self) -> dict[str, nn.Module | None]:
@@ -257,6 +316,7 @@ class CheckpointWeights:
             return
         if self._shell_loaded:
             self.free_shell()
+        self._spare.clear()  # the shell's memory instead of a spare layer's, never both
         skip = self._stage_skips.get(stage)
         skipped = {id(p) for p in skip.parameters()} if skip is not None else set()
         tied = self._tied

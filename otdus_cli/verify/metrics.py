@@ -241,6 +241,9 @@ def token_eval_set(
             text = "\n\n".join(corpus.raw_lines)  # GPTQ: the HF dataset's rows joined with blank lines
         else:
             text = "\n\n".join(docs)
+        if max_tokens is not None and len(text) > max(2, max_tokens) * CHARS_PER_TOKEN_BOUND:
+            # the tokens kept are the text's first ones: tokenise a start that surely holds them
+            text = _prefix_at_space(text, max(2, max_tokens) * CHARS_PER_TOKEN_BOUND)
         ids = _encode(tokenizer, text, True)
         if max_tokens is not None:
             ids = ids[: max(2, max_tokens)]
