@@ -8,16 +8,15 @@ per-expert matrices of transformers' fused expert tensors), checks every layer's
 anything runs, and converts large matrices in row blocks so a second full copy is never held.
 
 Loading is a fixed cost per layer and per run (a plain forward pays it once, in ``from_pretrained``), so
-it is kept cheap: safetensors data is converted straight from the file's pages (mapped, not read into
-a buffer first), and a freed layer's tensors are reused for the next layer of the same shapes instead
-of fresh memory, whose first touch costs a page fault per 4 KiB.
+it is kept cheap: safetensors data is read into one reused buffer and converted from there, and a
+freed layer's tensors are reused for the next layer of the same shapes: fresh memory costs a page
+fault per 4 KiB on its first touch, more than reading and converting the data.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
-import warnings
+import os
 from pathlib import Path
 
 import torch
@@ -66,24 +65,28 @@ def _disk_sources(prefix: str, key: str, on_disk: set[str], n_experts: int | Non
     return None
 
 
-def _copy_mapped(target: torch.Tensor, info: TensorInfo, offset: int) -> None:
-    """target <- ``target.numel()`` elements of ``info``'s data from byte ``offset``, converted from the
-    file's pages mapped read-only (no intermediate buffer); unmapped before returning."""
-    start = info.begin + offset
-    nbytes = target.numel() * itemsize(info.dtype)
-    aligned = start - start % mmap.ALLOCATIONGRANULARITY
-    with open(info.file, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), start + nbytes - aligned, offset=aligned, access=mmap.ACCESS_READ)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns that the buffer is read-only: it is only read
-            source = torch.frombuffer(
-                mapped, dtype=torch_dtype(info.dtype), count=target.numel(), offset=start - aligned
-            )
-        target.copy_(source.view(target.shape))
-        del source  # the mapping cannot close while a tensor still exports it
-    finally:
-        mapped.close()
+class _StagingBuffer:
+    """One reusable host buffer that tensor bytes are read into before conversion: a fresh buffer per
+    tensor costs a page fault per 4 KiB on first touch, more than the read itself."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def read(self, info: TensorInfo, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Elements of ``shape`` of ``info``'s data from byte ``offset``, as a view of the buffer (valid
+        until the next read)."""
+        nbytes = math.prod(shape) * itemsize(info.dtype)
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(self._buf.numpy())[:nbytes]
+        done = 0
+        with open(info.file, "rb") as f:
+            while done < nbytes:
+                got = os.preadv(f.fileno(), [view[done:]], info.begin + offset + done)
+                if got <= 0:
+                    raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {info.name}")
+                done += got
+        return self._buf[:nbytes].view(torch_dtype(info.dtype)).view(shape)
 
 
 def num_experts(text_config) -> int | None:
@@ -136,6 +139,7 @@ class CheckpointWeights:
         self._shell_loaded: str | None = None  # "embed", "head" or "all": what is on the device
         # tensors of freed layers, by (shape, dtype): the next layer's parameters are taken from here
         self._spare: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._staging = _StagingBuffer()
 
     # -- names -------------------------------------------------------------------------------------
     def _disk_name_rules(self, decoder: nn.Module) -> list[tuple[str, str]]:
@@ -218,8 +222,8 @@ class CheckpointWeights:
             return
         row_bytes = target[0].numel() * target.element_size() if target.dim() else 0
         if target.dim() == 0 or row_bytes * len(target) <= _COPY_BLOCK_BYTES:
-            if info is not None and target.device.type == "cpu":
-                _copy_mapped(target, info, 0)
+            if info is not None:
+                target.copy_(self._staging.read(info, 0, tuple(target.shape)))
             else:
                 target.copy_(self.reader.get(name))
             return
@@ -227,8 +231,8 @@ class CheckpointWeights:
         stored_row_bytes = target[0].numel() * itemsize(info.dtype) if info is not None else 0
         for start in range(0, len(target), step):
             block = target[start : start + step]
-            if info is not None and target.device.type == "cpu":
-                _copy_mapped(block, info, start * stored_row_bytes)
+            if info is not None:
+                block.copy_(self._staging.read(info, start * stored_row_bytes, tuple(block.shape)))
             else:
                 block.copy_(self.reader.get_rows(name, start, start + step))
 

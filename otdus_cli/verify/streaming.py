@@ -13,7 +13,8 @@ receives; the real layers are then materialised one at a time from the checkpoin
 Peak memory: one decoder layer (or the embeddings, or the head: the shell is loaded in two stages,
 the input embeddings for the first step and the final norm + head for the logits, so an untied head
 and embedding matrix are never held together), the per-window hidden states, and one chunk of
-logits (positions are scored in chunks of at most ``head_pass.DEFAULT_MAX_LOGITS_BYTES``).
+logits (positions are scored in chunks of at most ``head_pass.DEFAULT_MAX_LOGITS_BYTES``), plus
+the buffer tensors are read into (the largest tensor read whole, at most 64 MiB in the compute dtype).
 """
 
 from __future__ import annotations
