@@ -11,12 +11,6 @@ class OtdusError(Exception):
     exit_code = 2
 
 
-class ParityError(OtdusError):
-    """Function preservation was expected and does not hold (exit 1)."""
-
-    exit_code = 1
-
-
 class Interrupted(KeyboardInterrupt):
     """A run stopped by SIGINT, SIGTERM or SIGHUP (Ctrl-C, `timeout`, Slurm's time limit).
 

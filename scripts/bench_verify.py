@@ -93,7 +93,7 @@ def plain_forward(folder: str, plan, threads: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from otdus_cli.verify.streaming import group_windows
+    from otdus_cli.verify.batching import group_windows
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -223,13 +223,13 @@ def profile_summary(verify: dict) -> str:
 # -- sections ---------------------------------------------------------------------------------------------
 def demo_section(args, otdus: list[str], cpus: int) -> dict:
     from otdus_cli.bundled import STORIES260K
-    from otdus_cli.verify.compare import make_plan
+    from otdus_cli.verify.eval_set import make_eval_set
 
     out = os.path.join(args.workdir, "verify-demo-out")
     if not os.path.exists(os.path.join(out, "otdus.json")):
         log(f"expanding the bundled stories260K with OT into {out}")
         subprocess.run([*otdus, "expand", "bundled:stories260k", "--out", out, "--force"], check=True)
-    plan = make_plan(STORIES260K, max_tokens=args.demo_max_tokens)
+    plan = make_eval_set(STORIES260K, max_tokens=args.demo_max_tokens)
     extra = ["--max-tokens", str(args.demo_max_tokens)] if args.demo_max_tokens else []
     log(f"demo: {plan.n_tokens:,} tokens in {len(plan.windows):,} windows")
     results = {}
@@ -254,7 +254,7 @@ def demo_section(args, otdus: list[str], cpus: int) -> dict:
 def llama_section(args, otdus: list[str], cpus: int) -> dict:
     import make_synthetic
 
-    from otdus_cli.verify.compare import make_plan
+    from otdus_cli.verify.eval_set import make_eval_set
 
     src = os.path.join(args.workdir, f"src-{args.shape}-Lfull-bf16")
     if not os.path.exists(os.path.join(src, ".bench-complete")):
@@ -277,7 +277,7 @@ def llama_section(args, otdus: list[str], cpus: int) -> dict:
             stdout=subprocess.DEVNULL,
         )
     flags = ["--protocol", "token", "--seq-len", "2048", "--max-tokens", str(args.shape_max_tokens)]
-    plan = make_plan(src, protocol="token", seq_len=2048, max_tokens=args.shape_max_tokens)
+    plan = make_eval_set(src, protocol="token", seq_len=2048, max_tokens=args.shape_max_tokens)
     log(f"{args.shape}: {plan.n_tokens:,} tokens in {len(plan.windows):,} windows")
     results = {}
     for cond in args.shape_conditions:

@@ -22,7 +22,7 @@ from conftest import MOE_TYPES, build_tiny  # noqa: E402
 
 from otdus_cli.bundled import STORIES260K, TINYSTORIES_SAMPLE  # noqa: E402
 from otdus_cli.verify.compare import verify_expansion  # noqa: E402
-from otdus_cli.verify.metrics import EvalPlan, Window, load_tokenizer  # noqa: E402
+from otdus_cli.verify.metrics import EvalSet, Window, load_tokenizer  # noqa: E402
 from otdus_cli.widen import WidenOptions, widen  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     ids = [i % 96 for i in load_tokenizer(str(STORIES260K))(TINYSTORIES_SAMPLE.read_text())["input_ids"]]
     ids = ids[:4096]
     windows = [Window(w, w[1:], 0, 0) for w in (ids[k : k + 64] for k in range(0, len(ids) - 64, 64))]
-    plan = EvalPlan("token", "tinystories-sample, ids mod 96", windows, [0], [0], 64)
+    plan = EvalSet("token", "tinystories-sample, ids mod 96", windows, [0], [0], 64)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for model_type in MOE_TYPES:

@@ -102,9 +102,10 @@ def test_cli_defaults_are_the_library_defaults(command):
 
     from otdus_cli.study.diagnose import diagnose
     from otdus_cli.study.runner import study
-    from otdus_cli.verify.compare import make_plan, perplexity
+    from otdus_cli.verify.eval_set import make_eval_set
+    from otdus_cli.verify.perplexity import perplexity
 
-    functions = {"verify": [make_plan, perplexity], "ppl": [make_plan, perplexity]}
+    functions = {"verify": [make_eval_set, perplexity], "ppl": [make_eval_set, perplexity]}
     functions |= {"study": [study], "diagnose": [diagnose]}
     library = {}
     for fn in functions[command]:

@@ -24,8 +24,9 @@ from otdus_cli.bundled import STORIES260K
 from otdus_cli.cli import app
 from otdus_cli.device import resolve_device
 from otdus_cli.distributed import Launch, World
-from otdus_cli.verify.compare import perplexity, verify_expansion
-from otdus_cli.verify.metrics import EvalPlan, Window
+from otdus_cli.verify.compare import verify_expansion
+from otdus_cli.verify.metrics import EvalSet, Window
+from otdus_cli.verify.perplexity import perplexity
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 runner = CliRunner()
@@ -81,7 +82,7 @@ def test_moe_ot_and_widen_on_the_gpu(tmp_path, tiny_moe):
     # the tiny MoE model has no tokenizer: random token ids through the library's verify and ppl
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 96, (24,), generator=gen).tolist() for _ in range(3)]
-    plan = EvalPlan("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 24)
+    plan = EvalSet("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 24)
     for dtype in ("float32", "bfloat16"):
         with emulated_cuda(2):
             report = verify_expansion(tiny_moe, out, plan, device="cuda", dtype=dtype)

@@ -267,11 +267,11 @@ import json, sys
 import torch
 from otdus_cli.distributed import current_world
 from otdus_cli.verify.compare import verify_expansion
-from otdus_cli.verify.metrics import EvalPlan, Window
+from otdus_cli.verify.metrics import EvalSet, Window
 
 gen = torch.Generator().manual_seed(0)
 ids = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (40, 40, 23, 31, 40)]
-plan = EvalPlan("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 40)
+plan = EvalSet("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 40)
 report = verify_expansion(sys.argv[1], sys.argv[2], plan, device="cpu", batch_size=1).to_dict()
 if current_world().is_main:
     print(json.dumps({k: v for k, v in report.items() if k not in ("timings", "compute")}))

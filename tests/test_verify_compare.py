@@ -13,14 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from otdus_cli.bundled import STORIES260K, TINYSTORIES_SAMPLE
 from otdus_cli.errors import OtdusError
-from otdus_cli.verify.compare import (
-    correspondence,
-    layer_entries,
-    make_plan,
-    manifest_base_path,
-    perplexity,
-    verify_expansion,
-)
+from otdus_cli.verify.compare import verify_expansion
+from otdus_cli.verify.eval_set import make_eval_set
+from otdus_cli.verify.layer_map import correspondence, layer_entries, manifest_base_path
+from otdus_cli.verify.perplexity import perplexity
 from otdus_cli.verify.text import Corpus, text_corpus, wikitext_corpus
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
@@ -34,13 +30,13 @@ SAMPLE = Path(TINYSTORIES_SAMPLE)
 def story_plan():
     """The 5 TinyStories, one BOS per story, windows of the model's 512 positions."""
     corpus = text_corpus(SAMPLE)
-    return make_plan(STORIES, corpus=corpus, protocol="token", seq_len=512, token_mode="documents")
+    return make_eval_set(STORIES, corpus=corpus, protocol="token", seq_len=512, token_mode="documents")
 
 
 @pytest.fixture(scope="module")
 def small_plan():
     corpus = text_corpus(SAMPLE, max_docs=2)
-    return make_plan(
+    return make_eval_set(
         STORIES, corpus=corpus, protocol="token", seq_len=512, token_mode="documents", max_tokens=200
     )
 
@@ -58,7 +54,9 @@ def test_stories260k_token_perplexity(story_report):
 
 def test_stories260k_wikitext_protocol_smoke():
     page = wikitext_corpus(max_docs=1).documents[0][:1500]  # the start of the first article
-    plan = make_plan(STORIES, corpus=Corpus("wiki", [page], "wikitext"), protocol="wikitext", max_length=128)
+    plan = make_eval_set(
+        STORIES, corpus=Corpus("wiki", [page], "wikitext"), protocol="wikitext", max_length=128
+    )
     m = perplexity(STORIES, plan).metrics
     assert m.protocol == "wikitext" and m.n_docs == 1 and m.context == 128 and m.n_windows > 1
     assert m.n_words > 200 and m.n_bytes == 1500
@@ -151,9 +149,9 @@ def test_lockstep_names_the_broken_layer(tmp_path, small_plan):
 
 def test_verdicts_hold_when_logits_come_in_small_chunks(tmp_path, small_plan, monkeypatch):
     # one model's head and one chunk of logits at a time: chunks are compared by digest
-    from otdus_cli.verify import streaming
+    from otdus_cli.verify import head_pass
 
-    monkeypatch.setattr(streaming, "DEFAULT_MAX_LOGITS_BYTES", 3 * 512 * 4)  # 3 positions (vocab 512)
+    monkeypatch.setattr(head_pass, "DEFAULT_MAX_LOGITS_BYTES", 3 * 512 * 4)  # 3 positions (vocab 512)
     report = verify_expansion(STORIES, _expand(tmp_path / "ok", after=1), small_plan)
     assert report.parity and report.logits_equal and report.logprob_max_abs_diff == 0.0
     broken = verify_expansion(STORIES, _expand(tmp_path / "bad", after=1, o_proj_value=0.01), small_plan)
@@ -209,7 +207,7 @@ def test_perplexity_is_the_same_bit_for_bit_every_run(small_plan):
 def test_batching_leaves_every_figure_unchanged(tmp_path):
     """Windows stacked through each layer (automatic batches: 32 windows of 512 tokens, then 4) score
     exactly what one window at a time scores, bit for bit; verify's parity holds in either case."""
-    plan = make_plan(STORIES, max_tokens=8000)  # the default wikitext protocol: 36 windows of 512
+    plan = make_eval_set(STORIES, max_tokens=8000)  # the default wikitext protocol: 36 windows of 512
     assert len(plan.windows) == 36
     one = perplexity(STORIES, plan, batch_size=1)
     auto = perplexity(STORIES, plan)
@@ -285,12 +283,11 @@ def test_lockstep_parity_on_cuda(tmp_path, small_plan):
 
 
 def test_library_takes_bundled_names_and_keeps_transformers_quiet(capfd):
-    """make_plan refused `bundled:stories260k`, which expand accepts; transformers' warnings and loading
+    """make_eval_set refused `bundled:stories260k`, which expand accepts; transformers' warnings and loading
     bars came through the library calls."""
-    from otdus_cli.verify.compare import perplexity
 
     corpus = Corpus("one", ["Once upon a time there was a little girl."], "text")
-    plan = make_plan(
+    plan = make_eval_set(
         "bundled:stories260k", corpus=corpus, protocol="token", seq_len=16, token_mode="documents"
     )
     report = perplexity("bundled:stories260k", plan, device="cpu")

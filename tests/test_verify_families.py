@@ -14,7 +14,7 @@ from otdus_cli.expand import expand
 from otdus_cli.methods.lesa import LesaOptions
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
-from otdus_cli.verify.metrics import EvalPlan, Window
+from otdus_cli.verify.metrics import EvalSet, Window
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
@@ -22,12 +22,12 @@ pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 LENGTHS = (40, 40, 23)
 
 
-def random_plan(vocab: int = 96, seed: int = 0) -> EvalPlan:
+def random_plan(vocab: int = 96, seed: int = 0) -> EvalSet:
     """Token perplexity over random token ids (the tiny models have no tokenizer)."""
     gen = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
     windows = [Window(w, w[1:], 0, 0) for w in ids]
-    return EvalPlan("token", "random ids", windows, [0], [0], max(LENGTHS))
+    return EvalSet("token", "random ids", windows, [0], [0], max(LENGTHS))
 
 
 def zero_init_expansions(model_type: str) -> list[ExpandOptions]:

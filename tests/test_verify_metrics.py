@@ -11,13 +11,13 @@ import torch
 from otdus_cli.errors import OtdusError
 from otdus_cli.verify.lm_eval_presets import wikitext_tokenization
 from otdus_cli.verify.metrics import (
-    EvalPlan,
+    EvalSet,
     Window,
     metrics_from_logprobs,
-    plan_rolling,
-    plan_token,
+    rolling_eval_set,
     rolling_windows,
     target_logprobs,
+    token_eval_set,
 )
 from otdus_cli.verify.text import Corpus
 
@@ -74,7 +74,7 @@ def test_plan_rolling_detokenizes_but_counts_raw_words():
     pages = [" = T = \n a , b @-@ c \n", " = U = \n d \n"]
     corpus = Corpus("wiki", pages, "wikitext")
     tokenizer = FakeTokenizer()
-    plan = plan_rolling(corpus, tokenizer, wikitext_tokenization("0.4.9.1", {}, tokenizer, 4))
+    plan = rolling_eval_set(corpus, tokenizer, wikitext_tokenization("0.4.9.1", {}, tokenizer, 4))
     assert plan.protocol == "wikitext" and plan.n_docs == 2
     assert plan.words == [len(re.split(r"\s+", p)) for p in pages]
     assert plan.bytes == [len(p.encode()) for p in pages]
@@ -83,15 +83,15 @@ def test_plan_rolling_detokenizes_but_counts_raw_words():
     assert plan.windows[0].input_ids[0] == 1  # BOS prefix, no BOS inside the text
     assert all(w.doc in (0, 1) for w in plan.windows)
     assert plan.reproduces == "lm-eval 0.4.9.1" and plan.settings["lm_eval_releases"] == "0.4.4-0.4.9.1"
-    with_specials = plan_rolling(corpus, tokenizer, wikitext_tokenization("0.4.13", {}, tokenizer, 4))
+    with_specials = rolling_eval_set(corpus, tokenizer, wikitext_tokenization("0.4.13", {}, tokenizer, 4))
     assert with_specials.n_tokens == plan.n_tokens + 2  # the tokenizer's own BOS is scored too
-    short = plan_rolling(corpus, tokenizer, wikitext_tokenization(None, {}, tokenizer, 4), max_tokens=1)
+    short = rolling_eval_set(corpus, tokenizer, wikitext_tokenization(None, {}, tokenizer, 4), max_tokens=1)
     assert short.n_docs == 1
 
 
 def test_plan_token_joined_is_gptq_style():
     corpus = Corpus("t", ["a" * 30, "b" * 30], "text")
-    plan = plan_token(corpus, FakeTokenizer(), 16)
+    plan = token_eval_set(corpus, FakeTokenizer(), 16)
     # "\n\n"-joined: 62 chars + BOS = 63 tokens -> 3 disjoint windows of 16, tail dropped
     assert len(plan.windows) == 3 and all(len(w.input_ids) == 16 for w in plan.windows)
     assert plan.n_tokens == 3 * 15
@@ -100,25 +100,25 @@ def test_plan_token_joined_is_gptq_style():
     assert [t for w in plan.windows for t in w.input_ids] == FakeTokenizer()("\n\n".join(corpus.documents))[
         "input_ids"
     ][:48]
-    short = plan_token(corpus, FakeTokenizer(), 16, max_tokens=10)
+    short = token_eval_set(corpus, FakeTokenizer(), 16, max_tokens=10)
     assert len(short.windows) == 1 and len(short.windows[0].input_ids) == 10
 
 
 def test_plan_token_documents_scores_every_token_after_bos():
     corpus = Corpus("t", ["x" * 40, "y" * 5], "text")
-    plan = plan_token(corpus, FakeTokenizer(), 16, mode="documents")
+    plan = token_eval_set(corpus, FakeTokenizer(), 16, mode="documents")
     assert plan.n_tokens == 45
     for w in plan.windows:
         assert len(w.input_ids) <= 16 and w.targets == w.input_ids[1:]
     doc0 = [w for w in plan.windows if w.doc == 0]
     assert doc0[0].input_ids[0] == 1 and doc0[1].input_ids[0] == doc0[0].input_ids[-1]  # overlap by one
-    assert plan_token(corpus, FakeTokenizer(), 16, mode="documents", max_tokens=20).n_tokens == 20
+    assert token_eval_set(corpus, FakeTokenizer(), 16, mode="documents", max_tokens=20).n_tokens == 20
     with pytest.raises(OtdusError):
-        plan_token(corpus, FakeTokenizer(), 16, mode="nope")
+        token_eval_set(corpus, FakeTokenizer(), 16, mode="nope")
 
 
 def test_metric_formulas():
-    plan = EvalPlan(
+    plan = EvalSet(
         "wikitext",
         "c",
         [Window([1, 5, 6], [5, 6, 7], 0, 0), Window([9], [9], 0, 1)],

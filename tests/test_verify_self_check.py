@@ -18,7 +18,8 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify import hf_compat, self_check
-from otdus_cli.verify.compare import perplexity, verify_expansion
+from otdus_cli.verify.compare import verify_expansion
+from otdus_cli.verify.perplexity import perplexity
 from otdus_cli.verify.streaming import StreamedModel
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]

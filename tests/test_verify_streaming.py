@@ -11,7 +11,10 @@ from conftest import DENSE_TYPES, MOE_TYPES, load_causal_lm
 from safetensors.torch import load_file, save_file
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.verify.streaming import StreamedModel, group_windows
+from otdus_cli.verify.batching import group_windows
+from otdus_cli.verify.head_pass import iter_logits
+from otdus_cli.verify.self_check import forward_logits_layer_by_layer
+from otdus_cli.verify.streaming import StreamedModel
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
@@ -95,7 +98,7 @@ def test_forward_with_layers_loaded_in_turn_equals_the_layer_by_layer_path(tiny_
     folder = tiny_models[model_type]
     streamed = StreamedModel(folder)
     ids = _inputs(streamed.config.vocab_size)[0]
-    real_forward = streamed.forward_logits(ids)
+    real_forward = forward_logits_layer_by_layer(streamed, ids)
     assert all(p.is_meta for p in streamed.model.parameters())  # everything freed again
     assert torch.equal(real_forward, streamed.logits([ids])[0])
     assert torch.equal(real_forward, _reference(folder, [ids])[0])
@@ -106,7 +109,7 @@ def test_buffers_are_the_constructors_values(tiny_models):
     # memory: a loaded shell holds exactly the buffers of the model transformers loads itself
     folder = tiny_models["gemma3_text"]
     streamed = StreamedModel(folder)
-    streamed._load_shell("all")
+    streamed.weights.load_shell("all")
     mine = dict(streamed.model.named_buffers())
     theirs = dict(load_causal_lm(folder).named_buffers())
     assert any("inv_freq" in name for name in mine) and any("embed_scale" in name for name in mine)
@@ -118,19 +121,21 @@ def test_buffers_are_the_constructors_values(tiny_models):
 def test_layers_are_loaded_one_at_a_time(tiny_models):
     streamed = StreamedModel(tiny_models["qwen3"])
     acts = streamed.start(_inputs(streamed.config.vocab_size)[:1])
-    assert all(p.is_meta for layer in streamed.layers for p in layer.parameters())
+    assert all(p.is_meta for layer in streamed.weights.layers for p in layer.parameters())
     seen = []
-    original = streamed.load_layer
+    original = streamed.weights.load_layer
 
     def spy(i):
-        seen.append([not p.is_meta for layer in streamed.layers for p in layer.parameters()].count(True))
+        seen.append(
+            [not p.is_meta for layer in streamed.weights.layers for p in layer.parameters()].count(True)
+        )
         return original(i)
 
-    streamed.load_layer = spy
+    streamed.weights.load_layer = spy
     for i in range(streamed.num_layers):
         streamed.apply_layer(i, acts)
     assert seen == [0] * streamed.num_layers  # nothing else materialised when the next layer loads
-    assert all(p.is_meta for layer in streamed.layers for p in layer.parameters())
+    assert all(p.is_meta for layer in streamed.weights.layers for p in layer.parameters())
 
 
 def test_missing_or_foreign_tensors_are_clear_errors(tiny_models, tmp_path):
@@ -165,7 +170,7 @@ def test_logits_in_position_chunks_match_the_full_forward(tiny_models, model_typ
     inputs = _inputs(streamed.config.vocab_size, seed=3)
     acts = streamed.run(inputs)
     per_position = streamed.config.vocab_size * 4
-    chunks = list(streamed.iter_logits(acts, max_logits_bytes=5 * per_position))  # 5 positions each
+    chunks = list(iter_logits(streamed, acts, max_logits_bytes=5 * per_position))  # 5 positions each
     assert len(chunks) == sum(-(-n // 5) for n in LENGTHS)
     assert all(logits.shape[1] <= 5 for _, _, logits in chunks)
     for i, ref in enumerate(_reference(folder, inputs)):
@@ -184,14 +189,14 @@ def test_shell_stages_never_hold_an_untied_embedding_and_head_together(tiny_mode
     emb, head = streamed.model.get_input_embeddings(), streamed.model.get_output_embeddings()
     acts = streamed.start(_inputs(streamed.config.vocab_size)[:1])
     assert not _on_device(emb) and not _on_device(head)  # freed for the layer loop
-    streamed._load_shell("embed")
+    streamed.weights.load_shell("embed")
     assert _on_device(emb) and not _on_device(head)
     for i in range(streamed.num_layers):
         streamed.apply_layer(i, acts)
-    for _ in streamed.iter_logits(acts):
+    for _ in iter_logits(streamed, acts):
         assert _on_device(head) and not _on_device(emb)
     tied = StreamedModel(tiny_models["qwen2"])  # tied: one matrix serves both stages
-    tied._load_shell("head")
+    tied.weights.load_shell("head")
     assert _on_device(tied.model.get_input_embeddings()) and _on_device(tied.model.get_output_embeddings())
 
 

@@ -13,7 +13,8 @@ import torch
 
 from otdus_cli.bundled import STORIES260K, TINYSTORIES_SAMPLE
 from otdus_cli.verify import threads
-from otdus_cli.verify.compare import make_plan, perplexity
+from otdus_cli.verify.eval_set import make_eval_set
+from otdus_cli.verify.perplexity import perplexity
 from otdus_cli.verify.text import text_corpus
 from otdus_cli.verify.threads import SMALL_WORK_FLOP, choose_threads, intra_op_threads
 
@@ -75,7 +76,7 @@ def test_a_busy_cpu_is_not_given_a_thread(no_omp):
 
 
 def test_a_run_restores_torch_s_setting_and_reports_its_choice(no_omp):
-    plan = make_plan(
+    plan = make_eval_set(
         STORIES260K,
         corpus=text_corpus(TINYSTORIES_SAMPLE, max_docs=1),
         protocol="token",

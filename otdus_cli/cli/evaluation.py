@@ -276,15 +276,17 @@ def _evaluate(
         # the checks above, which need no torch)
         run["device"] = resolve_device(run["device"], world) if run["device"] != "cpu" else "cpu"
         corpus = _corpus(eval_options.pop("text"), eval_options.pop("dataset"), eval_options["max_docs"])
-        from otdus_cli.verify.compare import make_plan, perplexity, verify_expansion
+        from otdus_cli.verify.compare import verify_expansion
+        from otdus_cli.verify.eval_set import make_eval_set
+        from otdus_cli.verify.perplexity import perplexity
 
         quiet_transformers()
-        plan = make_plan(base_dir or model_dir, corpus=corpus, **eval_options)
+        eval_set = make_eval_set(base_dir or model_dir, corpus=corpus, **eval_options)
         run["progress"], run["cpu_sample"] = on_tick, cpu_sample
         if base_dir is None:
-            report = perplexity(model_dir, plan, **run)
+            report = perplexity(model_dir, eval_set, **run)
         else:
-            report = verify_expansion(base_dir, model_dir, plan, layer_map=claimed, **run)
+            report = verify_expansion(base_dir, model_dir, eval_set, layer_map=claimed, **run)
     if not world.is_main:
         if getattr(report, "exit_code", 0):
             raise typer.Exit(report.exit_code)

@@ -102,10 +102,6 @@ class DiagnoseResult:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    def mean_entropy(self) -> dict[str, float]:
-        """Per module, the plan entropy averaged over the diagnosed pairs (Table 8's layout)."""
-        return {m: sum(p.entropy[m]["entropy"] for p in self.pairs) / len(self.pairs) for m in MODULES}
-
 
 # -- activations ----------------------------------------------------------------------------------
 def _layers(model) -> Sequence:

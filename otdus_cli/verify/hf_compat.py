@@ -20,7 +20,8 @@ says what it uses and how the versions differ:
   them with ``AutoModelForImageTextToText``, whose text-only forward is what is scored
   (``auto_model_class``). Their module names (``model.language_model.layers.N``) differ from older
   saves' (``language_model.model.layers.N``), which both versions rename when loading; the evaluator
-  maps names itself (``streaming.StreamedModel.disk_name``), without their private conversion tables.
+  maps names itself (``checkpoint_weights.CheckpointWeights.disk_name``), without their private
+  conversion tables.
 * Decoder layer outputs: 5.x layers return the hidden states; in 4.57 most do too, but Gemma 2/3,
   OLMoE and Qwen2-MoE return a tuple and their model takes ``layer_outputs[0]``. The convention is
   learned from a real layer's output (``returns_tuple``), not tabled per family and version.

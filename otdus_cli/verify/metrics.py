@@ -1,7 +1,8 @@
 """Perplexity protocols: lm-eval's ``wikitext`` (rolling windows) and GPTQ-style token perplexity.
 
 Both turn a corpus into a list of :class:`Window` s (token ids to feed, tokens to score) before any
-model runs, so one plan can be scored by two models (base and expanded) window for window.
+model runs (an :class:`EvalSet`), so one set can be scored by two models (base and expanded)
+window for window.
 
 lm-eval ``wikitext`` (``loglikelihood_rolling``), as lm-eval 0.4.x's HF model computes it:
   * each document is detokenised and tokenised as the chosen lm-eval release does
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.verify.head_pass import iter_logits
 from otdus_cli.verify.lm_eval_presets import WikitextTokenization
 from otdus_cli.verify.progress import Progress, Tick
 from otdus_cli.verify.text import Corpus, count_bytes, count_words, wikitext_detokenize
@@ -49,7 +51,9 @@ class Window:
 
 
 @dataclass
-class EvalPlan:
+class EvalSet:
+    """A corpus cut into the windows one protocol scores, with the counts its formulas divide by."""
+
     protocol: str  # "wikitext" (lm-eval rolling) | "token"
     corpus: str
     windows: list[Window]
@@ -165,7 +169,7 @@ def rolling_windows(
     return out
 
 
-def plan_rolling(
+def rolling_eval_set(
     corpus: Corpus,
     tokenizer,
     tokenization: WikitextTokenization,
@@ -173,11 +177,11 @@ def plan_rolling(
     detokenize: bool | None = None,
     max_docs: int | None = None,
     max_tokens: int | None = None,
-) -> EvalPlan:
-    """lm-eval ``wikitext``-style plan over whole documents, tokenised as ``tokenization`` says.
+) -> EvalSet:
+    """lm-eval ``wikitext``-style evaluation set over whole documents, tokenised as ``tokenization`` says.
 
     ``detokenize`` defaults to True for WikiText. ``max_tokens`` keeps whole documents until at least
-    that many tokens are scored (word/byte counts stay exact), so the plan's ``n_tokens`` can exceed
+    that many tokens are scored (word/byte counts stay exact), so the set's ``n_tokens`` can exceed
     it; the request is kept in ``settings["max_tokens"]`` beside the count.
     """
     if detokenize is None:
@@ -207,13 +211,13 @@ def plan_rolling(
     settings = {**tokenization.settings(), "detokenize": detokenize, "max_tokens": max_tokens}
     if cut is not None:
         settings["cut_document"] = cut  # scored in part: a prefix of it
-    return EvalPlan(
+    return EvalSet(
         "wikitext", corpus.name, windows, words, nbytes, max_length, settings, tokenization.reproduces
     )
 
 
 # -- token perplexity -------------------------------------------------------------------------------
-def plan_token(
+def token_eval_set(
     corpus: Corpus,
     tokenizer,
     seq_len: int = DEFAULT_SEQ_LEN,
@@ -221,8 +225,8 @@ def plan_token(
     mode: str = "joined",
     max_docs: int | None = None,
     max_tokens: int | None = None,
-) -> EvalPlan:
-    """GPTQ-style plan (``mode="joined"``) or one BOS per document (``mode="documents"``).
+) -> EvalSet:
+    """GPTQ-style evaluation set (``mode="joined"``) or one BOS per document (``mode="documents"``).
 
     ``max_tokens`` caps the tokens scored: "documents" scores exactly that many (or all there are);
     "joined" keeps that many tokens of the text and scores the whole ``seq_len`` windows among them
@@ -237,6 +241,9 @@ def plan_token(
             text = "\n\n".join(corpus.raw_lines)  # GPTQ: the HF dataset's rows joined with blank lines
         else:
             text = "\n\n".join(docs)
+        if max_tokens is not None and len(text) > max(2, max_tokens) * CHARS_PER_TOKEN_BOUND:
+            # the tokens kept are the text's first ones: tokenise a start that surely holds them
+            text = _prefix_at_space(text, max(2, max_tokens) * CHARS_PER_TOKEN_BOUND)
         ids = _encode(tokenizer, text, True)
         if max_tokens is not None:
             ids = ids[: max(2, max_tokens)]
@@ -268,7 +275,7 @@ def plan_token(
     if not windows:
         raise OtdusError("nothing to score")
     settings = {"seq_len": seq_len, "mode": mode, "max_tokens": max_tokens}
-    return EvalPlan("token", corpus.name, windows, [0] * n_docs, [0] * n_docs, seq_len, settings)
+    return EvalSet("token", corpus.name, windows, [0] * n_docs, [0] * n_docs, seq_len, settings)
 
 
 # -- scoring ------------------------------------------------------------------------------------------
@@ -322,7 +329,7 @@ def score_activations(
 ) -> list[torch.Tensor]:
     """Target log-probs for every window from a :class:`StreamedModel`'s finished activations.
 
-    The logits come chunk by chunk (``StreamedModel.iter_logits``); ``on_chunk`` sees each chunk
+    The logits come chunk by chunk (``head_pass.iter_logits``); ``on_chunk`` sees each chunk
     before it is dropped (verify digests them); ``progress`` gets a "scoring" tick per chunk (``label``
     names the model). The model's head is freed afterwards.
     """
@@ -333,7 +340,7 @@ def score_activations(
     phase = f"scoring {label}".strip()
     if progress is not None:
         progress(Tick(phase, 0, total, "tokens", 0))
-    for group, first, logits in model.iter_logits(acts, keep):
+    for group, first, logits in iter_logits(model, acts, keep):
         if on_chunk is not None:
             on_chunk(logits)
         parts = batch_target_logprobs(logits, [windows[i] for i in group], first)
@@ -342,7 +349,7 @@ def score_activations(
             done += part.numel()
         if progress is not None:
             progress(Tick(phase, done, total, "tokens", done))
-    model.free_shell()
+    model.weights.free_shell()
     out = []
     for window, parts in zip(windows, pieces, strict=True):
         lp = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
@@ -352,32 +359,26 @@ def score_activations(
     return out
 
 
-def score_plan(model, plan: EvalPlan, progress: Progress | None = None) -> list[torch.Tensor]:
-    """Target log-probs for every window of ``plan`` with a :class:`StreamedModel`."""
-    acts = model.run([w.input_ids for w in plan.windows], progress)
-    return score_activations(model, acts, plan.windows, progress=progress)
-
-
-def metrics_from_logprobs(plan: EvalPlan, logprobs: Sequence[torch.Tensor]) -> PerplexityMetrics:
-    if len(logprobs) != len(plan.windows):
+def metrics_from_logprobs(eval_set: EvalSet, logprobs: Sequence[torch.Tensor]) -> PerplexityMetrics:
+    if len(logprobs) != len(eval_set.windows):
         raise OtdusError("internal: one log-prob vector per window expected")
     ll = float(sum(float(lp.sum()) for lp in logprobs))
-    n_tokens = plan.n_tokens
+    n_tokens = eval_set.n_tokens
     token_ppl = math.exp(-ll / n_tokens) if n_tokens else math.nan
     m = PerplexityMetrics(
-        protocol=plan.protocol,
-        corpus=plan.corpus,
-        context=plan.context,
-        n_docs=plan.n_docs,
-        n_windows=len(plan.windows),
+        protocol=eval_set.protocol,
+        corpus=eval_set.corpus,
+        context=eval_set.context,
+        n_docs=eval_set.n_docs,
+        n_windows=len(eval_set.windows),
         n_tokens=n_tokens,
         loglikelihood=ll,
         token_perplexity=token_ppl,
-        settings=dict(plan.settings),
-        reproduces=plan.reproduces,
+        settings=dict(eval_set.settings),
+        reproduces=eval_set.reproduces,
     )
-    if plan.protocol == "wikitext":
-        words, nbytes = sum(plan.words), sum(plan.bytes)
+    if eval_set.protocol == "wikitext":
+        words, nbytes = sum(eval_set.words), sum(eval_set.bytes)
         m.n_words, m.n_bytes = words, nbytes
         m.word_perplexity = math.exp(-ll / words)
         m.byte_perplexity = math.exp(-ll / nbytes)

@@ -62,6 +62,32 @@ def _whole_model_logits(model: StreamedModel, ids: Sequence[int]) -> torch.Tenso
     return logits
 
 
+@torch.inference_mode()
+def forward_logits_layer_by_layer(model: StreamedModel, ids: Sequence[int]) -> torch.Tensor:
+    """Logits [T, V] of one input by the family's own forward in one call, each decoder layer loaded
+    when the forward reaches it (the stand-ins hand the call to the real layer): no recorded
+    arguments, no injected states. The reference for models too large to load whole."""
+    calls, weights = model.calls, model.weights
+
+    def delegate(index: int, hidden_states: torch.Tensor, kwargs: dict):
+        if index == 0 and weights.stages_split:
+            weights.load_shell("head")  # the input embeddings are done with: never hold both
+        layer = weights.load_layer(index)
+        try:
+            return layer(hidden_states, **kwargs)
+        finally:
+            weights.free_layer(index)
+
+    weights.load_shell("embed")
+    calls.mode, calls.delegate = "delegate", delegate
+    try:
+        ids_t = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
+        return model.model(input_ids=ids_t, use_cache=False).logits[0]
+    finally:
+        calls.mode, calls.delegate = "record", None
+        weights.free_shell()
+
+
 def reference_logits(
     model: StreamedModel, ids: Sequence[int], whole_model_only: bool = False
 ) -> tuple[torch.Tensor, str] | None:
@@ -71,7 +97,8 @@ def reference_logits(
         return _whole_model_logits(model, ids), "from_pretrained and forward of the whole model"
     if whole_model_only:
         return None
-    return model.forward_logits(ids).cpu(), "its forward with each decoder layer loaded in turn"
+    how = "its forward with each decoder layer loaded in turn"
+    return forward_logits_layer_by_layer(model, ids).cpu(), how
 
 
 def check_logits(model: StreamedModel, streamed: torch.Tensor, reference: torch.Tensor, how: str) -> None:

@@ -262,7 +262,7 @@ def capture_pair_activations(
     peak = 0
     total_rows = int(windows.numel())
     for i in range(last + 1):
-        layer = model.load_layer(i)
+        layer = model.weights.load_layer(i)
         kept: dict[str, torch.Tensor] = {}  # this layer's inputs, when it opens a pair
         rows = {"o": 0, "down": 0}
 
@@ -291,7 +291,7 @@ def capture_pair_activations(
         finally:
             for h in handles:
                 h.remove()
-            model.free_layer(i)
+            model.weights.free_layer(i)
         for pair in closing.get(i, []):
             done = moments.pop(pair)
             o, down = done["o"].finish(), done["down"].finish()
@@ -314,7 +314,7 @@ def capture_pair_activations(
             moments[pair]["o"].set_a(kept["o"])  # shared by pairs opening here (centring is idempotent)
             moments[pair]["down"].set_a(kept["down"])
         del kept
-    model.free_shell()
+    model.weights.free_shell()
     return peak
 
 

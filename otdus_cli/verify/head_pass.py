@@ -1,0 +1,86 @@
+"""The logits of a streamed run: final norm, head and soft-capping by the family's own forward.
+
+After the last decoder layer, the final hidden states go back into the family's ``forward`` as
+``inputs_embeds`` (the input embeddings are not needed) and the last layer's stand-in returns them in
+place of its input, so everything after the layers is transformers' own code. Positions are computed in
+chunks of at most ``DEFAULT_MAX_LOGITS_BYTES`` of logits, so a large vocabulary never needs the logits
+of a whole batch at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from otdus_cli.verify.layer_calls import Activations, CheckBatch
+
+if TYPE_CHECKING:
+    from otdus_cli.verify.streaming import StreamedModel
+
+# Logits of one scoring step: 64 MiB is ~128 positions of a 128k vocabulary in float32.
+DEFAULT_MAX_LOGITS_BYTES = 64 * 2**20
+
+
+def _head_args(model: StreamedModel, states: torch.Tensor) -> dict:
+    """More arguments of the head pass (the final hidden states injected, the layers' inputs unused):
+    a wrapper gets plain position ids, which Qwen2.5-VL's forward in transformers 4.57 cannot compute
+    from embeddings alone (its multimodal rope index reads input_ids)."""
+    if model.text_config is model.config:
+        return {}
+    positions = torch.arange(states.shape[1], device=states.device)
+    return {"position_ids": positions.expand(states.shape[0], -1)}
+
+
+def head_logits(model: StreamedModel, states: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] of final hidden states [B, T, H] (on the model's device), the head's stage of
+    the shell loaded."""
+    calls = model.calls
+    calls.mode, calls.final_hidden = "inject", states
+    try:
+        return model.model(
+            inputs_embeds=states, use_cache=False, logits_to_keep=0, **_head_args(model, states)
+        ).logits
+    finally:
+        calls.mode, calls.final_hidden = "record", None
+
+
+def _self_check(model: StreamedModel, check: CheckBatch) -> None:
+    """The check batch's logits, in one piece as the reference computed them, against the reference
+    (refuses with OtdusError when they differ)."""
+    from otdus_cli.verify.self_check import check_logits  # noqa: PLC0415
+
+    logits = head_logits(model, check.hidden.to(model.device))
+    check_logits(model, logits[0], check.reference, check.how)
+
+
+@torch.inference_mode()
+def iter_logits(
+    model: StreamedModel,
+    acts: Activations,
+    keep: Sequence[int] | None = None,
+    max_logits_bytes: int | None = None,
+) -> Iterator[tuple[list[int], int, torch.Tensor]]:
+    """Logits of ``model``'s finished activations, chunk after chunk.
+
+    Yields (window indices, first position p0, logits [B, c, V]) for positions p0 .. p0 + c - 1
+    of a batch, covering the last ``keep[window]`` positions (all when not given); a chunk's logits take
+    at most ``max_logits_bytes`` (default DEFAULT_MAX_LOGITS_BYTES; at least one position). The
+    self-check batch, if the activations carry one, is checked before any chunk comes out.
+    """
+    model.weights.load_shell("head")
+    budget = DEFAULT_MAX_LOGITS_BYTES if max_logits_bytes is None else max_logits_bytes
+    head = model.model.get_output_embeddings()
+    vocab = int(head.weight.shape[0]) if head is not None else int(model.text_config.vocab_size)
+    element = torch.empty((), dtype=model.dtype).element_size()
+    if acts.check is not None:  # before any figure comes out
+        _self_check(model, acts.check)
+        acts.check = None
+    for g, group in enumerate(acts.groups):
+        length = acts.inputs[g].shape[1]
+        k = length if keep is None else max(keep[i] for i in group)
+        step = max(1, budget // max(1, len(group) * vocab * element))
+        for p0 in range(length - k, length, step):
+            logits = head_logits(model, acts.hidden[g][:, p0 : p0 + step].to(model.device))
+            yield group, p0, logits

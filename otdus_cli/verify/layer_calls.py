@@ -1,0 +1,110 @@
+"""Stand-ins for the decoder layers inside the family's own forward, and what flows between layers.
+
+The streamed evaluator swaps a model's decoder layers for ``LayerStandIn`` s, so the family's
+``forward`` still computes everything around the layers (embeddings, position ids, rotary tables,
+masks, the final norm, the head). A shared ``LayerCalls`` tells the stand-ins what to do with each call:
+record its keyword arguments (to replay them to the real layer later), inject final hidden states (the
+head pass), or hand the call to the real layer (a forward in one call, each layer loaded on demand).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.verify import hf_compat
+
+
+@dataclass
+class LayerCalls:
+    """What the stand-ins do with a call ("record", "inject" or "delegate") and what they collect."""
+
+    mode: str = "record"
+    first_input: torch.Tensor | None = None
+    kwargs: dict[int, dict] = field(default_factory=dict)
+    last_index: int = -1
+    final_hidden: torch.Tensor | None = None
+    # (hidden_states, kwargs) -> real layer 0's output on them; None until learned
+    learn_output: Callable[[torch.Tensor, dict], object] | None = None
+    output_is_tuple: bool | None = None
+    delegate: Callable[[int, torch.Tensor, dict], object] | None = None
+
+
+class LayerStandIn(nn.Module):
+    """Takes a decoder layer's place inside the family's forward.
+
+    mode "record": remember the call's keyword arguments (masks, rotary embeddings, ...) and, for the
+    first layer, its input (the embeddings); pass the hidden states through.
+    mode "inject": the last layer returns the given final hidden states instead of its input.
+    mode "delegate": hand the call to the real layer (``LayerCalls.delegate``) and return what it returns.
+    Outside "delegate", the hidden states are returned the way the real layers return them (a tensor or
+    a 1-tuple), which the first recording learns from real layer 0 (``LayerCalls.learn_output``).
+    """
+
+    def __init__(self, index: int, real: nn.Module, calls: LayerCalls):
+        super().__init__()
+        self.index = index
+        self._calls = calls
+        # attributes some forwards read from the layer object (e.g. attention_type); copied, not owned
+        for name in ("attention_type", "layer_type", "is_sliding", "sliding_window", "layer_idx"):
+            if name in real.__dict__:
+                setattr(self, name, real.__dict__[name])
+
+    def forward(self, hidden_states, *args, **kwargs):
+        calls = self._calls
+        if args:
+            raise OtdusError("decoder layer called with positional arguments besides hidden_states")
+        if calls.mode == "delegate":
+            return calls.delegate(self.index, hidden_states, kwargs)
+        if calls.mode == "record":
+            if self.index == 0:
+                calls.first_input = hidden_states
+                if calls.output_is_tuple is None:
+                    calls.output_is_tuple = hf_compat.returns_tuple(calls.learn_output(hidden_states, kwargs))
+            calls.kwargs[self.index] = kwargs
+        elif calls.mode == "inject" and self.index == calls.last_index:
+            hidden_states = calls.final_hidden
+        return hf_compat.as_layer_output(hidden_states, bool(calls.output_is_tuple))
+
+
+@dataclass
+class Activations:
+    """Hidden states of every evaluation window, grouped in batches of equal length."""
+
+    groups: list[list[int]]  # window indices per batch
+    inputs: list[torch.Tensor]  # [B, T] token ids per batch (on the compute device)
+    hidden: list[torch.Tensor]  # [B, T, H] per batch (on the activation device)
+    layer_kwargs: list[dict[int, dict] | None]  # per batch: layer index -> forward kwargs (None: recompute)
+    layers_done: int = 0
+    check: CheckBatch | None = None  # the self-check's input, carried along beside the windows
+
+
+@dataclass
+class CheckBatch:
+    """The self-check's input (not a window of the plan): run through every layer like the windows,
+    then its logits are compared with ``reference`` (transformers' own, computed ``how``)."""
+
+    ids: torch.Tensor  # [1, T]
+    hidden: torch.Tensor  # [1, T, H]
+    layer_kwargs: dict[int, dict]
+    reference: torch.Tensor  # [T, V] on the CPU
+    how: str
+
+
+def tensor_bytes(obj, seen: set[int] | None = None) -> int:
+    """Bytes held by the tensors inside nested dicts/lists/tuples, each tensor counted once."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in obj)
+    return 0
