@@ -885,7 +885,7 @@ def run_verify_speed(args) -> None:
     """verify's throughput against a plain forward (scripts/bench_verify.py), into the same docs."""
     if not args.verify_speed:
         return
-    import bench_verify  # noqa: PLC0415
+    import bench_verify
 
     argv = ["--sections", args.verify_speed, "--workdir", args.workdir, "--md", args.md]
     bench_verify.main(argv + (["--no-report"] if args.no_report else []))

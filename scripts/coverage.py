@@ -195,8 +195,8 @@ def main() -> int:
 
 def run_stamp() -> str:
     """When and from which commit the table was made."""
-    import datetime  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
+    import datetime
+    import subprocess
 
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True

@@ -83,7 +83,7 @@ class Record:
         print(f"[device_check {time.strftime('%H:%M:%S')}] {name} ...", flush=True)
         try:
             result: dict[str, Any] = {"ok": True, **fn()}
-        except Exception as exc:  # noqa: BLE001 - a failed step is recorded; the next step still runs
+        except Exception as exc:  # a failed step is recorded; the next step still runs
             result = {
                 "ok": False,
                 "error": f"{type(exc).__name__}: {exc}",
@@ -147,7 +147,7 @@ class GpuMemoryPoll:
 
 
 def environment(device: str) -> dict[str, Any]:
-    import torch  # noqa: PLC0415
+    import torch
 
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     for name, module in (("transformers", "transformers"), ("pot", "ot"), ("safetensors", "safetensors")):
@@ -215,8 +215,8 @@ def _layers(folder: Path) -> int | None:
 
 def plain_forward(folder: Path, device: str, dtype: str, tokens: int, window: int) -> dict[str, Any]:
     """Tokens/s of a transformers forward over ``tokens`` random tokens in windows of ``window``."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    import torch
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
@@ -272,7 +272,7 @@ def step_verify_speed(work: Path, device: str, max_tokens: int, timeout: float) 
 
 
 def _tensors(folder: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file  # noqa: PLC0415
+    from safetensors.torch import load_file
 
     out: dict[str, Any] = {}
     for shard in sorted(folder.glob("*.safetensors")):
@@ -345,7 +345,7 @@ def agreement(
             }
             shutil.rmtree(cpu_out, ignore_errors=True)
             shutil.rmtree(gpu_out, ignore_errors=True)
-        except Exception as exc:  # noqa: BLE001 - one method failing leaves the others' figures
+        except Exception as exc:  # one method failing leaves the others' figures
             results[method] = {"error": f"{type(exc).__name__}: {exc}"}
     return results
 

@@ -64,8 +64,8 @@ def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set
     """Run the set's recipe's studies into docs/evidence/SET/NAME/; with ``runs``, only those arms
     (and the reference), added to the stored study (StudyResult.with_arms checks that the
     reference's runs reproduce the stored ones)."""
-    from otdus_cli.study import StudyResult, run_recipe  # noqa: PLC0415
-    from otdus_cli.study.runner import load_study_recipe  # noqa: PLC0415
+    from otdus_cli.study import StudyResult, run_recipe
+    from otdus_cli.study.runner import load_study_recipe
 
     def progress(event) -> None:
         if event.kind in ("run", "data"):
@@ -97,10 +97,10 @@ def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set
 
 
 def run_diagnoses() -> None:
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console
 
-    from otdus_cli.study import diagnose, diagnose_tables  # noqa: PLC0415
-    from otdus_cli.study.planted import plant_permuted_copy  # noqa: PLC0415
+    from otdus_cli.study import diagnose, diagnose_tables
+    from otdus_cli.study.planted import plant_permuted_copy
 
     out = EVIDENCE / "diagnose"
     out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +136,7 @@ def run_diagnoses() -> None:
 
 def render() -> bool:
     """Rewrite docs/evidence.md's generated blocks; True when anything changed."""
-    from otdus_cli.study.evidence import render_document  # noqa: PLC0415
+    from otdus_cli.study.evidence import render_document
 
     before = DOC.read_text()
     after = render_document(before, EVIDENCE, RECIPES)

@@ -183,9 +183,9 @@ def no_output_left(parent: Path, out_name: str = "out") -> None:
 def study_from_window_losses(per_window: dict[str, list[list[float]]], reference: str = "ref"):
     """A StudyResult made from given per-seed, per-window final losses (no training), compared with
     ``reference`` as study() compares."""
-    import math  # noqa: PLC0415
+    import math
 
-    from otdus_cli.study.runner import MethodSummary, RunResult, StudyResult  # noqa: PLC0415
+    from otdus_cli.study.runner import MethodSummary, RunResult, StudyResult
 
     seeds = list(range(len(next(iter(per_window.values())))))
     runs, methods = [], []

@@ -68,7 +68,7 @@ LayerMap = Sequence[dict] | Callable[[int], "int | None"]
 # -- evaluation setup -------------------------------------------------------------------------------
 def _model_folder(model: str | os.PathLike[str]) -> Path:
     """A model argument as the CLI takes it: a folder, ``bundled:stories260k`` or a cached hub id."""
-    from otdus_cli.source import resolve_source  # noqa: PLC0415
+    from otdus_cli.source import resolve_source
 
     return Path(resolve_source(str(model)).folder)
 
@@ -151,7 +151,7 @@ def compute_settings(
     model: StreamedModel, plan: EvalPlan, threads: int | None = None, since: CpuSample | None = None
 ) -> ComputeSettings:
     """Threads (see verify/threads.py) and batches for running ``model`` over ``plan``'s windows."""
-    from otdus_cli.verify.streaming import group_windows  # noqa: PLC0415
+    from otdus_cli.verify.streaming import group_windows
 
     lengths = [len(w.input_ids) for w in plan.windows]
     longest = max(lengths, default=1)
@@ -170,7 +170,7 @@ def rank_windows(model: StreamedModel, plan: EvalPlan, world: World) -> list[int
     """The windows this rank evaluates: whole batches of the single-process grouping (a contiguous
     block of them, balanced by tokens), so every window is computed in the very batch a single
     process computes it in and its logits are the same bits."""
-    from otdus_cli.verify.streaming import group_windows  # noqa: PLC0415
+    from otdus_cli.verify.streaming import group_windows
 
     lengths = [len(w.input_ids) for w in plan.windows]
     groups = group_windows(lengths, model.windows_per_batch)

@@ -217,7 +217,7 @@ class StreamedModel:
         kwargs_budget: int = 512 * 2**20,
         self_check: str = "off",
     ):
-        from transformers import AutoConfig  # noqa: PLC0415 - heavy import
+        from transformers import AutoConfig  # heavy import
 
         self.reader = model if isinstance(model, CheckpointReader) else CheckpointReader(model)
         self.folder = Path(self.reader.folder)
@@ -502,7 +502,7 @@ class StreamedModel:
         groups = group_windows([len(x) for x in inputs], self.windows_per_batch)
         reference = None
         if self._check_pending:  # once per model: the first window's start, as a batch of its own
-            from otdus_cli.verify.self_check import SELF_CHECK_TOKENS, reference_logits  # noqa: PLC0415
+            from otdus_cli.verify.self_check import SELF_CHECK_TOKENS, reference_logits
 
             self._check_pending = False
             check_ids = list(inputs[0])[:SELF_CHECK_TOKENS]
@@ -644,7 +644,7 @@ class StreamedModel:
     def _self_check(self, check: CheckBatch) -> None:
         """The check batch's logits, in one piece as the reference computed them, against the reference
         (refuses with OtdusError when they differ)."""
-        from otdus_cli.verify.self_check import check_logits  # noqa: PLC0415
+        from otdus_cli.verify.self_check import check_logits
 
         hub = self._hub
         hub.mode, hub.final_hidden = "inject", check.hidden.to(self.device)
