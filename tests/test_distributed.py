@@ -284,7 +284,7 @@ if current_world().is_main:
     "in this test; run it with OTDUS_DIST_MOE=1 until that is fixed",
 )
 def test_a_tiny_moe_model_expands_and_verifies_on_two_ranks_as_on_one(tmp_path):
-    from conftest import build_tiny
+    from tests.support.tiny_models import build_tiny
 
     base = build_tiny("mixtral", tmp_path / "moe")
     args = ["--method", "ot", "--layers", "2", "--max-shard-size", "40KB", "--json"]

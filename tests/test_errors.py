@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import no_output_left, one_error_line
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
@@ -15,6 +14,7 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.io import writer
 from otdus_cli.options import ExpandOptions
+from tests.support.cli_checks import no_output_left, one_error_line
 
 runner = CliRunner()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_verify_families import random_plan
 from typer.testing import CliRunner
 
 from otdus_cli.bundled import TINYSTORIES_SAMPLE
@@ -20,6 +19,7 @@ from otdus_cli.options import ExpandOptions
 from otdus_cli.verify import hf_compat, self_check
 from otdus_cli.verify.compare import perplexity, verify_expansion
 from otdus_cli.verify.streaming import StreamedModel
+from tests.test_verify_families import random_plan
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 

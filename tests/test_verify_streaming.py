@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import DENSE_TYPES, MOE_TYPES, load_causal_lm
 from safetensors.torch import load_file, save_file
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.verify.streaming import StreamedModel, group_windows
+from tests.support.tiny_models import DENSE_TYPES, MOE_TYPES, load_causal_lm
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
