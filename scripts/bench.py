@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark `otdus expand` against `cp -r` on one synthetic checkpoint (run as `make bench`).
 
 For every command (cp -r, an expansion of the bundled 1 MB model for the fixed overhead, otdus
@@ -16,9 +15,9 @@ expand per method, otdus verify) it measures:
 Results go to docs/benchmarks.json (one entry per model shape, replaced on rerun) and to the
 generated part of docs/benchmarks.md (between the bench markers; the rest of the file is kept).
 
-    python scripts/bench.py                                   # llama-3.2-1b shape, bf16
-    python scripts/bench.py --model llama-3.1-8b --layers 16  # 8B-wide layers, half depth
-    python scripts/bench.py --methods copy,ot --verify-methods ot --timeout 7200
+    python -m scripts.bench                                   # llama-3.2-1b shape, bf16
+    python -m scripts.bench --model llama-3.1-8b --layers 16  # 8B-wide layers, half depth
+    python -m scripts.bench --methods copy,ot --verify-methods ot --timeout 7200
 """
 
 from __future__ import annotations
@@ -38,13 +37,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+from scripts import bench_copy, bench_mergekit, make_synthetic
 
-import bench_copy  # noqa: E402
-import bench_mergekit  # noqa: E402
-import make_synthetic  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = ("copy", "llama-pro", "solar", "interpose", "stack", "average", "random", "ot")
 # on request only (--methods lesa): its predictor training takes tens of minutes at 1B width on a CPU
@@ -751,9 +746,10 @@ def run_transport_bench(src: str, args) -> dict | None:
         out = os.path.join(tmp, "transport.json")
         argv = [
             sys.executable,
-            os.path.join(ROOT, "scripts", "bench_transport.py"),
+            "-m",
+            "scripts.bench_transport",
             "--config",
-            os.path.join(src, "config.json"),
+            os.path.abspath(os.path.join(src, "config.json")),
             "--rho",
             args.transport_rho,
             "--budget",
@@ -764,7 +760,7 @@ def run_transport_bench(src: str, args) -> dict | None:
             out,
         ]
         log("running: OT solve per module shape (scripts/bench_transport.py)")
-        p = subprocess.run(argv, capture_output=True, text=True)
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
         if p.returncode != 0 or not os.path.exists(out):
             log(f"  failed (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
             return None
@@ -843,7 +839,7 @@ def render_md(entries: list[dict], md_path: str) -> None:
             "# Benchmarks\n\n"
             "`otdus expand` against `cp -r` of the same checkpoint, on synthetic random-weight checkpoints\n"
             "with the exact tensor shapes of real models (`scripts/make_synthetic.py`). Reproduce with\n"
-            "`make bench` (`python scripts/bench.py`); GPU run: `scripts/device_check.sh`.\n\n"
+            "`make bench` (`python -m scripts.bench`); GPU run: `scripts/device_check.sh`.\n\n"
             f"{block}\n"
         )
     os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)
@@ -885,7 +881,7 @@ def run_verify_speed(args) -> None:
     """verify's throughput against a plain forward (scripts/bench_verify.py), into the same docs."""
     if not args.verify_speed:
         return
-    import bench_verify
+    from scripts import bench_verify
 
     argv = ["--sections", args.verify_speed, "--workdir", args.workdir, "--md", args.md]
     bench_verify.main(argv + (["--no-report"] if args.no_report else []))
@@ -1222,7 +1218,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}[args.dtype],
         "source": src
         if args.src
-        else f"scripts/make_synthetic.py {model_name}"
+        else f"python -m scripts.make_synthetic {model_name}"
         + (f" --layers {args.layers}" if args.layers else "")
         + f" --dtype {args.dtype}",
         "synthetic_write_s": None if gen_s is None else round(gen_s, 1),

@@ -5,7 +5,7 @@ class, save it, expand it with `copy` (2 new layers) and, where the template off
 --zero-init`; reload each output with AutoModelForCausalLM and compare logits with the base (bit-identical
 for zero-init). Writes docs/compatibility.md (one row per architecture) and prints the counts.
 
-    .venv/bin/python scripts/coverage.py [--out docs/compatibility.md] [model_type ...]
+    .venv/bin/python -m scripts.coverage [--out docs/compatibility.md] [model_type ...]
 
 Takes a few minutes on two cores; not part of `make test` (tests/test_arch_breadth.py and
 tests/test_derived.py hold a fast representative subset).

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """The steps of scripts/device_check.sh: what a GPU machine is asked, each step recorded as it ends.
 
-    python scripts/device_check.py --out DIR             # on a GPU machine (device_check.sh calls it)
-    python scripts/device_check.py --out DIR --dry-run   # every step on the CPU at tiny size
+    python -m scripts.device_check --out DIR             # on a GPU machine (device_check.sh calls it)
+    python -m scripts.device_check --out DIR --dry-run   # every step on the CPU at tiny size
 
 Steps, in this order (the JSON file DIR/device_check.json is rewritten after each, so a run cut
 off by its time limit keeps what it measured; a step that fails records its error and the next
@@ -171,7 +170,7 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def synthetic(name: str, folder: Path, layers: int | None, device: str, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "scripts/make_synthetic.py", name, "--out", str(folder), "--fill", "fast"]
+    cmd = [sys.executable, "-m", "scripts.make_synthetic", name, "--out", str(folder), "--fill", "fast"]
     cmd += ["--device", device if device.startswith("cuda") else "cpu", "--dtype", "bf16", "--force"]
     if layers is not None:
         cmd += ["--layers", str(layers)]

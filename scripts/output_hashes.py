@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Hash the outputs and `--json` reports of a fixed set of expansions, to show a refactoring changed
 no byte.
 
@@ -9,8 +8,8 @@ differs between two runs is left out: the manifest's creation time, timings and 
 a report's seconds and timings (wall-clock figures), and the path of a bundled source (inside the
 checkout that runs, so the old and the new code may sit in different worktrees).
 
-    python scripts/output_hashes.py --record before.json     # on the old code
-    python scripts/output_hashes.py --compare before.json    # on the new code: exit 1 on a difference
+    python -m scripts.output_hashes --record before.json     # on the old code
+    python -m scripts.output_hashes --compare before.json    # on the new code: exit 1 on a difference
 """
 
 from __future__ import annotations

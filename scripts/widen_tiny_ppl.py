@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Perplexity change of `otdus widen` (alpha 0 and 0.01) on each MoE family's tiny random model.
 
 The tiny models are the test suite's (tests/support/tiny_models.py: built in-process with
