@@ -9,6 +9,12 @@ Memory stays bounded: every shard's safetensors header is computed from the shap
 tensors are generated in chunks (at most --chunk-mb each) and streamed to disk one after the
 other. A whole tensor, let alone a shard, is never held in memory.
 
+The safetensors writing here (build_header, write_shard) is deliberately independent of
+otdus_cli.io.writer: these checkpoints are the sources that benchmarks, fault injection and tests
+feed to otdus, so a writer bug shared by both sides would make a broken source look valid and
+hide itself in every comparison. tests/test_make_synthetic.py checks the files with the
+safetensors library and transformers, not with otdus's reader.
+
     python -m scripts.make_synthetic llama-3.2-1b --out /tmp/l1b
     python -m scripts.make_synthetic llama-3.1-8b --out /tmp/l8b --layers 8 --dtype bf16
     python -m scripts.make_synthetic tiny --out /tmp/tiny --max-shard-size 100KB
