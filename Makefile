@@ -35,14 +35,22 @@ $(COMPAT_VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/otdus demo
 
-# the whole suite with the newest transformers, then the verify/ppl tests with the oldest accepted one
-test: test-main test-compat
+# the whole suite but its slow tests with the newest transformers, and the compat tests with the oldest
+# accepted one: both environments set up and both suites run side by side (-O: each suite's output
+# printed whole when it ends), the main suite over TEST_WORKERS pytest-xdist workers (a module's tests
+# on one worker, so its module fixtures are built once)
+TEST_WORKERS ?= auto
+test:
+	$(MAKE) --no-print-directory -j2 -O test-main test-compat
 
+# one intra-op thread per worker: the tests run tiny models, where a second thread only adds
+# synchronisation; the tests of thread choice set their own (tests/test_verify_threads.py)
 test-main: setup
-	$(PY) -m pytest -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow"
 
 # the slow tests (docs commands from a fresh copy, the device-check dry run, thread identity, verify under
-# a memory limit, two ranks on two emulated GPUs): CI runs them after `make test`
+# a memory limit, two-rank runs, piped and pinned CLI runs, each seam module imported alone): CI runs
+# them after `make test`
 test-long: setup
 	$(PY) -m pytest -m slow
 
