@@ -11,7 +11,8 @@ COMPAT_PY := $(COMPAT_VENV)/bin/python
 OLDEST_TRANSFORMERS ?= transformers==4.57.6
 
 .PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint evidence bench bench-copy bench-8b-copy faults coverage \
-	lm-eval-check lm-eval-record clean
+	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl synthetic mergekit-outputs \
+	output-hashes device-wheels device-check device-check-dry-run clean
 
 setup: $(VENV)/.installed
 
@@ -34,14 +35,22 @@ $(COMPAT_VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/otdus demo
 
-# the whole suite with the newest transformers, then the verify/ppl tests with the oldest accepted one
-test: test-main test-compat
+# the whole suite but its slow tests with the newest transformers, and the compat tests with the oldest
+# accepted one: both environments set up and both suites run side by side (-O: each suite's output
+# printed whole when it ends), the main suite over TEST_WORKERS pytest-xdist workers (a module's tests
+# on one worker, so its module fixtures are built once)
+TEST_WORKERS ?= auto
+test:
+	$(MAKE) --no-print-directory -j2 -O test-main test-compat
 
+# one intra-op thread per worker: the tests run tiny models, where a second thread only adds
+# synchronisation; the tests of thread choice set their own (tests/test_verify_threads.py)
 test-main: setup
-	$(PY) -m pytest -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow"
 
 # the slow tests (docs commands from a fresh copy, the device-check dry run, thread identity, verify under
-# a memory limit, two ranks on two emulated GPUs): CI runs them after `make test`
+# a memory limit, two-rank runs, piped and pinned CLI runs, each seam module imported alone): CI runs
+# them after `make test`
 test-long: setup
 	$(PY) -m pytest -m slow
 
@@ -54,7 +63,7 @@ test-compat: setup-compat
 # with quick options (scripts/check_docs.py --list shows what runs, what is shortened or skipped and
 # why); `make test-long` runs the quick part (tests/test_docs.py, marked slow)
 check-docs: setup
-	$(PY) scripts/check_docs.py
+	$(PY) -m scripts.check_docs
 
 lint: setup
 	$(VENV)/bin/ruff check otdus_cli tests scripts
@@ -63,44 +72,97 @@ lint: setup
 # docs/evidence.md's generated tables, verdicts and inline figures, from the stored results under
 # docs/evidence/ and the recipes' declared primary families (no training: seconds)
 evidence: setup
-	$(PY) scripts/evidence.py render
+	$(PY) -m scripts.evidence render
 
 # the 1B-shaped table (every method, memory, OT, verify), the paired warm/cold copy runs against
-# `cp -r && sync` and mergekit side by side; then the copy runs at Llama-3.1-8B width (8 layers: ~15 GB
+# `cp -r && sync` (scripts.bench_copy) and mergekit side by side (scripts.bench_mergekit); then the copy runs at Llama-3.1-8B width (8 layers: ~15 GB
 # of disk at the peak). Each prints its figures with their targets; docs/benchmarks.md gets them.
 bench: setup
-	$(PY) scripts/bench.py --against mergekit
+	$(PY) -m scripts.bench --against mergekit
 	$(MAKE) bench-8b-copy
 
 # only the copy figures (warm and cold against cp, both shapes) and the mergekit table: about an hour on
 # these 2 cores
 bench-copy: setup
-	$(PY) scripts/bench.py --no-table --methods solar,llama-pro,stack --against mergekit
+	$(PY) -m scripts.bench --no-table --methods solar,llama-pro,stack --against mergekit
 	$(MAKE) bench-8b-copy
 
+# the paired copy runs and mergekit at Llama-3.1-8B width, 8 of its 32 layers (~15 GB of disk at the peak)
 bench-8b-copy: setup
-	$(PY) scripts/bench.py --model llama-3.1-8b --layers 8 --no-table --methods solar,llama-pro,stack \
+	$(PY) -m scripts.bench --model llama-3.1-8b --layers 8 --no-table --methods solar,llama-pro,stack \
 		--note "8B-wide layers, 8 of the 32 (paired copy runs only; the 16-layer entry has the per-command table)"
 
 # kill expand, widen and expand --experts at random moments, start-up included (SIGINT, SIGTERM, SIGHUP,
 # SIGKILL) on tiny synthetic checkpoints: no data lost (--dense llama-3.2-1b --layers 4: ~1 GB source)
 faults: setup
-	$(PY) scripts/fault_inject.py --runs 120
+	$(PY) -m scripts.fault_inject --runs 120
 
 # every causal LM of the installed transformers: tiny model, expand, reload; writes docs/compatibility.md
 # (minutes; tests/test_arch_breadth.py and tests/test_derived.py hold a fast subset)
 coverage: setup
-	$(PY) scripts/coverage.py
+	$(PY) -m scripts.coverage
 
 # real lm-eval releases (each pip-installed into its own venv under /tmp/otdus-lm-eval) against
 # `otdus ppl --lm-eval` on stories260K, and against the figures the tests pin; LM_EVAL_ARGS=--quick
 # leaves out the three whole-split runs (scripts/check_lm_eval.py --help)
 lm-eval-check: setup
-	$(PY) scripts/check_lm_eval.py $(LM_EVAL_ARGS)
+	$(PY) -m scripts.check_lm_eval $(LM_EVAL_ARGS)
 
 # the same runs, their lm-eval figures written to the file the tests read
 lm-eval-record: setup
-	$(PY) scripts/check_lm_eval.py --record tests/data/lm_eval_reference.json $(LM_EVAL_ARGS)
+	$(PY) -m scripts.check_lm_eval --record tests/data/lm_eval_reference.json $(LM_EVAL_ARGS)
+
+# Every script of scripts/ is a module run from the repository root (python -m scripts.NAME); each has
+# a target here. SHAPE, SYNTHETIC_OUT, HASHES and the *_ARGS variables pass arguments on.
+
+# verify's tokens/s against a plain transformers forward (demo and 1B shape), into docs/benchmarks.md
+bench-verify: setup
+	$(PY) -m scripts.bench_verify $(BENCH_VERIFY_ARGS)
+
+# peak memory and time of OT and widen on a Mixtral-8x7B-shaped layer (~30 GB of disk, CPU-hours)
+bench-moe: setup
+	$(PY) -m scripts.bench_moe --work bench-out/moe --json bench-out/moe.json $(BENCH_MOE_ARGS)
+
+# our Sinkhorn against the released code's POT call, per Llama-3.1-8B module shape (docs/ot.md)
+bench-transport: setup
+	$(PY) -m scripts.bench_transport $(BENCH_TRANSPORT_ARGS)
+
+# what OT's factor n does on stories260K's real adjacent layers (docs/ot.md quotes it; about a minute)
+ot-plan-scale: setup
+	$(PY) -m scripts.ot_plan_scale
+
+# perplexity change of widen on each MoE family's tiny model (docs/widen-ppl.md)
+widen-ppl: setup
+	$(PY) -m scripts.widen_tiny_ppl
+
+# a random-weight checkpoint shaped like a real model: make synthetic SHAPE=llama-3.2-1b SYNTHETIC_OUT=out/l1b
+# (python -m scripts.make_synthetic --list names the shapes)
+SHAPE ?= tiny
+SYNTHETIC_OUT ?= out/synthetic-$(SHAPE)
+synthetic: setup
+	$(PY) -m scripts.make_synthetic $(SHAPE) --out $(SYNTHETIC_OUT) $(SYNTHETIC_ARGS)
+
+# rewrite tests/data/mergekit: mergekit-made SOLAR and LLaMA-Pro expansions of stories260K (its own venv)
+mergekit-outputs: setup
+	$(PY) -m scripts.make_mergekit_outputs tests/data/mergekit
+
+# sha256 of 25 expansions' outputs and --json reports: HASHES=before.json on the old code, then
+# `make output-hashes HASHES=before.json COMPARE=1` on the new code (exit 1 on a difference)
+HASHES ?= bench-out/output-hashes.json
+output-hashes: setup
+	$(PY) -m scripts.output_hashes $(if $(COMPARE),--compare,--record) $(HASHES)
+
+# the wheels a GPU device image lacks, into .whl/ (needs a package index); device-check installs them
+device-wheels:
+	scripts/device_wheels.sh
+
+# everything a GPU machine is asked (scripts.device_check: expansion, verify speed, GPU-vs-CPU agreement)
+device-check:
+	scripts/device_check.sh $(DEVICE_CHECK_ARGS)
+
+# the same steps with the CPU in the GPU's place, at tiny size (tests/test_device_check.py, slow)
+device-check-dry-run:
+	scripts/device_check.sh --dry-run $(DEVICE_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) demo-out

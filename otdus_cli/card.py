@@ -45,12 +45,12 @@ def set_invocation(argv: list[str]) -> None:
 
 def _source_card(source_folder: Path | None, source: dict):
     """The source's own card (for its licence, and the base an otdus-made source names), or None."""
-    from huggingface_hub import ModelCard  # noqa: PLC0415 - seconds of import, only when writing a card
+    from huggingface_hub import ModelCard  # seconds of import, only when writing a card
 
     path = source_folder / CARD if source_folder is not None else None
     if (path is None or not path.is_file()) and source.get("kind") == "hub":
         with contextlib.suppress(Exception):  # offline, gated, no card: then no licence to carry over
-            from huggingface_hub import hf_hub_download  # noqa: PLC0415
+            from huggingface_hub import hf_hub_download
 
             path = Path(hf_hub_download(source["id"], CARD, revision=source.get("revision")))
     if path is None or not path.is_file():
@@ -80,7 +80,7 @@ def _base_model(manifest: dict, source_folder: Path | None, source_card) -> str 
 
 def card_data(manifest: dict, source_folder: Path | None):
     """The card's metadata (ModelCardData) for an output made as ``manifest`` records."""
-    from huggingface_hub import ModelCardData  # noqa: PLC0415
+    from huggingface_hub import ModelCardData
 
     source = manifest["source"]
     source_card = _source_card(source_folder, source)
@@ -144,8 +144,8 @@ def _layer_table(manifest: dict) -> list[str]:
 
 
 def _new_parameters(manifest: dict, folder: Path) -> list[str]:
-    from otdus_cli.io.reader import CheckpointReader  # noqa: PLC0415
-    from otdus_cli.trainable import axolotl_patterns, select  # noqa: PLC0415
+    from otdus_cli.io.reader import CheckpointReader
+    from otdus_cli.trainable import axolotl_patterns, select
 
     reader = CheckpointReader(folder)
     chosen = select(manifest, reader.names, reader.config)
@@ -192,7 +192,7 @@ def _layer_names(chosen, layers: list[int]) -> list[str]:
 
 def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
     """The whole card of the output in ``folder`` (its tensors and config written already)."""
-    from huggingface_hub import ModelCard  # noqa: PLC0415
+    from huggingface_hub import ModelCard
 
     data = card_data(manifest, source_folder)
     source = manifest["source"]
@@ -326,7 +326,7 @@ def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
     """Put one verify run's verdict and figures on the card of the otdus output in ``folder`` (an
     earlier verification section is replaced); the card's bytes. Refused for a folder that is not an
     otdus output."""
-    from otdus_cli.manifest import read_manifest  # noqa: PLC0415
+    from otdus_cli.manifest import read_manifest
 
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -372,7 +372,7 @@ def card_summary(folder: str | os.PathLike[str]) -> dict | None:
     path = Path(folder) / CARD
     if not path.is_file():
         return None
-    from huggingface_hub import ModelCard  # noqa: PLC0415
+    from huggingface_hub import ModelCard
 
     text = path.read_text(errors="replace")
     if not text.startswith("---"):  # a README without card metadata
@@ -395,7 +395,7 @@ def check_card_target(model: str, static: bool) -> None:
     id or bundled model (a cache is not the user's copy), a folder that is not an otdus output."""
     if static:
         raise OtdusError("--card records the perplexity comparison, which --static skips; drop one of them")
-    from otdus_cli.manifest import read_manifest  # noqa: PLC0415
+    from otdus_cli.manifest import read_manifest
 
     folder = Path(model)
     if not folder.is_dir():

@@ -36,7 +36,7 @@ NAMES = "auto, cpu, cuda, cuda:N or mps"
 def resolve_device(spec: str | torch.device | None, world: World | None = None) -> torch.device:
     """``spec`` (``None`` means auto) as this process's torch device, by the module's rule; a CUDA
     device becomes the current one. Raises :class:`OtdusError` for a device that is not there."""
-    import torch  # noqa: PLC0415 - heavy import; copy-type expansions never need it
+    import torch  # heavy import; copy-type expansions never need it
 
     several = world is not None and world.size > 1
     name = "auto" if spec is None else str(spec)

@@ -112,7 +112,7 @@ class World:
     def _all_gather(self, obj: object) -> list:
         if self._group is None:
             return [obj]
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         out: list = [None] * self.size
         try:
@@ -164,7 +164,7 @@ class World:
 
     def close(self) -> None:
         if self._group is not None:
-            import torch.distributed as dist  # noqa: PLC0415
+            import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -206,7 +206,7 @@ def current_world() -> World:
     timeout = _timeout_s()
     world = World(launch, timeout)
     if launch.world_size > 1:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
         if missing:

@@ -43,7 +43,7 @@ def main() -> None:
         raise SystemExit(128 + _early[0])
     try:
         try:
-            from otdus_cli.cli import main as cli_main  # noqa: PLC0415 - after the handlers, on purpose
+            from otdus_cli.cli import main as cli_main  # after the handlers, on purpose
         except KeyboardInterrupt as exc:
             stop = exc if isinstance(exc, Interrupted) else Interrupted()
             sys.stderr.write(f"{stop}\n")

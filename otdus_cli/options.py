@@ -152,7 +152,7 @@ def invalid(exc: ValidationError) -> str:
 def read_yaml(path: str | Path) -> Any:
     """A recipe file's YAML (expand and study recipes alike); a missing or malformed file is an
     OtdusError naming it."""
-    import yaml  # noqa: PLC0415 - only recipes need it; every command imports this module
+    import yaml  # only recipes need it; every command imports this module
 
     try:
         return yaml.safe_load(Path(path).read_text())

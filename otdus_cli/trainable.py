@@ -65,7 +65,7 @@ class TrainableSet:
 
 def _layer_parser(config: dict):
     """name -> (layer, suffix) or None: the family's layer prefix, else the usual ``*.layers.N.``."""
-    from otdus_cli.arch.families import family_for  # noqa: PLC0415
+    from otdus_cli.arch.families import family_for
 
     try:
         family = family_for(config)
@@ -152,7 +152,7 @@ def _text(config: dict) -> dict:
 
 def output_set(folder: str | os.PathLike[str], also: Iterable[str] = (), zero_init_only: bool = False):
     """The trainable set of an otdus output folder (one error line if it is not one)."""
-    from otdus_cli.io.reader import CheckpointReader  # noqa: PLC0415
+    from otdus_cli.io.reader import CheckpointReader
 
     folder = Path(folder)
     if not folder.is_dir():

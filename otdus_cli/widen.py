@@ -197,7 +197,7 @@ def _planned(source: SourceModel, job: _Job, m: int) -> PlannedTensor:
 
 def _generator(seed: int, name: str) -> torch.Generator:
     """A generator of its own for each output tensor: the noise does not depend on write order."""
-    import torch  # noqa: PLC0415
+    import torch
 
     digest = hashlib.sha256(f"otdus-widen/{seed}/{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
@@ -205,7 +205,7 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 def _perturbed(t: torch.Tensor, alpha: float, gen: torch.Generator) -> torch.Tensor:
     """t + N(0, (alpha std(t))^2), computed in float32, returned in t's dtype."""
-    import torch  # noqa: PLC0415
+    import torch
 
     x = t.to(torch.float32, copy=True)  # never in place: t may be a block of a tiled tensor
     std = float(x.std()) if x.numel() > 1 else 0.0
@@ -217,7 +217,7 @@ def _tiled(t: torch.Tensor, m: int, alpha: float, gen: torch.Generator) -> torch
 
     The noise scale is the std of the whole tensor for a router (one matrix), of each expert's slice
     for fused 3-D expert tensors (one matrix per expert, as in the per-expert layout)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     blocks = [t]
     for _ in range(1, m):

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark `otdus expand` against `cp -r` on one synthetic checkpoint (run as `make bench`).
 
 For every command (cp -r, an expansion of the bundled 1 MB model for the fixed overhead, otdus
@@ -16,9 +15,9 @@ expand per method, otdus verify) it measures:
 Results go to docs/benchmarks.json (one entry per model shape, replaced on rerun) and to the
 generated part of docs/benchmarks.md (between the bench markers; the rest of the file is kept).
 
-    python scripts/bench.py                                   # llama-3.2-1b shape, bf16
-    python scripts/bench.py --model llama-3.1-8b --layers 16  # 8B-wide layers, half depth
-    python scripts/bench.py --methods copy,ot --verify-methods ot --timeout 7200
+    python -m scripts.bench                                   # llama-3.2-1b shape, bf16
+    python -m scripts.bench --model llama-3.1-8b --layers 16  # 8B-wide layers, half depth
+    python -m scripts.bench --methods copy,ot --verify-methods ot --timeout 7200
 """
 
 from __future__ import annotations
@@ -38,13 +37,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+from scripts import bench_copy, bench_mergekit, make_synthetic
 
-import bench_copy  # noqa: E402
-import bench_mergekit  # noqa: E402
-import make_synthetic  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = ("copy", "llama-pro", "solar", "interpose", "stack", "average", "random", "ot")
 # on request only (--methods lesa): its predictor training takes tens of minutes at 1B width on a CPU
@@ -751,9 +746,10 @@ def run_transport_bench(src: str, args) -> dict | None:
         out = os.path.join(tmp, "transport.json")
         argv = [
             sys.executable,
-            os.path.join(ROOT, "scripts", "bench_transport.py"),
+            "-m",
+            "scripts.bench_transport",
             "--config",
-            os.path.join(src, "config.json"),
+            os.path.abspath(os.path.join(src, "config.json")),
             "--rho",
             args.transport_rho,
             "--budget",
@@ -764,7 +760,7 @@ def run_transport_bench(src: str, args) -> dict | None:
             out,
         ]
         log("running: OT solve per module shape (scripts/bench_transport.py)")
-        p = subprocess.run(argv, capture_output=True, text=True)
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
         if p.returncode != 0 or not os.path.exists(out):
             log(f"  failed (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
             return None
@@ -843,7 +839,7 @@ def render_md(entries: list[dict], md_path: str) -> None:
             "# Benchmarks\n\n"
             "`otdus expand` against `cp -r` of the same checkpoint, on synthetic random-weight checkpoints\n"
             "with the exact tensor shapes of real models (`scripts/make_synthetic.py`). Reproduce with\n"
-            "`make bench` (`python scripts/bench.py`); GPU run: `scripts/device_check.sh`.\n\n"
+            "`make bench` (`python -m scripts.bench`); GPU run: `scripts/device_check.sh`.\n\n"
             f"{block}\n"
         )
     os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)
@@ -885,13 +881,15 @@ def run_verify_speed(args) -> None:
     """verify's throughput against a plain forward (scripts/bench_verify.py), into the same docs."""
     if not args.verify_speed:
         return
-    import bench_verify  # noqa: PLC0415
+    from scripts import bench_verify
 
     argv = ["--sections", args.verify_speed, "--workdir", args.workdir, "--md", args.md]
     bench_verify.main(argv + (["--no-report"] if args.no_report else []))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with --methods checked and --methods, --verify-methods and --extra read into
+    ``methods``, ``verify_set`` and ``extra_flags``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.2-1b", help="synthetic shape (make_synthetic.py --list)")
     ap.add_argument("--layers", type=int, default=None, help="base depth of the synthetic model")
@@ -990,101 +988,106 @@ def main(argv: list[str] | None = None) -> int:
         "after the expansions: demo, llama-1b ('' for none)",
     )
     args = ap.parse_args(argv)
-
-    os.makedirs(args.workdir, exist_ok=True)
-    otdus = find_otdus(args.otdus)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS + OPTIONAL_METHODS]
+    args.methods_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods_list if m not in METHODS + OPTIONAL_METHODS]
     if unknown:
         ap.error(f"unknown methods {unknown}; choose from {METHODS + OPTIONAL_METHODS}")
-    verify_methods = {m.strip() for m in args.verify_methods.split(",") if m.strip()}
-    if verify_methods == {"all"}:
-        verify_methods = set(methods)
-    extra: dict[str, list[str]] = {}
+    verify_set = {m.strip() for m in args.verify_methods.split(",") if m.strip()}
+    args.verify_set = set(args.methods_list) if verify_set == {"all"} else verify_set
+    args.extra_flags = {}
     for item in args.extra:
         m, _, rest = item.partition("=")
-        extra.setdefault(m.strip(), []).extend(shlex.split(rest))
+        args.extra_flags.setdefault(m.strip(), []).extend(shlex.split(rest))
+    return args
 
-    # 1. the source checkpoint
-    made_src = False
+
+@dataclass
+class Source:
+    """The checkpoint measured: a given folder, or a synthetic one written (or reused) under --workdir."""
+
+    path: str
+    model_name: str
+    write_s: float | None  # seconds to write the synthetic checkpoint, None when reused or given
+    made: bool  # written by this run (deleted at the end unless --keep-src)
+
+
+def prepare_source(args: argparse.Namespace) -> Source:
     if args.src:
         src = os.path.abspath(args.src)
-        model_name = os.path.basename(src.rstrip("/"))
-        gen_s = None
+        return Source(src, os.path.basename(src.rstrip("/")), None, False)
+    model_name = make_synthetic.ALIASES.get(args.model, args.model)
+    tag = f"{model_name}-L{args.layers or 'full'}-{args.dtype}"
+    src = os.path.join(os.path.abspath(args.workdir), "src-" + tag)
+    marker = os.path.join(src, ".bench-complete")
+    source = Source(src, model_name, None, False)
+    if not os.path.exists(marker):
+        log(f"writing synthetic {tag} to {src}")
+        t = time.perf_counter()
+        make_synthetic.write_checkpoint(
+            model_name,
+            src,
+            layers=args.layers,
+            dtype=args.dtype,
+            tokenizer_from=args.tokenizer_from,
+            force=True,
+            quiet=False,
+            device=args.gen_device,
+        )
+        source.write_s = time.perf_counter() - t
+        with open(marker, "w") as f:
+            f.write("ok\n")
+        source.made = True
     else:
-        model_name = make_synthetic.ALIASES.get(args.model, args.model)
-        tag = f"{model_name}-L{args.layers or 'full'}-{args.dtype}"
-        src = os.path.join(os.path.abspath(args.workdir), "src-" + tag)
-        marker = os.path.join(src, ".bench-complete")
-        gen_s = None
-        if not os.path.exists(marker):
-            log(f"writing synthetic {tag} to {src}")
-            t = time.perf_counter()
-            make_synthetic.write_checkpoint(
-                model_name,
-                src,
-                layers=args.layers,
-                dtype=args.dtype,
-                tokenizer_from=args.tokenizer_from,
-                force=True,
-                quiet=False,
-                device=args.gen_device,
-            )
-            gen_s = time.perf_counter() - t
-            with open(marker, "w") as f:
-                f.write("ok\n")
-            made_src = True
-        else:
-            log(f"reusing {src}")
-    if (
-        not args.src
-        and args.tokenizer_from
-        and not os.path.exists(os.path.join(src, "tokenizer_config.json"))
-    ):
+        log(f"reusing {src}")
+    if args.tokenizer_from and not os.path.exists(os.path.join(src, "tokenizer_config.json")):
         make_synthetic.copy_tokenizer(args.tokenizer_from, src)
-    facts = checkpoint_facts(src)
-    src_bytes = facts["files_bytes"]
-    log(f"source {src_bytes / 1e9:.2f} GB, {facts['num_hidden_layers']} layers")
+    return source
 
-    if args.transport_only:
-        return update_transport(src, facts, model_name, args)
 
-    # 2. page cache policy
-    cache = args.cache
-    if cache in ("auto", "cold"):
+def cache_policy(requested: str) -> tuple[str, str]:
+    """The page-cache mode the commands run under (cold only where caches can be dropped) and its
+    description for the report."""
+    if requested in ("auto", "cold"):
         ok, how = drop_caches()
-        cache = "cold" if ok else "warm"
-        cache_desc = how
-        if args.cache == "cold" and not ok:
+        if requested == "cold" and not ok:
             log("warning: " + how)
-    elif cache == "warm":
-        cache_desc = "no cache drop requested; every command runs with the source pre-read (warm)"
-    else:
-        cache_desc = "page cache left as it is between commands (no drop, no pre-read)"
-    log(cache_desc)
+        return ("cold" if ok else "warm"), how
+    if requested == "warm":
+        return "warm", "no cache drop requested; every command runs with the source pre-read (warm)"
+    return "asis", "page cache left as it is between commands (no drop, no pre-read)"
 
-    # 3. the commands
-    runs: list[tuple[str, str, str | None, list[str], str | None]] = []
+
+def expand_flags(method: str, args: argparse.Namespace, facts: dict) -> list[str]:
+    flags = ["--method", method]
+    if method in PAIR_METHODS:
+        flags += ["--position", args.position]
+    if method == "stack":
+        flags += ["--layers", str(facts["num_hidden_layers"])]
+    return flags
+
+
+# one row of the table to measure: (label, kind, method, argv with {out}, output folder template or,
+# for kind "skip", the reason)
+Run = tuple[str, str, str | None, list[str], str | None]
+
+
+def plan_table(
+    args: argparse.Namespace, otdus: list[str] | None, src: str, facts: dict, fixed: list[str]
+) -> tuple[list[Run], list[Result]]:
+    """The per-command table's runs (cp, the fixed overhead, each expansion and its verify), and the
+    results of those that cannot run."""
+    runs: list[Run] = []
     skipped: list[Result] = []
     if not args.no_cp:
         for k in range(args.cp_repeat):
             label = "cp -r" if args.cp_repeat == 1 else f"cp -r (run {k + 1}/{args.cp_repeat})"
             runs.append((label, "cp", None, ["cp", "-r", src, "{out}"], "{out}"))
     verify_ok, verify_why = (False, "otdus is not installed")
-    # Fixed overhead: an expansion of the bundled 1 MB model (Python, torch, transformers for the
-    # config check), i.e. the start-up time and memory every expansion pays whatever its size.
-    scratch = os.path.join(os.path.abspath(args.workdir), "out-fixed")
-    tiny = [*(otdus or []), "expand", "bundled:stories260k", "--out", scratch, "--force", "--json"]
     if otdus:
-        verify_ok, verify_why = has_subcommand(otdus, "verify") if verify_methods else (False, "")
-        runs.append((FIXED_LABEL, "plan", None, [*tiny, "--method", "copy"], None))
-    for m in methods:
-        flags = ["--method", m]
-        if m in PAIR_METHODS:
-            flags += ["--position", args.position]
-        if m == "stack":
-            flags += ["--layers", str(facts["num_hidden_layers"])]
-        flags += extra.get(m, [])
+        verify_ok, verify_why = has_subcommand(otdus, "verify") if args.verify_set else (False, "")
+        runs.append((FIXED_LABEL, "plan", None, [*fixed, "--method", "copy"], None))
+    for m in args.methods_list:
+        flags = expand_flags(m, args, facts) + args.extra_flags.get(m, [])
         label = "otdus expand " + " ".join(flags)
         if not otdus:
             skipped.append(
@@ -1094,7 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(
             (label, "expand", m, [*otdus, "expand", src, "--out", "{out}", *flags, "--json"], "{out}")
         )
-        if m in verify_methods:
+        if m in args.verify_set:
             vlabel = (
                 f"otdus verify ({m} output) --max-tokens {args.verify_max_tokens} {args.verify_args}".strip()
             )
@@ -1104,16 +1107,29 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append((vlabel, "verify", m, vargv, None))
             else:
                 runs.append((vlabel, "skip", m, [], verify_why or "verify not requested"))
+    return runs, skipped
 
-    # after a cache drop, run every import (torch, transformers, POT) once, unmeasured
-    warmup = [*tiny, "--method", "ot"] if otdus else [sys.executable, "-c", "import torch, safetensors"]
+
+def _why_no_room(args: argparse.Namespace, src_bytes: int, need: int) -> str | None:
+    free = shutil.disk_usage(args.workdir).free
+    if need + (1 << 30) > free:
+        return f"not enough disk: needs ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+    if args.max_disk_gb and (src_bytes + need) / 1e9 > args.max_disk_gb:
+        total = (src_bytes + need) / 1e9
+        return f"src + output ~{total:.1f} GB exceeds --max-disk-gb {args.max_disk_gb}"
+    return None
+
+
+def run_table(
+    runs: list[Run], args: argparse.Namespace, src: str, facts: dict, cache: str, warmup: list[str]
+) -> list[Result]:
+    """Measure the runs one after the other, each output deleted before the next unless --keep."""
     gpu = GpuPoller() if args.gpu else None
     if gpu and gpu.error:
         log(gpu.error)
-    results: list[Result] = list(skipped)
+    src_bytes = facts["files_bytes"]
+    results: list[Result] = []
     out_dir = None
-    if args.no_table:
-        runs = []
     for label, kind, m, argv_t, out_t in runs:
         if kind == "skip":
             results.append(Result(label, "verify", m, [], "skipped", out_t or ""))
@@ -1125,13 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
             out_dir = os.path.join(os.path.abspath(args.workdir), f"out-{m or 'cp'}")
             shutil.rmtree(out_dir, ignore_errors=True)
             need = expected_out_bytes(src_bytes, facts, m or "cp") if kind == "expand" else src_bytes
-            free = shutil.disk_usage(args.workdir).free
-            why = None
-            if need + (1 << 30) > free:
-                why = f"not enough disk: needs ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
-            elif args.max_disk_gb and (src_bytes + need) / 1e9 > args.max_disk_gb:
-                total = (src_bytes + need) / 1e9
-                why = f"src + output ~{total:.1f} GB exceeds --max-disk-gb {args.max_disk_gb}"
+            why = _why_no_room(args, src_bytes, need)
             if why:
                 results.append(Result(label, kind, m, [], "skipped", why))
                 log(f"skipped: {label}: {why}")
@@ -1155,77 +1165,89 @@ def main(argv: list[str] | None = None) -> int:
         )
     if gpu:
         gpu.close()
-    shutil.rmtree(scratch, ignore_errors=True)
     if out_dir and not args.keep:
         shutil.rmtree(out_dir, ignore_errors=True)
-    copy_section = None
-    copy_methods = [m for m in methods if m in COPY_TYPE]
-    if otdus and args.copy_reps > 0 and copy_methods:
-        modes = [m.strip() for m in args.copy_modes.split(",") if m.strip()]
-        if "cold" in modes and cache != "cold":
-            log("paired copy runs: no cold mode here (the page cache cannot be dropped)")
-            modes.remove("cold")
-        commands = []
-        for m in copy_methods:
-            flags = ["--method", m] + (["--position", args.position] if m in PAIR_METHODS else [])
-            flags += ["--layers", str(facts["num_hidden_layers"])] if m == "stack" else []
-            commands.append(
-                (
-                    "otdus expand " + " ".join(flags),
-                    m,
-                    [*otdus, "expand", src, "--out", "{out}", *flags, "--json"],
-                )
-            )
-        log(f"paired copy runs: {', '.join(modes)} x {args.copy_reps}")
-        started = conditions(otdus, args.workdir)
-        copy_section = bench_copy.run_copy_bench(
-            src,
-            commands,
-            modes=modes,
-            reps=args.copy_reps,
-            workdir=os.path.abspath(args.workdir),
-            run_measured=run_measured,
-            prepare_cache=lambda mode, path: prepare_cache(mode, path, warmup),
-            timeout=args.timeout,
-            poll_s=args.poll_ms / 1000,
-            log=log,
-            rmtree=lambda p: shutil.rmtree(p, ignore_errors=True),
-        )
-        copy_section["conditions"] = started
-    mergekit_section = None
-    if args.against == "mergekit" and otdus:
-        started = conditions(otdus, args.workdir)
-        mergekit_section = bench_mergekit.run_mergekit_bench(
-            [(model_name, src), ("stories260k (bundled)", BUNDLED_TOKENIZER)],
-            methods=[m for m in methods if m in bench_mergekit.EXPRESSIBLE]
-            or list(bench_mergekit.EXPRESSIBLE),
-            otdus=otdus,
-            venv=args.mergekit_venv,
-            workdir=os.path.abspath(args.workdir),
-            run_measured=run_measured,
-            poll_s=args.poll_ms / 1000,
-            timeout=args.timeout,
-            log=log,
-        )
-        mergekit_section["conditions"] = started
-    transport = None
-    if args.no_table:
-        args.transport_budget = 0
-    if args.transport_budget > 0:
-        transport = run_transport_bench(src, args)
-    if made_src and not args.keep_src:
-        shutil.rmtree(src, ignore_errors=True)
+    return results
 
+
+def run_copy_section(
+    args: argparse.Namespace, otdus: list[str], src: str, facts: dict, cache: str, warmup: list[str]
+) -> dict | None:
+    """The paired warm/cold runs of cp -r and each copy-type expansion (scripts.bench_copy)."""
+    copy_methods = [m for m in args.methods_list if m in COPY_TYPE]
+    if args.copy_reps <= 0 or not copy_methods:
+        return None
+    modes = [m.strip() for m in args.copy_modes.split(",") if m.strip()]
+    if "cold" in modes and cache != "cold":
+        log("paired copy runs: no cold mode here (the page cache cannot be dropped)")
+        modes.remove("cold")
+    commands = []
+    for m in copy_methods:
+        flags = expand_flags(m, args, facts)
+        commands.append(
+            (
+                "otdus expand " + " ".join(flags),
+                m,
+                [*otdus, "expand", src, "--out", "{out}", *flags, "--json"],
+            )
+        )
+    log(f"paired copy runs: {', '.join(modes)} x {args.copy_reps}")
+    started = conditions(otdus, args.workdir)
+    section = bench_copy.run_copy_bench(
+        src,
+        commands,
+        modes=modes,
+        reps=args.copy_reps,
+        workdir=os.path.abspath(args.workdir),
+        run_measured=run_measured,
+        prepare_cache=lambda mode, path: prepare_cache(mode, path, warmup),
+        timeout=args.timeout,
+        poll_s=args.poll_ms / 1000,
+        log=log,
+        rmtree=lambda p: shutil.rmtree(p, ignore_errors=True),
+    )
+    section["conditions"] = started
+    return section
+
+
+def run_mergekit_section(args: argparse.Namespace, otdus: list[str], source: Source) -> dict:
+    """The same expansions by mergekit's passthrough merges (scripts.bench_mergekit)."""
+    started = conditions(otdus, args.workdir)
+    section = bench_mergekit.run_mergekit_bench(
+        [(source.model_name, source.path), ("stories260k (bundled)", BUNDLED_TOKENIZER)],
+        methods=[m for m in args.methods_list if m in bench_mergekit.EXPRESSIBLE]
+        or list(bench_mergekit.EXPRESSIBLE),
+        otdus=otdus,
+        venv=args.mergekit_venv,
+        workdir=os.path.abspath(args.workdir),
+        run_measured=run_measured,
+        poll_s=args.poll_ms / 1000,
+        timeout=args.timeout,
+        log=log,
+    )
+    section["conditions"] = started
+    return section
+
+
+def report_entry(
+    args: argparse.Namespace,
+    otdus: list[str] | None,
+    source: Source,
+    facts: dict,
+    cache_desc: str,
+    sections: dict,
+) -> dict:
+    """This run's entry of docs/benchmarks.json (sections: results, transport, copy, mergekit)."""
     entry = {
-        "key": f"{model_name}|{facts['num_hidden_layers']}|{args.dtype}",
-        "model": model_name,
+        "key": f"{source.model_name}|{facts['num_hidden_layers']}|{args.dtype}",
+        "model": source.model_name,
         "dtype": {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}[args.dtype],
-        "source": src
+        "source": source.path
         if args.src
-        else f"scripts/make_synthetic.py {model_name}"
+        else f"python -m scripts.make_synthetic {source.model_name}"
         + (f" --layers {args.layers}" if args.layers else "")
         + f" --dtype {args.dtype}",
-        "synthetic_write_s": None if gen_s is None else round(gen_s, 1),
+        "synthetic_write_s": None if source.write_s is None else round(source.write_s, 1),
         "date": dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "machine": machine_info(args.workdir, args.gpu),
         "versions": versions(otdus),
@@ -1233,14 +1255,56 @@ def main(argv: list[str] | None = None) -> int:
         "poll_ms": args.poll_ms,
         "note": args.note,
         "checkpoint": facts,
-        "results": [asdict(r) for r in results],
-        "transport": transport,
+        "results": [asdict(r) for r in sections["results"]],
+        "transport": sections["transport"],
+        "copy": sections["copy"],
+        "mergekit": sections["mergekit"],
     }
-    entry["copy"] = copy_section
-    entry["mergekit"] = mergekit_section
     old = next((e for e in _load_entries(args.json_out) if e.get("key") == entry["key"]), None)
     if args.no_table and old:  # keep the earlier table and sections; replace what was rerun
-        entry = {**old, **{k: v for k, v in (("copy", copy_section), ("mergekit", mergekit_section)) if v}}
+        rerun = {k: sections[k] for k in ("copy", "mergekit") if sections[k]}
+        entry = {**old, **rerun}
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.workdir, exist_ok=True)
+    otdus = find_otdus(args.otdus)
+    source = prepare_source(args)
+    src = source.path
+    facts = checkpoint_facts(src)
+    log(f"source {facts['files_bytes'] / 1e9:.2f} GB, {facts['num_hidden_layers']} layers")
+    if args.transport_only:
+        return update_transport(src, facts, source.model_name, args)
+    cache, cache_desc = cache_policy(args.cache)
+    log(cache_desc)
+
+    # Fixed overhead: an expansion of the bundled 1 MB model (Python, torch, transformers for the
+    # config check), i.e. the start-up time and memory every expansion pays whatever its size.
+    scratch = os.path.join(os.path.abspath(args.workdir), "out-fixed")
+    fixed = [*(otdus or []), "expand", "bundled:stories260k", "--out", scratch, "--force", "--json"]
+    runs, skipped = plan_table(args, otdus, src, facts, fixed)
+    # after a cache drop, run every import (torch, transformers, POT) once, unmeasured
+    warmup = [*fixed, "--method", "ot"] if otdus else [sys.executable, "-c", "import torch, safetensors"]
+    results = skipped + run_table([] if args.no_table else runs, args, src, facts, cache, warmup)
+    shutil.rmtree(scratch, ignore_errors=True)
+    sections = {
+        "results": results,
+        "copy": run_copy_section(args, otdus, src, facts, cache, warmup) if otdus else None,
+        "mergekit": run_mergekit_section(args, otdus, source)
+        if args.against == "mergekit" and otdus
+        else None,
+        "transport": None,
+    }
+    if args.no_table:
+        args.transport_budget = 0
+    if args.transport_budget > 0:
+        sections["transport"] = run_transport_bench(src, args)
+    if source.made and not args.keep_src:
+        shutil.rmtree(src, ignore_errors=True)
+
+    entry = report_entry(args, otdus, source, facts, cache_desc, sections)
     print(render_entry(entry))
     run_verify_speed(args)
     if args.no_report:

@@ -1,4 +1,4 @@
-"""otdus against mergekit on the same expansions (`scripts/bench.py --against mergekit`).
+"""otdus against mergekit on the same expansions (`python -m scripts.bench --against mergekit`).
 
 mergekit's `passthrough` merge stacks slices of layers; every copy-type otdus method is such a stack:
 SOLAR, stack, interpose, copy and LLaMA-Pro. New layers that otdus zero-initialises (o_proj and
@@ -342,8 +342,9 @@ def render_mergekit(section: dict, conditions: str = "") -> list[str]:
         return ["", f"mergekit side by side: not run ({section['error']})."]
     lines = [
         "",
-        f"Side by side with mergekit {section.get('mergekit_version') or '?'} (`scripts/bench.py --against "
-        "mergekit`; `scripts/bench_mergekit.py`): its passthrough merge of the same layer map (slices "
+        f"Side by side with mergekit {section.get('mergekit_version') or '?'} "
+        "(`python -m scripts.bench --against mergekit`; `scripts/bench_mergekit.py`): its passthrough "
+        "merge of the same layer map (slices "
         "from `otdus plan --json`; zero-initialised new layers as `scale` 0.0 on o_proj and down_proj), "
         "each tool run once from a warm page cache into a fresh folder, "
         f"{section.get('env', '')}. time: wall, and wall + the `sync` after it; RSS: peak of the process "

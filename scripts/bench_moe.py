@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Peak memory and time of OT-DUS and widen on a Mixtral-8x7B-shaped MoE layer (docs/benchmarks.md).
 
 Writes a synthetic Mixtral-8x7B checkpoint with a few layers (random bf16 weights, the real names and
@@ -11,7 +10,7 @@ anonymous part, wall and CPU time) and the load average next to it:
 
 Results go to a JSON file (--json); the work folder is deleted at the end.
 
-    python scripts/bench_moe.py --work /tmp/moe-bench --json /tmp/moe-bench.json
+    python -m scripts.bench_moe --work /tmp/moe-bench --json /tmp/moe-bench.json
 """
 
 from __future__ import annotations
@@ -24,10 +23,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from scripts import bench
 
-import bench  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def loadavg() -> list[float]:
@@ -75,9 +73,9 @@ def main() -> int:
     results: dict = {"conditions": {"nproc": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ")}}
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, os.path.join(HERE, "make_synthetic.py"), "mixtral-8x7b", "--out", base,
+        [sys.executable, "-m", "scripts.make_synthetic", "mixtral-8x7b", "--out", os.path.abspath(base),
          "--layers", str(args.layers), "--dtype", "bf16", "--force"],
-        check=True,
+        check=True, cwd=ROOT,
     )  # fmt: skip
     results["synthetic_s"] = time.perf_counter() - t0
     results["base_gb"] = bench.dir_bytes(base) / 1e9

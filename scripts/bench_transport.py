@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark our Sinkhorn against the released OT-DUS code's fixed POT setting.
 
 For each module shape of Llama-3.1-8B (rows x row length: q/o 4096x4096, k/v 1024x4096,
@@ -22,8 +21,8 @@ Data: A has N(0, 1) rows; B = rho * A[perm] + sqrt(1 - rho^2) * noise, so rho = 
 rows (diffuse plans, like real adjacent layers) and rho = 0.9 near-permutation plans (the slow
 case for Sinkhorn). --stories PATH benchmarks the real adjacent layers of a small model instead.
 
-    python scripts/bench_transport.py --sizes 1024x4096,4096x4096 --rho 0,0.9
-    python scripts/bench_transport.py --device cuda          # full Llama-3.1-8B shapes on a GPU
+    python -m scripts.bench_transport --sizes 1024x4096,4096x4096 --rho 0,0.9
+    python -m scripts.bench_transport --device cuda          # full Llama-3.1-8B shapes on a GPU
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Run every command block of README.md and docs/*.md from a fresh clone and report each exit code.
 
-    python scripts/check_docs.py            # every block: `make check-docs`
-    python scripts/check_docs.py --quick    # the quick commands only (tests/test_docs.py runs these)
-    python scripts/check_docs.py --list     # what would run, be shortened or be skipped, and why
+    python -m scripts.check_docs            # every block: `make check-docs`
+    python -m scripts.check_docs --quick    # the quick commands only (tests/test_docs.py runs these)
+    python -m scripts.check_docs --list     # what would run, be shortened or be skipped, and why
 
 The commands run one after the other in a copy of the repository (`git clone` of HEAD, or with
 ``--source worktree`` the files git tracks or would track, uncommitted changes included), offline
@@ -47,14 +47,14 @@ SKIP = [
     (r"--install-completion", "writes to the shell's start-up file"),
     (r"expand\.json|verify\.json|train\.py", "reads the files of a cluster job (docs/cluster.md)"),
     (r"^export |^OUT=|^set -", "a line of a cluster script"),
-    (r"scripts/evidence\.py study", "hours of training: regenerates the stored studies (docs/evidence.md)"),
+    (r"scripts\.evidence study", "hours of training: regenerates the stored studies (docs/evidence.md)"),
     (
         r"--recipe recipes/(llama|mistral|mixtral|qwen|solar)",
         "the recipe's model comes from the Hugging Face hub",
     ),
 ]
 if importlib.util.find_spec("matplotlib") is None:  # the optional `plot` extra
-    SKIP.append((r"--png |scripts/evidence\.py diagnose", "needs matplotlib (pip install -e '.[plot]')"))
+    SKIP.append((r"--png |scripts\.evidence diagnose", "needs matplotlib (pip install -e '.[plot]')"))
 # (pattern, replacement, reason): long commands with their quick options
 SHORTEN = [
     (r"--steps 80", "--steps 2", "quick training"),
@@ -70,7 +70,7 @@ SHORTEN = [
 ]
 # commands run only by the full check (minutes each under load), not by --quick
 # (diagnose and evidence.py render have their own tests: test_cli_commands.py, test_evidence.py)
-SLOW = [r"^otdus study\b", r"scripts/evidence\.py", r"--png ", r"^otdus diagnose\b"]
+SLOW = [r"^otdus study\b", r"scripts\.evidence\b", r"--png ", r"^otdus diagnose\b"]
 # commands that exit non-zero on purpose: pattern -> expected exit code
 EXPECTED_EXIT: list[tuple[str, int]] = [
     # README shows LLaMA-Factory's refusal of interleaved layers (one error line, exit 2)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Run real lm-eval releases on stories260K and compare their ``wikitext`` figures with ``otdus ppl``.
 
 For each run (an lm-eval version, a number of documents, an optional ``max_length``) this script
@@ -39,7 +38,7 @@ Usage (from the repository root, with the project's venv; PyPI must be reachable
                                           # with the recorded ones
     make lm-eval-check LM_EVAL_ARGS=--quick               # without the whole-split runs
     make lm-eval-record                   # the reference runs, written to tests/data/lm_eval_reference.json
-    .venv/bin/python scripts/check_lm_eval.py --versions 0.4.5,0.4.11 --max-docs 3 [--max-length 256]
+    .venv/bin/python -m scripts.check_lm_eval --versions 0.4.5,0.4.11 --max-docs 3 [--max-length 256]
 
 Exit status 0 when every figure agrees within ``--rtol`` (default 1e-6), otdus's split and
 detokeniser give lm-eval's documents, and (without ``--record``) each fresh lm-eval figure agrees with
@@ -362,7 +361,6 @@ def main() -> int:
         worker(args)
         return 0
 
-    sys.path.insert(0, str(ROOT))
     from otdus_cli.bundled import STORIES260K
     from otdus_cli.verify.text import load_wikitext_raw, wikitext_detokenize, wikitext_pages
 
@@ -371,7 +369,7 @@ def main() -> int:
         runs = [Run(v, args.max_docs, args.max_length) for v in versions]
     else:
         runs = [r for r in REFERENCE_RUNS if not (args.quick and r.max_docs is None)]
-    command = shlex.join(["python", "scripts/check_lm_eval.py", *sys.argv[1:]])
+    command = shlex.join(["python", "-m", "scripts.check_lm_eval", *sys.argv[1:]])
     recorded = {e["run"]: e for e in read_reference(args.reference)["runs"]}
     raw_text = load_wikitext_raw()  # sha256-checked
     ours_pages = wikitext_pages(raw_text)

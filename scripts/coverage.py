@@ -5,7 +5,7 @@ class, save it, expand it with `copy` (2 new layers) and, where the template off
 --zero-init`; reload each output with AutoModelForCausalLM and compare logits with the base (bit-identical
 for zero-init). Writes docs/compatibility.md (one row per architecture) and prints the counts.
 
-    .venv/bin/python scripts/coverage.py [--out docs/compatibility.md] [model_type ...]
+    .venv/bin/python -m scripts.coverage [--out docs/compatibility.md] [model_type ...]
 
 Takes a few minutes on two cores; not part of `make test` (tests/test_arch_breadth.py and
 tests/test_derived.py hold a fast representative subset).
@@ -26,6 +26,9 @@ import torch
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
+from tests.support.tiny_models import COMMON as TESTED_COMMON
+from tests.support.tiny_models import TINY_CONFIGS as TESTED_CONFIGS
+from tests.support.tiny_models import WRAPPERS as TESTED_WRAPPERS  # multimodal: tiny vision towers too
 
 TINY = dict(
     vocab_size=96,
@@ -56,13 +59,6 @@ TINY_MOE = dict(
     qk_nope_head_dim=8,
     v_head_dim=8,
 )
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-try:
-    from conftest import COMMON as TESTED_COMMON
-    from conftest import TINY_CONFIGS as TESTED_CONFIGS
-    from test_wrappers import WRAPPERS as TESTED_WRAPPERS  # multimodal wrappers: tiny vision towers too
-except ImportError:  # an installed otdus without its tests
-    TESTED_COMMON, TESTED_CONFIGS, TESTED_WRAPPERS = {}, {}, {}
 MAX_PARAMETERS = 20_000_000  # a config whose sizes our tiny fields do not reach is reported, not built
 
 
@@ -195,8 +191,8 @@ def main() -> int:
 
 def run_stamp() -> str:
     """When and from which commit the table was made."""
-    import datetime  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
+    import datetime
+    import subprocess
 
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True

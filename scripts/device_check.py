@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """The steps of scripts/device_check.sh: what a GPU machine is asked, each step recorded as it ends.
 
-    python scripts/device_check.py --out DIR             # on a GPU machine (device_check.sh calls it)
-    python scripts/device_check.py --out DIR --dry-run   # every step on the CPU at tiny size
+    python -m scripts.device_check --out DIR             # on a GPU machine (device_check.sh calls it)
+    python -m scripts.device_check --out DIR --dry-run   # every step on the CPU at tiny size
 
 Steps, in this order (the JSON file DIR/device_check.json is rewritten after each, so a run cut
 off by its time limit keeps what it measured; a step that fails records its error and the next
@@ -83,7 +82,7 @@ class Record:
         print(f"[device_check {time.strftime('%H:%M:%S')}] {name} ...", flush=True)
         try:
             result: dict[str, Any] = {"ok": True, **fn()}
-        except Exception as exc:  # noqa: BLE001 - a failed step is recorded; the next step still runs
+        except Exception as exc:  # a failed step is recorded; the next step still runs
             result = {
                 "ok": False,
                 "error": f"{type(exc).__name__}: {exc}",
@@ -147,7 +146,7 @@ class GpuMemoryPoll:
 
 
 def environment(device: str) -> dict[str, Any]:
-    import torch  # noqa: PLC0415
+    import torch
 
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     for name, module in (("transformers", "transformers"), ("pot", "ot"), ("safetensors", "safetensors")):
@@ -171,7 +170,7 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def synthetic(name: str, folder: Path, layers: int | None, device: str, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "scripts/make_synthetic.py", name, "--out", str(folder), "--fill", "fast"]
+    cmd = [sys.executable, "-m", "scripts.make_synthetic", name, "--out", str(folder), "--fill", "fast"]
     cmd += ["--device", device if device.startswith("cuda") else "cpu", "--dtype", "bf16", "--force"]
     if layers is not None:
         cmd += ["--layers", str(layers)]
@@ -215,8 +214,8 @@ def _layers(folder: Path) -> int | None:
 
 def plain_forward(folder: Path, device: str, dtype: str, tokens: int, window: int) -> dict[str, Any]:
     """Tokens/s of a transformers forward over ``tokens`` random tokens in windows of ``window``."""
-    import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    import torch
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
@@ -272,7 +271,7 @@ def step_verify_speed(work: Path, device: str, max_tokens: int, timeout: float) 
 
 
 def _tensors(folder: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file  # noqa: PLC0415
+    from safetensors.torch import load_file
 
     out: dict[str, Any] = {}
     for shard in sorted(folder.glob("*.safetensors")):
@@ -345,7 +344,7 @@ def agreement(
             }
             shutil.rmtree(cpu_out, ignore_errors=True)
             shutil.rmtree(gpu_out, ignore_errors=True)
-        except Exception as exc:  # noqa: BLE001 - one method failing leaves the others' figures
+        except Exception as exc:  # one method failing leaves the others' figures
             results[method] = {"error": f"{type(exc).__name__}: {exc}"}
     return results
 

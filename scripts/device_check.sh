@@ -24,7 +24,7 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # the whole run stays inside 8 minutes: the steps share a 420 s budget, and this is the backstop
-timeout 470 "$PY" scripts/device_check.py --out "$OUT" --budget 420 "$@" 2>&1 | tee "$OUT/device_check.log"
+timeout 470 "$PY" -m scripts.device_check --out "$OUT" --budget 420 "$@" 2>&1 | tee "$OUT/device_check.log"
 rc=${PIPESTATUS[0]}
 echo "device_check exit $rc; figures in $OUT/device_check.json"
 exit "$rc"

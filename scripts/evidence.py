@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """Regenerate docs/evidence.md's figures: run the studies and diagnoses, then render the tables.
 
-    python scripts/evidence.py study                    # both studies of recipes/study-table6.yaml
-    python scripts/evidence.py study --only in-domain   # one of them (two processes: one per core)
-    python scripts/evidence.py study --only in-domain --runs lesa   # add an arm to a stored study
-    python scripts/evidence.py study --recipe interpose-stack       # recipes/study-interpose-stack.yaml
-    python scripts/evidence.py diagnose                 # stories260K and the two planted controls
-    python scripts/evidence.py render                   # docs/evidence.md's generated blocks
+    python -m scripts.evidence study                    # both studies of recipes/study-table6.yaml
+    python -m scripts.evidence study --only in-domain   # one of them (two processes: one per core)
+    python -m scripts.evidence study --only in-domain --runs lesa   # add an arm to a stored study
+    python -m scripts.evidence study --recipe interpose-stack       # recipes/study-interpose-stack.yaml
+    python -m scripts.evidence diagnose                 # stories260K and the two planted controls
+    python -m scripts.evidence render                   # docs/evidence.md's generated blocks
 
 `study` and `diagnose` write JSON (and PNG) under docs/evidence/ (a study set's results under
 docs/evidence/SET/STUDY/, SET one of RECIPES) and log their wall time and the
@@ -64,8 +63,8 @@ def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set
     """Run the set's recipe's studies into docs/evidence/SET/NAME/; with ``runs``, only those arms
     (and the reference), added to the stored study (StudyResult.with_arms checks that the
     reference's runs reproduce the stored ones)."""
-    from otdus_cli.study import StudyResult, run_recipe  # noqa: PLC0415
-    from otdus_cli.study.runner import load_study_recipe  # noqa: PLC0415
+    from otdus_cli.study import StudyResult, run_recipe
+    from otdus_cli.study.runner import load_study_recipe
 
     def progress(event) -> None:
         if event.kind in ("run", "data"):
@@ -79,7 +78,7 @@ def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set
     prefix = "study" if study_set == "table6" else study_set
     for name in only or [s.name for s in recipe.studies]:
         t0, load = time.perf_counter(), _load()
-        command = f"python scripts/evidence.py study{flag} --only {name}"
+        command = f"python -m scripts.evidence study{flag} --only {name}"
         if runs is None:
             run_recipe(path, EVIDENCE / study_set, only=[name], progress=progress)
             key = f"{prefix}/{name}"
@@ -97,10 +96,10 @@ def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set
 
 
 def run_diagnoses() -> None:
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console
 
-    from otdus_cli.study import diagnose, diagnose_tables  # noqa: PLC0415
-    from otdus_cli.study.planted import plant_permuted_copy  # noqa: PLC0415
+    from otdus_cli.study import diagnose, diagnose_tables
+    from otdus_cli.study.planted import plant_permuted_copy
 
     out = EVIDENCE / "diagnose"
     out.mkdir(parents=True, exist_ok=True)
@@ -131,12 +130,12 @@ def run_diagnoses() -> None:
                 "entropy_normalized": {m: e["entropy_normalized"] for m, e in pair.entropy.items()},
             }
     (out / "planted.json").write_text(json.dumps(planted, indent=1) + "\n")
-    _log("diagnose", time.perf_counter() - t0, load, "python scripts/evidence.py diagnose")
+    _log("diagnose", time.perf_counter() - t0, load, "python -m scripts.evidence diagnose")
 
 
 def render() -> bool:
     """Rewrite docs/evidence.md's generated blocks; True when anything changed."""
-    from otdus_cli.study.evidence import render_document  # noqa: PLC0415
+    from otdus_cli.study.evidence import render_document
 
     before = DOC.read_text()
     after = render_document(before, EVIDENCE, RECIPES)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Kill `otdus expand`, `widen` and `expand --experts` at random moments and check that no data is
 ever lost (README: Safety).
 
@@ -19,9 +18,9 @@ undisturbed run of that command. After every run:
 * every output that exists is complete: `otdus verify` passes (the static check, and the
   perplexity run with `--verify full`).
 
-    python scripts/fault_inject.py --runs 120      # make faults
-    python scripts/fault_inject.py --runs 10 --workdir /tmp/faults --keep
-    python scripts/fault_inject.py --dense llama-3.2-1b --layers 4   # ~1 GB dense source
+    python -m scripts.fault_inject --runs 120      # make faults
+    python -m scripts.fault_inject --runs 10 --workdir /tmp/faults --keep
+    python -m scripts.fault_inject --dense llama-3.2-1b --layers 4   # ~1 GB dense source
 
 A signal that lands before Python runs any otdus code (the interpreter's own start-up, the first tens
 of milliseconds: initialisation and `site`) ends it as the interpreter does: the default action
@@ -105,10 +104,10 @@ def make_source(path: Path, shape: str, layers: int | None) -> None:
     if (path / "config.json").is_file():
         return
     subprocess.run(
-        [sys.executable, str(HERE / "make_synthetic.py"), shape, "--out", str(path),
+        [sys.executable, "-m", "scripts.make_synthetic", shape, "--out", str(path.resolve()),
          *(["--layers", str(layers)] if layers else []), "--fill", "fast", "--max-shard-size", "300MB",
          "--tokenizer-from", str(STORIES)],
-        check=True,
+        check=True, cwd=HERE.parent,
     )  # fmt: skip
 
 

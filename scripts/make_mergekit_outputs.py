@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Write mergekit-made SOLAR and LLaMA-Pro expansions of the bundled stories260K model (no otdus.json).
 
-    python scripts/make_mergekit_outputs.py OUT_DIR [--venv bench-out/mergekit-venv]
+    python -m scripts.make_mergekit_outputs OUT_DIR [--venv bench-out/mergekit-venv]
 
 writes OUT_DIR/solar (5 -> 8 layers: base layers [0, 4) then [1, 5), SOLAR with m = 1) and
 OUT_DIR/llama-pro (5 -> 10 layers: after every base layer a copy of it whose o_proj and down_proj
@@ -24,11 +23,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+from scripts import bench_mergekit
 
-import bench_mergekit  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BUNDLED = os.path.join(ROOT, "otdus_cli", "data", "stories260k")
 EXPANSIONS = {

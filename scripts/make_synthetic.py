@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Write a random-weight Hugging Face checkpoint shaped exactly like a named real model.
 
 The output has the real model's config.json, tensor names, shapes and hub-style sharding
@@ -10,10 +9,16 @@ Memory stays bounded: every shard's safetensors header is computed from the shap
 tensors are generated in chunks (at most --chunk-mb each) and streamed to disk one after the
 other. A whole tensor, let alone a shard, is never held in memory.
 
-    python scripts/make_synthetic.py llama-3.2-1b --out /tmp/l1b
-    python scripts/make_synthetic.py llama-3.1-8b --out /tmp/l8b --layers 8 --dtype bf16
-    python scripts/make_synthetic.py tiny --out /tmp/tiny --max-shard-size 100KB
-    python scripts/make_synthetic.py --list
+The safetensors writing here (build_header, write_shard) is deliberately independent of
+otdus_cli.io.writer: these checkpoints are the sources that benchmarks, fault injection and tests
+feed to otdus, so a writer bug shared by both sides would make a broken source look valid and
+hide itself in every comparison. tests/test_make_synthetic.py checks the files with the
+safetensors library and transformers, not with otdus's reader.
+
+    python -m scripts.make_synthetic llama-3.2-1b --out /tmp/l1b
+    python -m scripts.make_synthetic llama-3.1-8b --out /tmp/l8b --layers 8 --dtype bf16
+    python -m scripts.make_synthetic tiny --out /tmp/tiny --max-shard-size 100KB
+    python -m scripts.make_synthetic --list
 """
 
 from __future__ import annotations

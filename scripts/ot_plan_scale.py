@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What the factor n does: `paper`, `official` and the paper's table read literally, side by side.
 
 The paper's transport-matrix-flow table writes the plans T_O and 1/2 (T_O + I) with no scaling;
@@ -9,8 +8,8 @@ adjacent layers of stories260K, how far each new tensor is from what "A's contri
 by ~n" predicts (1/2 W_B for q/k/v/gate/up, 1/4 g_A + 1/2 g_B for the pre-MLP norm) and how far
 the literal reading is from `paper` and from `official`. docs/ot.md quotes its output.
 
-    python scripts/ot_plan_scale.py                 # all 4 pairs (about a minute on 2 CPU cores)
-    python scripts/ot_plan_scale.py --pairs 2
+    python -m scripts.ot_plan_scale                 # all 4 pairs (about a minute on 2 CPU cores)
+    python -m scripts.ot_plan_scale --pairs 2
 """
 
 from __future__ import annotations

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Hash the outputs and `--json` reports of a fixed set of expansions, to show a refactoring changed
 no byte.
 
@@ -10,8 +9,8 @@ creation time, timings and per-plan seconds, a report's seconds and timings (wal
 and the path of a bundled source (inside the checkout that runs, so the old and the new code may
 sit in different worktrees).
 
-    python scripts/output_hashes.py --record before.json     # on the old code
-    python scripts/output_hashes.py --compare before.json    # on the new code: exit 1 on a difference
+    python -m scripts.output_hashes --record before.json     # on the old code
+    python -m scripts.output_hashes --compare before.json    # on the new code: exit 1 on a difference
 """
 
 from __future__ import annotations

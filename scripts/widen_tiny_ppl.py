@@ -1,29 +1,25 @@
-#!/usr/bin/env python
 """Perplexity change of `otdus widen` (alpha 0 and 0.01) on each MoE family's tiny random model.
 
-The tiny models are the test suite's (tests/conftest.py: built in-process with transformers, vocab
-96); the text is the bundled TinyStories sample, tokenised with stories260K's tokenizer and folded
-into the tiny vocabulary (ids mod 96), 63 windows of 64 tokens. Figures: docs/widen-ppl.md.
+The tiny models are the test suite's (tests/support/tiny_models.py: built in-process with
+transformers, vocab 96); the text is the bundled TinyStories sample, tokenised with stories260K's
+tokenizer and folded into the tiny vocabulary (ids mod 96), 63 windows of 64 tokens. Figures:
+docs/widen-ppl.md.
 
-    python scripts/widen_tiny_ppl.py
+    python -m scripts.widen_tiny_ppl
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from conftest import MOE_TYPES, build_tiny  # noqa: E402
-
-from otdus_cli.bundled import STORIES260K, TINYSTORIES_SAMPLE  # noqa: E402
-from otdus_cli.verify.compare import verify_expansion  # noqa: E402
-from otdus_cli.verify.metrics import EvalSet, Window, load_tokenizer  # noqa: E402
-from otdus_cli.widen import WidenOptions, widen  # noqa: E402
+from otdus_cli.bundled import STORIES260K, TINYSTORIES_SAMPLE
+from otdus_cli.verify.compare import verify_expansion
+from otdus_cli.verify.metrics import EvalSet, Window, load_tokenizer
+from otdus_cli.widen import WidenOptions, widen
+from tests.support.tiny_models import MOE_TYPES, build_tiny
 
 
 def main() -> None:

@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import no_output_left, one_error_line
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
+from tests.support.cli_checks import no_output_left, one_error_line
 
 runner = CliRunner()
 OTDUS = str(Path(sys.executable).parent / "otdus")
@@ -112,9 +112,8 @@ def test_a_layer_with_a_different_shape_is_refused(stories, tmp_path):
 
 
 def test_moe_dense_layers_are_a_declared_difference(tmp_path):
-    from conftest import build_tiny
-
     from otdus_cli.source import open_source
+    from tests.support.tiny_models import build_tiny
 
     folder = tmp_path / "qwen2_moe"
     build_tiny("qwen2_moe", folder)

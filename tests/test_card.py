@@ -9,9 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny, one_error_line
 from huggingface_hub import ModelCard
-from test_source import make_hub_cache, otdus
 from typer.testing import CliRunner
 
 from otdus_cli.bundled import STORIES260K
@@ -22,6 +20,9 @@ from otdus_cli.grow import expand_and_widen
 from otdus_cli.io.output_dir import earlier_output_files
 from otdus_cli.options import ExpandOptions
 from otdus_cli.widen import WidenOptions, widen
+from tests.support.cli_checks import one_error_line
+from tests.support.tiny_models import build_tiny
+from tests.test_source import make_hub_cache, otdus
 
 runner = CliRunner()
 SOURCE_BODY = "This card describes the SOURCE model, not any expansion of it."

@@ -187,6 +187,7 @@ def test_bad_option_values_are_refused_before_torch_or_transformers_is_imported(
 
 
 # -- output through a pipe ------------------------------------------------------------------------
+@pytest.mark.slow  # several CLI processes, each importing torch: make test-long
 def test_piped_output_is_never_wrapped_and_sizes_are_in_human_units(tmp_path):
     model = Path(
         shutil.copytree(STORIES260K, tmp_path / ("a-folder-name-long-enough-to-pass-80-columns-" * 3))

@@ -86,10 +86,10 @@ def test_families_that_skip_transformers_at_plan_time_really_have_no_derived_lay
     layer_types list for the family (so rewriting the depth cannot change any layer's type)."""
     import warnings
 
-    from conftest import COMMON, TINY_CONFIGS
     from transformers import AutoConfig
 
     from otdus_cli.arch.families import family_for
+    from tests.support.tiny_models import COMMON, TINY_CONFIGS
 
     for model_type, extra in TINY_CONFIGS.items():
         family = family_for({"model_type": model_type})

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, one_error_line
 
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.options import ExpandOptions
+from tests.support.cli_checks import one_error_line
+from tests.support.tiny_models import COMMON
 
 
 def build(model_type: str, folder: Path) -> Path:
@@ -43,7 +44,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     [("gemma", "model.layers."), ("opt", "model.decoder.layers."), ("exaone", "transformer.h.")],
 )
 def test_copy_methods_on_a_derived_template(models, tmp_path, model_type, prefix):
-    from conftest import load_causal_lm
+    from tests.support.tiny_models import load_causal_lm
 
     result = expand(str(models[model_type]), tmp_path / "out", ExpandOptions(method="interpose", layers=2))
     assert result.manifest["source"]["family"] == f"derived:{model_type}"

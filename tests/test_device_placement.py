@@ -1,7 +1,7 @@
 """Device placement on CUDA, checked on the CPU: every method and variant, MoE OT, LESA, widen, verify and
-ppl run with ``--device cuda`` under emulated CUDA (tests/cuda_emulation.py: tensors that report
-``cuda:N``, compute on the CPU and raise where two devices meet, as on a real GPU), in float32 and
-bfloat16, and two ranks resolve to two GPUs.
+ppl run with ``--device cuda`` under emulated CUDA (tests/support/cuda_emulation.py: tensors that
+report ``cuda:N``, compute on the CPU and raise where two devices meet, as on a real GPU), in float32
+and bfloat16, and two ranks resolve to two GPUs.
 
 This checks placement only: the arithmetic is the CPU's, so GPU numerics (and speed) need a GPU
 (scripts/device_check.sh). Two ranks are simulated in this process: each rank's device is resolved
@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny, one_error_line
-from cuda_emulation import emulated_cuda
 from typer.testing import CliRunner
 
 from otdus_cli.bundled import STORIES260K
@@ -27,6 +25,9 @@ from otdus_cli.distributed import Launch, World
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.metrics import EvalSet, Window
 from otdus_cli.verify.perplexity import perplexity
+from tests.support.cli_checks import one_error_line
+from tests.support.cuda_emulation import emulated_cuda
+from tests.support.tiny_models import build_tiny
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 runner = CliRunner()

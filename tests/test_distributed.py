@@ -130,6 +130,7 @@ def test_a_world_of_one_runs_its_work_and_keeps_its_exceptions():
 
 
 # -- verify and ppl on two ranks ----------------------------------------------------------------------
+@pytest.mark.slow  # several CLI processes, each importing torch: make test-long
 def test_ppl_on_two_ranks_reports_the_figures_of_one_process():
     args = ["ppl", "bundled:stories260k", *QUICK]  # lm-eval wikitext: word and byte counts too
     single, double = one_process(args), two_ranks(args)
@@ -139,6 +140,7 @@ def test_ppl_on_two_ranks_reports_the_figures_of_one_process():
     assert json.loads(single.stdout)["compute"]["ranks"] == 1
 
 
+@pytest.mark.slow  # several CLI processes, each importing torch: make test-long
 def test_verify_on_two_ranks_reports_the_figures_of_one_process(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -160,6 +162,7 @@ def test_verify_on_two_ranks_reports_the_figures_of_one_process(tmp_path):
 
 
 # -- failures ----------------------------------------------------------------------------------------
+@pytest.mark.slow  # several CLI processes, each importing torch: make test-long
 def test_a_failing_rank_fails_every_rank_with_its_line(stories, tmp_path):
     # rank 1's copy of the model is damaged (a node-local copy gone bad): both ranks say so, exit 2
     damaged = Path(stories)
@@ -177,6 +180,7 @@ def test_a_failing_rank_fails_every_rank_with_its_line(stories, tmp_path):
         assert str(damaged) in lines[0]
 
 
+@pytest.mark.slow  # several CLI processes, each importing torch: make test-long
 def test_a_dead_rank_does_not_leave_the_other_waiting(tmp_path):
     # rank 1 joins the group, then dies without a word: rank 0 must end with one line, not hang
     dies = "import os, torch.distributed as dist; dist.init_process_group('gloo'); os._exit(9)"
@@ -284,7 +288,7 @@ if current_world().is_main:
     "in this test; run it with OTDUS_DIST_MOE=1 until that is fixed",
 )
 def test_a_tiny_moe_model_expands_and_verifies_on_two_ranks_as_on_one(tmp_path):
-    from conftest import build_tiny
+    from tests.support.tiny_models import build_tiny
 
     base = build_tiny("mixtral", tmp_path / "moe")
     args = ["--method", "ot", "--layers", "2", "--max-shard-size", "40KB", "--json"]

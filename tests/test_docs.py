@@ -60,8 +60,13 @@ def test_every_command_named_in_the_docs_exists():
         named = re.findall(r"`make ([a-z][\w-]*)", text) + re.findall(r"^make ([a-z][\w-]*)", blocks, re.M)
         for target in named:
             assert target in targets, (doc.name, f"make {target}")
-        for script in re.findall(r"python (scripts/[\w-]+\.py)", text):
-            assert (ROOT / script).is_file(), (doc.name, script)
+        # scripts run as modules of the scripts package, from the repository root
+        assert not re.search(r"python3? scripts/", text), (
+            doc.name,
+            "python -m scripts.X, not python -m scripts.X",
+        )
+        for script in re.findall(r"python3? -m scripts\.(\w+)", text):
+            assert (ROOT / "scripts" / f"{script}.py").is_file(), (doc.name, f"scripts.{script}")
 
 
 def test_readme_prints_no_test_counts():
@@ -70,8 +75,7 @@ def test_readme_prints_no_test_counts():
 
 
 def test_docs_commands_are_found_and_sorted():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import check_docs
+    from scripts import check_docs
 
     cmds = check_docs.commands()
     run = [c for c in cmds if c.run is not None]
@@ -85,9 +89,11 @@ def test_docs_commands_are_found_and_sorted():
 
 @pytest.mark.slow
 def test_quick_docs_commands_run_from_a_fresh_copy():
-    """scripts/check_docs.py --quick: README's first hour, offline widening, ppl, diagnose... exit 0."""
+    """`python -m scripts.check_docs --quick`: README's first hour, offline widening, ppl, diagnose...
+    exit 0."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "check_docs.py"), "--quick", "--source", "worktree"],
+        [sys.executable, "-m", "scripts.check_docs", "--quick", "--source", "worktree"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=1800,
@@ -97,8 +103,7 @@ def test_quick_docs_commands_run_from_a_fresh_copy():
 
 
 def test_coverage_table_keeps_details_whole_and_records_when(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import coverage
+    from scripts import coverage
 
     detail = "refused: " + "word " * 60 + "end"
     counts = {"exact": 0, "derived": 0, "refused": 1, "failed": 0, "not built": 0}

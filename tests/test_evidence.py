@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import study_from_window_losses
 from scipy import stats
 
 from otdus_cli.study.evidence import (
@@ -23,6 +22,7 @@ from otdus_cli.study.evidence import (
 )
 from otdus_cli.study.runner import PrimaryFamily
 from otdus_cli.study.stats import holm, tost
+from tests.support.study_results import study_from_window_losses
 
 ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "evidence.md"

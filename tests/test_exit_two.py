@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import no_output_left, one_error_line
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
+from tests.support.cli_checks import no_output_left, one_error_line
 
 runner = CliRunner()
 OTDUS = [sys.executable, "-m", "otdus_cli.cli"]

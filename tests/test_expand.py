@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DENSE_TYPES, MOE_TYPES, TINY_CONFIGS, load_causal_lm, logits
 
 from otdus_cli.bundled import STORIES260K
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.options import ExpandOptions
+from tests.support.tiny_models import DENSE_TYPES, MOE_TYPES, TINY_CONFIGS, load_causal_lm, logits
 
 COPY_METHODS = ["copy", "interpose", "llama-pro", "solar", "stack"]
 BUILT_METHODS = ["average", "random"]

@@ -5,17 +5,11 @@ real runs printed (SIGINT sent 0-80 ms after starting `otdus --help`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "fault_inject", Path(__file__).resolve().parent.parent / "scripts" / "fault_inject.py"
-)
-fault_inject = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fault_inject)
+from scripts import fault_inject
 
 IN_SITE = """Fatal Python error: init_import_site: Failed to import the site module
 Python runtime state: initialized

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "otdus_cli"
 
 
@@ -93,6 +95,7 @@ def test_no_import_cycle():
     assert cycle is None, " -> ".join(cycle)
 
 
+@pytest.mark.slow  # several CLI processes, each importing torch: make test-long
 def test_the_seam_modules_import_alone():
     """The modules a method meets, each first in a fresh interpreter (an import-order-dependent
     cycle fails here even if the graph missed it)."""

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DENSE_TYPES, load_causal_lm, logits
-from test_expand import assert_layers_match_sources, base_reference
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
@@ -20,6 +18,8 @@ from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.methods.lesa import LesaOptions
 from otdus_cli.methods.lesa.builder import generator_seed, gram_matrix
 from otdus_cli.options import ExpandOptions
+from tests.support.tiny_models import DENSE_TYPES, load_causal_lm, logits
+from tests.test_expand import assert_layers_match_sources, base_reference
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -293,7 +293,7 @@ def test_rank_option_gives_low_rank_new_weights(tiny_models, tmp_path):
 
 
 def test_bad_lesa_requests_are_one_error_line(tiny_models, stories, tmp_path):
-    from conftest import no_output_left, one_error_line
+    from tests.support.cli_checks import no_output_left, one_error_line
 
     config = json.loads((stories / "config.json").read_text())
     (stories / "config.json").write_text(json.dumps({**config, "model_type": "mystery"}))

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import make_synthetic as ms  # noqa: E402
+from scripts import make_synthetic as ms
 
 
 def _read_all(out: str) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DENSE_TYPES, build_tiny, load_causal_lm, logits, one_error_line
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -28,6 +27,8 @@ from otdus_cli.methods.ot.calibration import (
 )
 from otdus_cli.options import ExpandOptions
 from otdus_cli.study.diagnose import _head_contributions, correlation_matrix
+from tests.support.cli_checks import one_error_line
+from tests.support.tiny_models import DENSE_TYPES, build_tiny, load_causal_lm, logits
 
 
 def test_running_moments_equal_the_kept_activation_correlations():
@@ -214,9 +215,8 @@ def test_bad_calibration_is_one_error_line(tmp_path, extra, message):
 
 
 def test_moe_models_are_refused_in_one_line(tmp_path):
-    from conftest import MOE_TYPES
-
     from otdus_cli.errors import OtdusError
+    from tests.support.tiny_models import MOE_TYPES
 
     src = build_tiny(MOE_TYPES[0], tmp_path / "moe")
     with pytest.raises(OtdusError, match="mixture of experts"):

@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-from conftest import MOE_TYPES, load_causal_lm, logits
 from safetensors.torch import load_file
 
 from otdus_cli.arch.experts import expert_layout
@@ -22,6 +21,7 @@ from otdus_cli.methods.base import BuildContext
 from otdus_cli.methods.ot import OTOptions
 from otdus_cli.methods.ot.builder import OTBuilder
 from otdus_cli.options import ExpandOptions
+from tests.support.tiny_models import MOE_TYPES, load_causal_lm, logits
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -93,10 +93,11 @@ def test_impossible_requests_are_refused(kwargs, message):
 def test_methods_refuse_a_family_when_the_plan_is_made(tmp_path, args, message):
     """`otdus plan` (which writes nothing and builds no layer) already refuses what the method cannot
     build: the method's refusals are checked at plan time."""
-    from conftest import build_tiny, one_error_line
     from typer.testing import CliRunner
 
     from otdus_cli.cli import app
+    from tests.support.cli_checks import one_error_line
+    from tests.support.tiny_models import build_tiny
 
     src = build_tiny("mixtral", tmp_path / "moe")
     one_error_line(CliRunner().invoke(app, ["plan", str(src), "--layers", "1", *args]), message=message)

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import one_error_line
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
@@ -28,6 +27,7 @@ from otdus_cli.expand import expand
 from otdus_cli.io import output_dir
 from otdus_cli.io.output_dir import TMP_TAG, OutputLock
 from otdus_cli.options import ExpandOptions
+from tests.support.cli_checks import one_error_line
 
 runner = CliRunner()
 OTDUS = str(Path(sys.executable).parent / "otdus")

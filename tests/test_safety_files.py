@@ -21,14 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_causal_lm, one_error_line
-from test_safety import OTDUS, leftovers, run_cli, tree_digest
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.io import file_hashes
 from otdus_cli.io.output_dir import DEEPER_TAG, TMP_TAG, OutputLock
 from otdus_cli.options import ExpandOptions
+from tests.support.cli_checks import one_error_line
+from tests.support.tiny_models import load_causal_lm
+from tests.test_safety import OTDUS, leftovers, run_cli, tree_digest
 
 
 @pytest.fixture()

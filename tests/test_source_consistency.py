@@ -12,11 +12,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import no_output_left, one_error_line
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
+from tests.support.cli_checks import no_output_left, one_error_line
 
 runner = CliRunner()
 

@@ -22,7 +22,7 @@ from otdus_cli.errors import Interrupted
 from otdus_cli.io.output_dir import staged_output
 from otdus_cli.signals import output_in_place, raise_interrupted
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+ROOT = Path(__file__).resolve().parent.parent
 
 # Runs `otdus` (its console entry) with a finder that sends SIGTERM to the process when TRIGGER is
 # first looked up (in THREAD, when given), and reports at exit whether the import was whole.
@@ -91,7 +91,8 @@ def test_a_signal_inside_a_heavy_import_waits_for_the_import(stories, tmp_path, 
 def test_an_interrupted_widen_waits_for_its_prefetch_thread(tmp_path):
     src = tmp_path / "src"
     subprocess.run(
-        [sys.executable, str(SCRIPTS / "make_synthetic.py"), "tiny-mixtral", "--out", str(src)],
+        [sys.executable, "-m", "scripts.make_synthetic", "tiny-mixtral", "--out", str(src)],
+        cwd=ROOT,
         check=True,
         capture_output=True,
     )

@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 import pytest
-from conftest import study_from_window_losses
 from scipy import stats
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.study.report import study_markdown
 from otdus_cli.study.runner import StudyResult
 from otdus_cli.study.stats import by_document_mean_ci, crossed_mean_ci, holm, sign_flip_p, t_quantile, tost
+from tests.support.study_results import study_from_window_losses
 
 # Per-seed final-loss differences to `ot` on the new domain, 3 seeds, from the first Table 6 run
 # (docs/evidence/table6*/new-domain/study.json at commit d08f74a): 7 comparisons with one reference.

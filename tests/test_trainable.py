@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny, one_error_line
 from typer.testing import CliRunner
 
 from otdus_cli.bundled import TINYSTORIES_SAMPLE
@@ -26,6 +25,8 @@ from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 from otdus_cli.trainable import apply
 from otdus_cli.widen import WidenOptions, widen
+from tests.support.cli_checks import one_error_line
+from tests.support.tiny_models import build_tiny
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import one_error_line
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
@@ -17,6 +16,7 @@ from otdus_cli.expand import expand
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
 from otdus_cli.methods.lesa import LesaOptions
 from otdus_cli.options import ExpandOptions
+from tests.support.cli_checks import one_error_line
 
 pytestmark = [pytest.mark.compat]
 

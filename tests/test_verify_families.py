@@ -1,20 +1,21 @@
 """verify on every family's tiny model: PARITY for every zero-init expansion, the same verdict every time.
 
-The tiny models are built with the installed transformers (conftest), so under `make test-compat`
-this is the expand -> verify pass on transformers 4.57.6, and under `make test` on the newest 5.x.
+The tiny models are built with the installed transformers (tests/support/tiny_models.py), so under
+`make test-compat` this is the expand -> verify pass on transformers 4.57.6, and under `make test` on the
+newest 5.x.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DENSE_TYPES, MOE_TYPES
 
 from otdus_cli.expand import expand
 from otdus_cli.methods.lesa import LesaOptions
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.metrics import EvalSet, Window
+from tests.support.tiny_models import DENSE_TYPES, MOE_TYPES
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 

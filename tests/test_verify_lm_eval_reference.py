@@ -97,5 +97,7 @@ def test_each_figure_names_the_release_and_command_that_produced_it():
     for key, entry in RUNS.items():
         assert entry["environment"]["lm_eval"] == entry["lm_eval"], key
         assert {"transformers", "torch", "tokenizers"} <= set(entry["environment"]), key
-        assert entry["recorded_by"].startswith("python scripts/check_lm_eval.py"), key
+        assert entry["recorded_by"].startswith(
+            ("python -m scripts.check_lm_eval", "python scripts/check_lm_eval.py")
+        ), key
         assert entry["lm_eval_command"].startswith("lm_eval --model hf"), key

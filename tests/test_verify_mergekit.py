@@ -1,7 +1,7 @@
 """verify on checkpoints made by mergekit, not by otdus: no manifest, mergekit's own tensor layout.
 
 tests/data/mergekit/ holds two real mergekit 0.1.5 passthrough merges of the bundled stories260K
-(written by `python scripts/make_mergekit_outputs.py tests/data/mergekit`; float32, as
+(written by `python -m scripts.make_mergekit_outputs tests/data/mergekit`; float32, as
 `mergekit-yaml` saved them, its mergekit_config.yml kept beside them):
 
 - solar: base layers [0, 4) then [1, 5), 5 -> 8 layers (copies only: not function-preserving);

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 
@@ -24,6 +26,7 @@ def run_verify(folder, *extra: str, interval: str = "0") -> subprocess.Completed
     )
 
 
+@pytest.mark.slow  # several CLI processes, each importing torch: make test-long
 def test_progress_lines_appear_in_a_piped_run_and_quiet_silences_them(tmp_path):
     out = tmp_path / "deeper"
     expand("bundled:stories260k", out, ExpandOptions(method="llama-pro", layers=5))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_verify_families import random_plan
 from typer.testing import CliRunner
 
 from otdus_cli.bundled import TINYSTORIES_SAMPLE
@@ -21,6 +20,7 @@ from otdus_cli.verify import hf_compat, self_check
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.perplexity import perplexity
 from otdus_cli.verify.streaming import StreamedModel
+from tests.test_verify_families import random_plan
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 

@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-from conftest import DENSE_TYPES, MOE_TYPES, load_causal_lm
 from safetensors.torch import load_file, save_file
 
 from otdus_cli.errors import OtdusError
@@ -15,6 +14,7 @@ from otdus_cli.verify.batching import group_windows
 from otdus_cli.verify.head_pass import iter_logits
 from otdus_cli.verify.self_check import forward_logits_layer_by_layer
 from otdus_cli.verify.streaming import StreamedModel
+from tests.support.tiny_models import DENSE_TYPES, MOE_TYPES, load_causal_lm
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 

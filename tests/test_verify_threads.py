@@ -108,6 +108,7 @@ def _ppl_threads(extra: list[str], env: dict[str, str], cpus: set[int] | None = 
     return json.loads(proc.stdout)["compute"]["threads"]
 
 
+@pytest.mark.slow  # several CLI processes, each importing torch: make test-long
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one")
 def test_the_cli_follows_affinity_omp_num_threads_and_threads_flag():
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}

@@ -11,13 +11,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import one_error_line
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
+from tests.support.cli_checks import one_error_line
 
 runner = CliRunner()
 VERIFY = ("--protocol", "token", "--max-tokens", "300", "--seq-len", "128")
@@ -74,7 +74,7 @@ def test_manifest_pointing_at_another_model_is_a_wrong_base(expanded, tmp_path):
 
 
 def test_a_base_resaved_with_another_layout_is_still_the_base(expanded, tmp_path):
-    from conftest import load_causal_lm
+    from tests.support.tiny_models import load_causal_lm
 
     base = expanded.parent / "stories260k"
     resaved = tmp_path / "resaved"

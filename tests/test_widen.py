@@ -15,7 +15,6 @@ import shutil
 
 import pytest
 import torch
-from conftest import MOE_TYPES, build_tiny, load_causal_lm, logits, no_output_left, one_error_line
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -29,6 +28,8 @@ from otdus_cli.source import open_source
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.proof import static_check
 from otdus_cli.widen import WidenOptions, make_widen_plan, widen
+from tests.support.cli_checks import no_output_left, one_error_line
+from tests.support.tiny_models import MOE_TYPES, build_tiny, load_causal_lm, logits
 from tests.test_verify_families import random_plan
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]

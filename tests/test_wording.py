@@ -3,11 +3,11 @@ paths, and hints on the errors a first day meets."""
 
 from __future__ import annotations
 
-from conftest import one_error_line
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
 from otdus_cli.verify.proof import LayerFinding, StaticProof, summary
+from tests.support.cli_checks import one_error_line
 
 runner = CliRunner()
 

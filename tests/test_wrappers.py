@@ -16,123 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, TINY_CONFIGS, one_error_line
 
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.options import ExpandOptions
+from tests.support.cli_checks import one_error_line
+from tests.support.tiny_models import WRAPPERS
 
 pytestmark = [pytest.mark.compat]
-
-_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-WRAPPERS: dict[str, dict] = {
-    "gemma3": dict(
-        text_config={**COMMON, **TINY_CONFIGS["gemma3_text"], "model_type": "gemma3_text"},
-        vision_config=dict(_VISION, image_size=28, patch_size=14),
-        mm_tokens_per_image=4,
-        image_token_index=90,
-        boi_token_index=91,
-        eoi_token_index=92,
-    ),
-    "qwen2_5_vl": dict(
-        text_config={
-            **COMMON,
-            "model_type": "qwen2_5_vl_text",
-            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
-        },
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            out_hidden_size=32,
-            num_heads=2,
-            intermediate_size=32,
-            fullatt_block_indexes=[0],
-        ),
-        image_token_id=90,
-        video_token_id=91,
-        vision_start_token_id=92,
-    ),
-    # deepstack: the vision blocks listed feed visual features into text layers 0 and 1
-    "qwen3_vl": dict(
-        text_config={
-            **COMMON,
-            "model_type": "qwen3_vl_text",
-            "head_dim": 8,
-            "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True},
-        },
-        vision_config=dict(
-            depth=3,
-            hidden_size=16,
-            out_hidden_size=32,
-            num_heads=2,
-            intermediate_size=32,
-            patch_size=4,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0, 2],
-        ),
-        image_token_id=90,
-        video_token_id=91,
-        vision_start_token_id=92,
-        vision_end_token_id=93,
-    ),
-    # Llama 3.2 Vision: cross-attention layers 1 and 3 inside the text stack
-    "mllama": dict(
-        text_config={
-            **COMMON,
-            "cross_attention_layers": [1, 3],
-            "pad_token_id": 0,
-            "rope_scaling": {"rope_type": "default"},  # transformers 4.57 has no default
-        },
-        vision_config=dict(
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_global_layers=1,
-            attention_heads=2,
-            image_size=28,
-            patch_size=14,
-            vision_output_dim=32,
-            intermediate_layers_indices=[0],
-            max_num_tiles=1,
-            supported_aspect_ratios=[[1, 1]],
-        ),
-        image_token_index=90,
-    ),
-    # Llama 4: dense / MoE layers interleaved, NoPE and chunked attention (conftest's llama4_text)
-    "llama4": dict(
-        text_config={**COMMON, **TINY_CONFIGS["llama4_text"]},
-        vision_config=dict(
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-            projector_input_dim=32,
-            projector_output_dim=32,
-            vision_output_dim=32,
-            pixel_shuffle_ratio=0.5,
-        ),
-        image_token_index=90,
-        boi_token_index=91,
-        eoi_token_index=92,
-    ),
-    "llava": dict(
-        text_config={**COMMON, "model_type": "llama"},
-        vision_config=dict(
-            _VISION, model_type="clip_vision_model", image_size=28, patch_size=14, projection_dim=16
-        ),
-        image_token_index=90,
-    ),
-    "mistral3": dict(
-        text_config={**COMMON, "model_type": "mistral", "head_dim": 8},
-        vision_config=dict(_VISION, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
-        image_token_index=90,
-        spatial_merge_size=1,
-    ),
-}
 
 
 def build_wrapper(model_type: str, folder: Path, fields: dict | None = None) -> Path:
@@ -268,9 +159,8 @@ def test_wrapper_with_layers_under_two_prefixes_is_refused(wrappers, tmp_path):
 def test_verify_scores_the_text_model_of_a_wrapper(wrappers, tmp_path, model_type, single_thread):
     """verify streams a wrapper's text model (the vision tower left aside by the text-only forward): a
     zero-init expansion holds bitwise PARITY and the static proof shows it, from the library."""
-    from test_verify_families import random_plan
-
     from otdus_cli.verify.compare import verify_expansion
+    from tests.test_verify_families import random_plan
 
     if model_type == "gemma3-v5-names":
         src = to_transformers5_names(wrappers["gemma3"], tmp_path / "src")
@@ -401,8 +291,9 @@ def test_llama4_lists_transformers_derives_are_written_explicitly(tmp_path, tiny
     them from interleave_moe_layer_step and no_rope_layer_interval, which at the new depth would put
     experts and NoPE on other layers): the output states them, each layer keeping its source's kind as
     the installed transformers reads the source."""
-    from conftest import load_causal_lm, logits
     from transformers import AutoConfig
+
+    from tests.support.tiny_models import load_causal_lm, logits
 
     src = tmp_path / "src"
     src.mkdir()

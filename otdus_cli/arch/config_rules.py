@@ -167,7 +167,7 @@ _prefetch: threading.Thread | None = None
 def _import_autoconfig(model_type: str | None) -> None:
     # any failure is left to validate_with_transformers, which imports again and reports it
     with contextlib.suppress(BaseException):
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         if model_type:
             CONFIG_MAPPING[model_type]  # imports that family's configuration module

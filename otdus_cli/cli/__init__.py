@@ -124,7 +124,7 @@ def _end_rank(code: object) -> None:
     and said, and gloo's threads, left to C++ static destructors at interpreter exit, abort some runs
     ('terminate called without an active exception', SIGABRT) even after the group was destroyed; so
     the group is closed and the process ends here with the command's exit code. One process: nothing."""
-    from otdus_cli.distributed import joined_world  # noqa: PLC0415
+    from otdus_cli.distributed import joined_world
 
     world = joined_world()
     if world is None or world.size == 1:

@@ -51,8 +51,8 @@ def version(json_out: JsonFlag = False) -> None:
     if not json_out:
         out_console.print(__version__)
         return
-    from importlib.metadata import PackageNotFoundError  # noqa: PLC0415
-    from importlib.metadata import version as dist_version  # noqa: PLC0415
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
 
     libs = {}
     for dist in ("torch", "transformers", "safetensors", "huggingface_hub", "POT", "typer", "pydantic"):

@@ -322,8 +322,8 @@ def _expand_and_widen(
     model, out, options, factor: int, noise: float, force: bool, json_out: bool, say
 ) -> None:
     """`expand --experts M`: depth, then width, into one output (grow.py)."""
-    from otdus_cli.grow import expand_and_widen  # noqa: PLC0415
-    from otdus_cli.widen import WidenOptions  # noqa: PLC0415
+    from otdus_cli.grow import expand_and_widen
+    from otdus_cli.widen import WidenOptions
 
     widen_options = WidenOptions(
         factor=factor, noise=noise, seed=options.seed, max_shard_size=options.max_shard_size

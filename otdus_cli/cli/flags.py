@@ -75,9 +75,9 @@ class MethodFlag:
 def method_flags(for_plan: bool = False) -> list[MethodFlag]:
     """The flags of every registered method's options, in registry and field order (``for_plan``:
     those of `otdus plan`, the options that change the layer map)."""
-    import typer  # noqa: PLC0415
+    import typer
 
-    from otdus_cli.options import option_groups  # noqa: PLC0415
+    from otdus_cli.options import option_groups
 
     flags = []
     for group, model in option_groups().items():

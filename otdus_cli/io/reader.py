@@ -169,7 +169,7 @@ class CheckpointReader:
     def _bin_state(self, path: Path) -> dict[str, torch.Tensor]:
         """Load a pickle shard safely: weights_only (no code execution), memory-mapped."""
         if path not in self._bin_cache:
-            import torch  # noqa: PLC0415 - safetensors checkpoints never need it here
+            import torch  # safetensors checkpoints never need it here
 
             if not path.is_file():
                 raise OtdusError(f"missing shard {path.name}")
@@ -241,7 +241,7 @@ class CheckpointReader:
                 raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {name}")
             return data
         if name in self._bin_files:
-            import torch  # noqa: PLC0415
+            import torch
 
             tensor = self._bin_state(self._bin_files[name])[name].contiguous()
             return tensor.reshape(-1).view(torch.uint8)[offset : offset + count].numpy().tobytes()
@@ -261,7 +261,7 @@ class CheckpointReader:
 
 def _read_tensor(info: TensorInfo, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
     """A fresh CPU tensor of ``shape`` from ``info``'s data, starting ``offset`` bytes in."""
-    import torch  # noqa: PLC0415 - imported on first tensor work, not for header reads and copies
+    import torch  # imported on first tensor work, not for header reads and copies
 
     dtype = torch_dtype(info.dtype)
     nbytes = math.prod(shape) * itemsize(info.dtype)

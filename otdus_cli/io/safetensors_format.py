@@ -46,7 +46,7 @@ def itemsize(code: str) -> int:
 
 def torch_dtype(code: str):
     """The torch dtype of a safetensors code (imports torch)."""
-    import torch  # noqa: PLC0415 - only tensor work needs torch
+    import torch  # only tensor work needs torch
 
     return getattr(torch, _DTYPE_TABLE[code][0])
 

@@ -39,7 +39,7 @@ class SourceLayer:
 
     def get(self, suffix: str) -> torch.Tensor:
         """One tensor for a builder; non-finite weights would flow into every layer built from it."""
-        import torch  # noqa: PLC0415 - only builders read tensors
+        import torch  # only builders read tensors
 
         tensor = self.reader.get(self.name(suffix))
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):

@@ -148,7 +148,7 @@ class ShardedWriter:
             raise RuntimeError(
                 f"{name}: built shape {tuple(tensor.shape)} differs from planned {planned.shape}"
             )
-        import torch  # noqa: PLC0415 - only built tensors need it; copies and zeros do not
+        import torch  # only built tensors need it; copies and zeros do not
 
         data = tensor.detach().to(device="cpu", dtype=torch_dtype(planned.dtype)).contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy()

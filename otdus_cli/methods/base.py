@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def _cpu() -> torch.device:
-    import torch  # noqa: PLC0415 - planning and copying never need torch
+    import torch  # planning and copying never need torch
 
     return torch.device("cpu")
 

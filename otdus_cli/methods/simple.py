@@ -33,7 +33,7 @@ class RandomBuilder:
     parents_needed = 1
 
     def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
-        import torch  # noqa: PLC0415 - copy-type methods never need torch
+        import torch  # copy-type methods never need torch
 
         (a,) = parents
         std = float(ctx.config.get("initializer_range", 0.02))

@@ -45,7 +45,7 @@ def _split_separated(text: str) -> list[str]:
 
 def load_documents(spec: str | os.PathLike[str]) -> Documents:
     """Documents of a text spec (see the module docstring)."""
-    from otdus_cli.verify.text import load_wikitext_raw, wikitext_pages  # noqa: PLC0415
+    from otdus_cli.verify.text import load_wikitext_raw, wikitext_pages
 
     name = str(spec)
     if name == "bundled:wikitext-test":

@@ -253,7 +253,7 @@ def activation_scores(
 ) -> tuple[dict[str, float], float]:
     """Held-out scores of the activation variant's choices: MLP (plan-weighted, one-to-one) and the
     heads' group matching (``ha``/``hb``: heads x (tokens * hidden) contributions)."""
-    from otdus_cli.methods.ot.builder import Heads, OTSettings, activation_plan, match_head_groups  # noqa: PLC0415
+    from otdus_cli.methods.ot.builder import Heads, OTSettings, activation_plan, match_head_groups
 
     s = OTSettings(variant="activation", reg=reg)
     plans: dict[int, TransportPlan] = {}
@@ -365,11 +365,11 @@ def diagnose(
     ``max_tokens``: tokens of text run through the model (in windows of ``seq_len``); ``png``: write
     the weight-norm profile there (needs matplotlib).
     """
-    from otdus_cli.device import resolve_device  # noqa: PLC0415
-    from otdus_cli.source import resolve_source  # noqa: PLC0415
-    from otdus_cli.study.data import load_documents, tokenize_windows  # noqa: PLC0415
-    from otdus_cli.study.train import load_model  # noqa: PLC0415
-    from otdus_cli.verify.metrics import load_tokenizer  # noqa: PLC0415
+    from otdus_cli.device import resolve_device
+    from otdus_cli.source import resolve_source
+    from otdus_cli.study.data import load_documents, tokenize_windows
+    from otdus_cli.study.train import load_model
+    from otdus_cli.verify.metrics import load_tokenizer
 
     say = progress or (lambda msg: None)
     folder = str(resolve_source(checkpoint).folder)
@@ -473,8 +473,8 @@ def sparkline(values: Sequence[float]) -> str:
 
 def diagnose_tables(result: DiagnoseResult):
     """Rich renderables: MLP and head correlations per pair, plan entropies, the norm profile."""
-    from rich.console import Group  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
+    from rich.console import Group
+    from rich.table import Table
 
     mlp = Table(
         title=f"MLP neuron correlation of paired neurons ({result.tokens} tokens of {result.text})",
@@ -538,7 +538,7 @@ def diagnose_tables(result: DiagnoseResult):
 
 def plot_weight_norms(result: DiagnoseResult, path: str | os.PathLike[str]) -> Path | None:
     """Per-layer norm of every projection and of the whole layer (PNG); None without matplotlib."""
-    from otdus_cli.study.report import _pyplot  # noqa: PLC0415
+    from otdus_cli.study.report import _pyplot
 
     plt = _pyplot()
     if plt is None:

@@ -30,7 +30,7 @@ def plant_permuted_copy(
     """Write ``checkpoint`` (a single-file Llama-style safetensors folder) to ``folder`` with layer
     ``layer + 1`` replaced as described above. Returns the planted pair (layer, layer + 1); the
     permutations are recoverable with :func:`planted_permutations` and the same seed."""
-    from otdus_cli.source import resolve_source  # noqa: PLC0415
+    from otdus_cli.source import resolve_source
 
     src = resolve_source(checkpoint).folder
     folder = Path(folder)

@@ -20,10 +20,10 @@ __all__ = ["plot_curves", "study_caption", "study_markdown", "study_table"]
 
 def _pyplot():
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError:
         return None
     return plt
@@ -103,7 +103,7 @@ def study_caption(result: StudyResult) -> str:
 
 def study_table(result: StudyResult) -> Table:
     """A rich table: one row per method, sorted as given, paired differences to the reference."""
-    from rich.table import Table  # noqa: PLC0415
+    from rich.table import Table
 
     n = len(result.config["seeds"])
     ref = result.reference

@@ -278,7 +278,7 @@ class StudyResult:
 
     def save(self, out_dir: str | os.PathLike[str], plot: bool = True) -> list[Path]:
         """Write ``study.json`` and, when matplotlib is installed, ``loss_curves.png``."""
-        from otdus_cli.study.report import plot_curves  # noqa: PLC0415
+        from otdus_cli.study.report import plot_curves
 
         folder = Path(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -313,8 +313,8 @@ class _ExpansionCache:
         self._made: dict[str, tuple[Path, dict]] = {}
 
     def get(self, options: ExpandOptions, seed: int) -> tuple[Path, dict]:
-        from otdus_cli.expand import expand  # noqa: PLC0415
-        from otdus_cli.methods.registry import get_method  # noqa: PLC0415
+        from otdus_cli.expand import expand
+        from otdus_cli.methods.registry import get_method
 
         seeded = get_method(options.method).seeded_by_study
         opts = options.model_copy(update={"seed": seed if seeded else options.seed})
@@ -384,14 +384,14 @@ def study(
             "no paired differences: the default reference 'ot' is not among the methods "
             "(choose one of them as the reference)"
         )
-    from otdus_cli.device import resolve_device  # noqa: PLC0415
+    from otdus_cli.device import resolve_device
 
     dev = resolve_device(device)
     threads_before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(int(threads))
-    from otdus_cli.source import resolve_source  # noqa: PLC0415
-    from otdus_cli.verify.metrics import load_tokenizer  # noqa: PLC0415
+    from otdus_cli.source import resolve_source
+    from otdus_cli.verify.metrics import load_tokenizer
 
     source = resolve_source(base)
     base_dir = str(source.folder)

@@ -62,7 +62,7 @@ def deterministic() -> Iterator[None]:
 
 def load_model(folder: str, device: torch.device):
     """A checkpoint as a float32 causal LM (transformers, never remote code), in train mode."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy import
+    from transformers import AutoModelForCausalLM  # heavy import
 
     # our reader first: it validates every safetensors header and loads pickles only with
     # weights_only, so a corrupt or malicious checkpoint is one clear error before transformers sees it

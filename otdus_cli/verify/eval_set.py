@@ -27,7 +27,7 @@ from otdus_cli.verify.text import Corpus, wikitext_corpus
 
 def model_folder(model: str | os.PathLike[str]) -> Path:
     """A model argument as the CLI takes it: a folder, ``bundled:stories260k`` or a cached hub id."""
-    from otdus_cli.source import resolve_source  # noqa: PLC0415
+    from otdus_cli.source import resolve_source
 
     return Path(resolve_source(str(model)).folder)
 

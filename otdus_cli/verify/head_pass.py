@@ -49,7 +49,7 @@ def head_logits(model: StreamedModel, states: torch.Tensor) -> torch.Tensor:
 def _self_check(model: StreamedModel, check: CheckBatch) -> None:
     """The check batch's logits, in one piece as the reference computed them, against the reference
     (refuses with OtdusError when they differ)."""
-    from otdus_cli.verify.self_check import check_logits  # noqa: PLC0415
+    from otdus_cli.verify.self_check import check_logits
 
     logits = head_logits(model, check.hidden.to(model.device))
     check_logits(model, logits[0], check.reference, check.how)

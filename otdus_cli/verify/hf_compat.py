@@ -64,8 +64,8 @@ def _parameters_on_meta() -> Iterator[None]:
 def auto_model_class(config):
     """The auto class that builds ``config``'s model: the causal-LM one, or for a multimodal wrapper
     that is no causal LM to transformers (LLaVA, Qwen2.5-VL), the image-text-to-text one."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: PLC0415
-    from transformers.models.auto import modeling_auto  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto import modeling_auto
 
     model_type = getattr(config, "model_type", None)
     if model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
@@ -79,7 +79,7 @@ def skeleton_config(config):
     """The config to build the evaluated model from: a wrapper's text config where transformers' causal
     LM for the wrapper is its text model's class (Llama 4: Llama4ForCausalLM, which 4.57 cannot build
     from the wrapper's config), else the config itself."""
-    from transformers.models.auto import modeling_auto  # noqa: PLC0415
+    from transformers.models.auto import modeling_auto
 
     names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     text = config.get_text_config()
@@ -147,7 +147,7 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
 def loads_stored_tied_copies() -> bool:
     """Whether a tied parameter that the checkpoint also stores under its own name is loaded from that
     tensor (5.x) rather than tied to its source (4.57)."""
-    import transformers  # noqa: PLC0415 - heavy import
+    import transformers  # heavy import
 
     return int(transformers.__version__.split(".")[0]) >= 5
 

@@ -70,7 +70,7 @@ RELEASES = (
 
 def parse_version(text: str) -> tuple[int, ...]:
     """The release numbers of an lm-eval version string (``0.4.2``, ``v0.4.9.2``, ``0.4.10.dev0``)."""
-    from packaging.version import InvalidVersion, Version  # noqa: PLC0415 - transformers' dependency
+    from packaging.version import InvalidVersion, Version  # transformers' dependency
 
     try:
         release = Version(text.strip()).release

@@ -106,7 +106,7 @@ class PerplexityMetrics:
 
 # -- tokenizer and model positions ----------------------------------------------------------------
 def load_tokenizer(folder: str | os.PathLike[str]):
-    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import
+    from transformers import AutoTokenizer  # heavy import
 
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)

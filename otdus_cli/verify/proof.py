@@ -56,11 +56,11 @@ _COSMETIC_CONFIG_KEYS = {"transformers_version", "_name_or_path", "torch_dtype",
 def _semantic_config(config: dict, normalise: bool) -> dict:
     """The config without the fields that only say how it was written; with ``normalise``, as
     transformers reads it (a re-save may rename fields, e.g. rope_theta into rope_parameters)."""
-    import warnings  # noqa: PLC0415
+    import warnings
 
     if normalise:
         try:
-            from transformers import AutoConfig  # noqa: PLC0415
+            from transformers import AutoConfig
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -278,7 +278,7 @@ def static_check(
 ) -> StaticProof:
     """Base identity (when the expanded checkpoint has a manifest), then the static proof against the
     claimed layer map (default: the manifest's; none: inferred from fingerprints)."""
-    from otdus_cli.manifest import read_manifest  # noqa: PLC0415
+    from otdus_cli.manifest import read_manifest
 
     base_stack, expanded_stack = open_stack(base), open_stack(expanded)
     manifest = read_manifest(expanded_stack.reader.folder)

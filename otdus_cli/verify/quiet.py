@@ -18,7 +18,7 @@ def quiet_transformers(fn: Fn) -> Fn:
 
     @functools.wraps(fn)
     def quiet(*args: Any, **kwargs: Any) -> Any:
-        from transformers.utils import logging as hf_logging  # noqa: PLC0415 - heavy import
+        from transformers.utils import logging as hf_logging  # heavy import
 
         verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()

@@ -103,7 +103,7 @@ def reference_logits(
 
 def check_logits(model: StreamedModel, streamed: torch.Tensor, reference: torch.Tensor, how: str) -> None:
     """Refuse (OtdusError) unless ``streamed`` equals ``reference`` bit for bit (NaN where NaN)."""
-    import transformers  # noqa: PLC0415 - heavy import
+    import transformers  # heavy import
 
     streamed = streamed.cpu()
     if streamed.shape == reference.shape:

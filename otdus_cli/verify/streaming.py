@@ -81,7 +81,7 @@ class StreamedModel:
         kwargs_budget: int = 512 * 2**20,
         self_check: str = "off",
     ):
-        from transformers import AutoConfig  # noqa: PLC0415 - heavy import
+        from transformers import AutoConfig  # heavy import
 
         self.reader = model if isinstance(model, CheckpointReader) else CheckpointReader(model)
         self.folder = Path(self.reader.folder)
@@ -163,7 +163,7 @@ class StreamedModel:
         groups = group_windows([len(x) for x in inputs], self.windows_per_batch)
         reference = None
         if self._check_pending:  # once per model: the first window's start, as a batch of its own
-            from otdus_cli.verify.self_check import SELF_CHECK_TOKENS, reference_logits  # noqa: PLC0415
+            from otdus_cli.verify.self_check import SELF_CHECK_TOKENS, reference_logits
 
             self._check_pending = False
             check_ids = list(inputs[0])[:SELF_CHECK_TOKENS]

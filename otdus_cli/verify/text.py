@@ -141,7 +141,7 @@ def count_bytes(page: str) -> int:
 def wikitext_corpus(max_docs: int | None = None, bundled: str = "bundled:wikitext-test") -> Corpus:
     """A bundled WikiText-2 raw split (``bundled:wikitext-test`` or ``bundled:wikitext-valid``) as
     article documents."""
-    from otdus_cli.bundled import WIKITEXT_SPLITS, read_bundled_text  # noqa: PLC0415
+    from otdus_cli.bundled import WIKITEXT_SPLITS, read_bundled_text
 
     raw = load_wikitext_raw() if bundled == "bundled:wikitext-test" else read_bundled_text(bundled)
     pages = wikitext_pages(raw)
@@ -201,7 +201,7 @@ def dataset_corpus(
     (article documents, detokeniser).
     """
     try:
-        import datasets  # noqa: PLC0415 - optional dependency, imported only when asked for
+        import datasets  # optional dependency, imported only when asked for
     except ImportError:
         raise OtdusError(
             "--dataset needs the 'datasets' package (pip install datasets); use --text PATH"

@@ -118,7 +118,7 @@ def choose_threads(
     requested: int | None = None, work_flop: float | None = None, since: CpuSample | None = None
 ) -> ThreadChoice:
     """The thread count for a run whose decoder-layer calls do ``work_flop`` operations each."""
-    import torch  # noqa: PLC0415 - the CLI reads the CPUs before anything heavy is imported
+    import torch  # the CLI reads the CPUs before anything heavy is imported
 
     cpus, bound = usable_cpus()
     if requested is not None:
@@ -146,7 +146,7 @@ def choose_threads(
 @contextlib.contextmanager
 def intra_op_threads(threads: int) -> Iterator[None]:
     """torch's intra-op pool at ``threads`` inside the block, as it was afterwards."""
-    import torch  # noqa: PLC0415 - the CLI reads the CPUs before anything heavy is imported
+    import torch  # the CLI reads the CPUs before anything heavy is imported
 
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, int(threads)))

@@ -66,7 +66,7 @@ class LesaOptions(BaseModel):
 
 
 def _builder() -> LayerBuilder:
-    from otdus_cli.methods.lesa.builder import LesaBuilder  # noqa: PLC0415 - torch only when building
+    from otdus_cli.methods.lesa.builder import LesaBuilder  # torch only when building
 
     return LesaBuilder()
 

@@ -31,7 +31,7 @@ __all__ = ["OT", "OTOptions", "transport_warnings"]
 
 
 def _builder() -> LayerBuilder:
-    from otdus_cli.methods.ot.builder import OTBuilder  # noqa: PLC0415 - torch only when building
+    from otdus_cli.methods.ot.builder import OTBuilder  # torch only when building
 
     return OTBuilder()
 

@@ -141,7 +141,7 @@ class OTBuilder:
         settings = OTSettings.from_context(ctx)
         if settings.variant != "activation":
             return None
-        from otdus_cli.methods.ot.calibration import calibrate  # noqa: PLC0415
+        from otdus_cli.methods.ot.calibration import calibrate
 
         pairs = sorted({(lay.parents[0], lay.parents[1]) for lay in new_layers})
         report, self._calibrated = calibrate(pairs, ctx, settings, scratch)
@@ -163,7 +163,7 @@ class OTBuilder:
         ctx.stats["parents"] = [a.index, b.index]
         ctx.stats["modules"] = stats
         if family.moe:  # experts matched first, then neurons inside each matched pair (moe.py)
-            from otdus_cli.methods.ot.moe import build_moe_layer  # noqa: PLC0415
+            from otdus_cli.methods.ot.moe import build_moe_layer
 
             yield from build_moe_layer(a, b, ctx, settings, stats)
             return
@@ -174,7 +174,7 @@ class OTBuilder:
             path = self._calibrated.get((a.index, b.index))
             if path is None:
                 raise RuntimeError(f"OTBuilder.build: no activation statistics for ({a.index}, {b.index})")
-            from otdus_cli.methods.ot.calibration import PairActivations  # noqa: PLC0415
+            from otdus_cli.methods.ot.calibration import PairActivations
 
             roles = _activation(pair, heads, settings, stats, PairActivations.load(path))
         elif settings.variant == "structured":
@@ -550,7 +550,7 @@ class ActivationAttention:
     def __init__(
         self, acts: PairActivations, w_o: tuple[torch.Tensor, torch.Tensor], heads: Heads, s: OTSettings
     ):
-        from otdus_cli.methods.ot.calibration import head_correlation  # noqa: PLC0415
+        from otdus_cli.methods.ot.calibration import head_correlation
 
         self.heads, self.s = heads, s
         self.head_corr = head_correlation(acts.o_cross, acts.o_auto_a, acts.o_auto_b, *w_o)

@@ -209,8 +209,8 @@ def head_correlation(
 
 def calibration_windows(folder: str | os.PathLike[str], calib: str, tokens: int, max_positions: int | None):
     """Token windows of the calibration text (whole windows, at most ``tokens`` tokens)."""
-    from otdus_cli.study.data import load_documents, tokenize_windows  # noqa: PLC0415
-    from otdus_cli.verify.metrics import load_tokenizer  # noqa: PLC0415
+    from otdus_cli.study.data import load_documents, tokenize_windows
+    from otdus_cli.verify.metrics import load_tokenizer
 
     if tokens < MIN_CALIB_TOKENS:
         raise OtdusError(f"--calib-tokens {tokens}: use at least {MIN_CALIB_TOKENS}")
@@ -248,7 +248,7 @@ def capture_pair_activations(
 
     ``roles``: the family's role -> module path inside a layer ("o" and "down" are hooked).
     """
-    from otdus_cli.verify.streaming import StreamedModel  # noqa: PLC0415
+    from otdus_cli.verify.streaming import StreamedModel
 
     for a, b in pairs:
         if not 0 <= a < b:
@@ -321,9 +321,9 @@ def capture_pair_activations(
 def calibrate(pairs: Sequence[tuple[int, int]], ctx, settings, scratch: Path) -> tuple[dict, dict]:
     """The OT builder's pre-pass for the activation variant: statistics of every pair, saved in
     ``scratch``. Returns (the manifest's report, pair -> saved statistics)."""
-    import time  # noqa: PLC0415
+    import time
 
-    from otdus_cli.verify.metrics import model_max_positions  # noqa: PLC0415
+    from otdus_cli.verify.metrics import model_max_positions
 
     family = ctx.family  # dense: an MoE family was refused at plan time (methods/ot/__init__.py)
     if ctx.source_folder is None:

@@ -1,0 +1,241 @@
+"""Tiny random models of every family the suite covers, built in-process with transformers' own classes
+and saved with save_pretrained, so they have exactly the tensor names, config fields and on-disk layout
+of real checkpoints; and the two ways tests read them back (a loaded model, its logits)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+# model_type -> extra config fields (small, but exercising each family's particular features)
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": {"tie_word_embeddings": False},
+    "mistral": {"sliding_window": 16},
+    "qwen2": {
+        "use_sliding_window": True,
+        "sliding_window": 16,
+        "max_window_layers": 2,
+        "tie_word_embeddings": True,
+    },
+    "qwen3": {"head_dim": 8},
+    "gemma2": {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 8},
+    "gemma3_text": {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 8, "num_hidden_layers": 6},
+    "phi3": {"pad_token_id": 0},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24,
+    },
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    **{
+        # architecture breadth: tests/test_arch_breadth.py
+        "olmo2": {},
+        "olmo3": {"sliding_window": 16},
+        "exaone4": {"head_dim": 8, "sliding_window": 16},
+        "granite": {"residual_multiplier": 0.5, "embedding_multiplier": 2.0, "logits_scaling": 2.0},
+        "smollm3": {"pad_token_id": 0},
+        "ministral": {"head_dim": 8, "sliding_window": 16},
+        "cohere": {"use_qk_norm": True},
+        "cohere2": {"sliding_window": 16},
+        "glm4": {"pad_token_id": 0, "head_dim": 8},
+        "starcoder2": {"sliding_window": 16},
+        "gpt_oss": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
+        # dense and MoE layers interleaved, NoPE layers every second, chunked attention on the others
+        "llama4_text": {
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "intermediate_size_mlp": 40,
+            "interleave_moe_layer_step": 2,
+            "no_rope_layer_interval": 2,
+            "attention_chunk_size": 8,
+        },
+        "deepseek_v3": {
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "v_head_dim": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 16,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    },
+}
+DENSE_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+MOE_TYPES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+BREADTH_DENSE_TYPES = [
+    "olmo2",
+    "olmo3",
+    "exaone4",
+    "granite",
+    "smollm3",
+    "ministral",
+    "cohere",
+    "cohere2",
+    "glm4",
+    "starcoder2",
+]
+BREADTH_MOE_TYPES = ["gpt_oss", "deepseek_v3", "llama4_text"]
+
+
+def build_tiny(model_type: str, folder: Path, max_shard_size: str | None = None, seed: int = 0) -> Path:
+    """Save a tiny random model of `model_type` (weights drawn so no tensor is trivially zero)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(model_type, **{**COMMON, **TINY_CONFIGS[model_type]})
+        model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms start at exactly 1 (or 0 for Gemma); perturb them so mistakes show
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+# multimodal wrappers: a tiny vision tower around a tiny text model (test_wrappers.py, scripts/coverage.py)
+_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+WRAPPERS: dict[str, dict] = {
+    "gemma3": dict(
+        text_config={**COMMON, **TINY_CONFIGS["gemma3_text"], "model_type": "gemma3_text"},
+        vision_config=dict(_VISION, image_size=28, patch_size=14),
+        mm_tokens_per_image=4,
+        image_token_index=90,
+        boi_token_index=91,
+        eoi_token_index=92,
+    ),
+    "qwen2_5_vl": dict(
+        text_config={
+            **COMMON,
+            "model_type": "qwen2_5_vl_text",
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        },
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            out_hidden_size=32,
+            num_heads=2,
+            intermediate_size=32,
+            fullatt_block_indexes=[0],
+        ),
+        image_token_id=90,
+        video_token_id=91,
+        vision_start_token_id=92,
+    ),
+    # deepstack: the vision blocks listed feed visual features into text layers 0 and 1
+    "qwen3_vl": dict(
+        text_config={
+            **COMMON,
+            "model_type": "qwen3_vl_text",
+            "head_dim": 8,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True},
+        },
+        vision_config=dict(
+            depth=3,
+            hidden_size=16,
+            out_hidden_size=32,
+            num_heads=2,
+            intermediate_size=32,
+            patch_size=4,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 2],
+        ),
+        image_token_id=90,
+        video_token_id=91,
+        vision_start_token_id=92,
+        vision_end_token_id=93,
+    ),
+    # Llama 3.2 Vision: cross-attention layers 1 and 3 inside the text stack
+    "mllama": dict(
+        text_config={
+            **COMMON,
+            "cross_attention_layers": [1, 3],
+            "pad_token_id": 0,
+            "rope_scaling": {"rope_type": "default"},  # transformers 4.57 has no default
+        },
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_global_layers=1,
+            attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=32,
+            intermediate_layers_indices=[0],
+            max_num_tiles=1,
+            supported_aspect_ratios=[[1, 1]],
+        ),
+        image_token_index=90,
+    ),
+    # Llama 4: dense / MoE layers interleaved, NoPE and chunked attention (llama4_text above)
+    "llama4": dict(
+        text_config={**COMMON, **TINY_CONFIGS["llama4_text"]},
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            projector_input_dim=32,
+            projector_output_dim=32,
+            vision_output_dim=32,
+            pixel_shuffle_ratio=0.5,
+        ),
+        image_token_index=90,
+        boi_token_index=91,
+        eoi_token_index=92,
+    ),
+    "llava": dict(
+        text_config={**COMMON, "model_type": "llama"},
+        vision_config=dict(
+            _VISION, model_type="clip_vision_model", image_size=28, patch_size=14, projection_dim=16
+        ),
+        image_token_index=90,
+    ),
+    "mistral3": dict(
+        text_config={**COMMON, "model_type": "mistral", "head_dim": 8},
+        vision_config=dict(_VISION, model_type="pixtral", image_size=28, patch_size=14, head_dim=8),
+        image_token_index=90,
+        spatial_merge_size=1,
+    ),
+}
+
+
+def load_causal_lm(folder: Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+
+
+def logits(model, seed: int = 0, vocab: int | None = None, length: int = 24) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab or model.config.vocab_size, (2, length), generator=gen)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
