@@ -35,6 +35,7 @@ DOC = ROOT / "docs" / "evidence.md"
 RECIPES = {
     "table6": ROOT / "recipes" / "study-table6.yaml",
     "interpose-stack": ROOT / "recipes" / "study-interpose-stack.yaml",
+    "plateau": ROOT / "recipes" / "study-plateau.yaml",
 }
 DIAGNOSE_TEXT = "bundled:tinystories-train-2mib"
 DIAGNOSE_TOKENS = 8192
@@ -60,16 +61,24 @@ def _log(name: str, seconds: float, load_before: float, command: str) -> None:
     path.write_text(json.dumps(dict(sorted(runs.items())), indent=2) + "\n")
 
 
-def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set: str = "table6") -> None:
+def run_studies(
+    only: list[str] | None,
+    runs: list[str] | None = None,
+    study_set: str = "table6",
+    overrides: dict | None = None,
+) -> None:
     """Run the set's recipe's studies into docs/evidence/SET/NAME/; with ``runs``, only those arms
     (and the reference), added to the stored study (StudyResult.with_arms checks that the
-    reference's runs reproduce the stored ones)."""
+    reference's runs reproduce the stored ones); ``overrides``: settings over the recipe's (the
+    logged command carries them)."""
     from otdus_cli.study import StudyResult, run_recipe  # noqa: PLC0415
-    from otdus_cli.study.runner import load_study_recipe  # noqa: PLC0415
+    from otdus_cli.study.recipe import load_study_recipe  # noqa: PLC0415
 
     def progress(event) -> None:
         if event.kind in ("run", "data"):
-            tail = f"final loss {event.loss:.6f}" if event.loss is not None else event.message
+            tail = event.message
+            if event.loss is not None:
+                tail = f"step {event.step}, final {event.message or 'held-out'} loss {event.loss:.6f}"
             when = time.strftime("%H:%M:%S")
             print(f"[{when}] {event.run}/{event.runs} {event.label} seed {event.seed}: {tail}", flush=True)
 
@@ -80,13 +89,27 @@ def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set
     for name in only or [s.name for s in recipe.studies]:
         t0, load = time.perf_counter(), _load()
         command = f"python scripts/evidence.py study{flag} --only {name}"
+        if overrides:
+            command += f" --settings '{json.dumps(overrides)}'"
         if runs is None:
-            run_recipe(path, EVIDENCE / study_set, only=[name], progress=progress)
+            run_recipe(path, EVIDENCE / study_set, only=[name], progress=progress, overrides=overrides)
             key = f"{prefix}/{name}"
         else:
-            (later,) = run_recipe(path, None, only=[name], progress=progress, runs=runs).values()
-            kept = later.save(Path(tempfile.gettempdir()) / f"otdus-evidence-{name}-added", plot=False)
+            (later,) = run_recipe(
+                path, None, only=[name], progress=progress, runs=runs, overrides=overrides
+            ).values()
+            tag = ",".join(runs).replace("/", "_")
+            kept = later.save(Path(tempfile.gettempdir()) / f"otdus-evidence-{name}-{tag}", plot=False)
             print(f"the added arms' runs: {kept[0]}", flush=True)  # kept should the merge refuse them
+            if not (EVIDENCE / study_set / name / "study.json").exists():  # the first arms of a new set
+                later.save(EVIDENCE / study_set / name)
+                _log(
+                    f"{prefix}/{name} {','.join(runs)}",
+                    time.perf_counter() - t0,
+                    load,
+                    command + f" --runs {','.join(runs)}",
+                )
+                continue
             stored = StudyResult.load(EVIDENCE / study_set / name)
             wanted = {m.label for m in stored.methods} | set(runs)
             order = [r.name for r in recipe.runs if r.name in wanted]
@@ -156,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     st.add_argument("--only", action="append", help="a study of the recipe (repeatable)")
     st.add_argument("--runs", help="comma-separated arms to add to the stored study (with the reference)")
+    st.add_argument("--settings", type=json.loads, help="study settings over the recipe's, as JSON")
     sub.add_parser("diagnose", help="stories260K and the planted controls (docs/evidence/diagnose/)")
     sub.add_parser("render", help="docs/evidence.md's generated blocks from the stored results")
     args = parser.parse_args(argv)
     if args.what == "study":
-        run_studies(args.only, args.runs.split(",") if args.runs else None, args.recipe)
+        run_studies(args.only, args.runs.split(",") if args.runs else None, args.recipe, args.settings)
     elif args.what == "diagnose":
         run_diagnoses()
     else:

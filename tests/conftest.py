@@ -185,7 +185,7 @@ def study_from_window_losses(per_window: dict[str, list[list[float]]], reference
     ``reference`` as study() compares."""
     import math  # noqa: PLC0415
 
-    from otdus_cli.study.runner import MethodSummary, RunResult, StudyResult  # noqa: PLC0415
+    from otdus_cli.study import MethodSummary, RunResult, StudyResult  # noqa: PLC0415
 
     seeds = list(range(len(next(iter(per_window.values())))))
     runs, methods = [], []

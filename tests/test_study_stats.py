@@ -10,8 +10,8 @@ from conftest import study_from_window_losses
 from scipy import stats
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.study import StudyResult
 from otdus_cli.study.report import study_markdown
-from otdus_cli.study.runner import StudyResult
 from otdus_cli.study.stats import by_document_mean_ci, crossed_mean_ci, holm, sign_flip_p, t_quantile, tost
 
 # Per-seed final-loss differences to `ot` on the new domain, 3 seeds, from the first Table 6 run
