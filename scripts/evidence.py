@@ -5,6 +5,8 @@
     python scripts/evidence.py study --only in-domain   # one of them (two processes: one per core)
     python scripts/evidence.py study --only in-domain --runs lesa   # add an arm to a stored study
     python scripts/evidence.py study --recipe interpose-stack       # recipes/study-interpose-stack.yaml
+    python scripts/evidence.py study --recipe plateau --only in-domain --runs average+zero,average,copy
+    python scripts/evidence.py study ... --settings '{"eval_windows": 1024}'   # settings over the recipe's
     python scripts/evidence.py diagnose                 # stories260K and the two planted controls
     python scripts/evidence.py render                   # docs/evidence.md's generated blocks
 
@@ -66,11 +68,13 @@ def run_studies(
     runs: list[str] | None = None,
     study_set: str = "table6",
     overrides: dict | None = None,
+    alone: bool = False,
 ) -> None:
     """Run the set's recipe's studies into docs/evidence/SET/NAME/; with ``runs``, only those arms
     (and the reference), added to the stored study (StudyResult.with_arms checks that the
     reference's runs reproduce the stored ones); ``overrides``: settings over the recipe's (the
-    logged command carries them)."""
+    logged command carries them); ``alone``: the arms without the reference, merged without a
+    shared run (StudyResult.with_arms(shared_run=False): the base's loss must agree instead)."""
     from otdus_cli.study import StudyResult, run_recipe  # noqa: PLC0415
     from otdus_cli.study.recipe import load_study_recipe  # noqa: PLC0415
 
@@ -96,25 +100,27 @@ def run_studies(
             key = f"{prefix}/{name}"
         else:
             (later,) = run_recipe(
-                path, None, only=[name], progress=progress, runs=runs, overrides=overrides
+                path,
+                None,
+                only=[name],
+                progress=progress,
+                runs=runs,
+                overrides=overrides,
+                reference="" if alone else None,
             ).values()
             tag = ",".join(runs).replace("/", "_")
             kept = later.save(Path(tempfile.gettempdir()) / f"otdus-evidence-{name}-{tag}", plot=False)
             print(f"the added arms' runs: {kept[0]}", flush=True)  # kept should the merge refuse them
             if not (EVIDENCE / study_set / name / "study.json").exists():  # the first arms of a new set
                 later.save(EVIDENCE / study_set / name)
-                _log(
-                    f"{prefix}/{name} {','.join(runs)}",
-                    time.perf_counter() - t0,
-                    load,
-                    command + f" --runs {','.join(runs)}",
-                )
+                command += f" --runs {','.join(runs)}" + (" --alone" if alone else "")
+                _log(f"{prefix}/{name} {','.join(runs)}", time.perf_counter() - t0, load, command)
                 continue
             stored = StudyResult.load(EVIDENCE / study_set / name)
             wanted = {m.label for m in stored.methods} | set(runs)
             order = [r.name for r in recipe.runs if r.name in wanted]
-            stored.with_arms(later, order=order).save(EVIDENCE / study_set / name)
-            command += f" --runs {','.join(runs)}"
+            stored.with_arms(later, order=order, shared_run=not alone).save(EVIDENCE / study_set / name)
+            command += f" --runs {','.join(runs)}" + (" --alone" if alone else "")
             key = f"{prefix}/{name} +{','.join(runs)}"
         _log(key, time.perf_counter() - t0, load, command)
 
@@ -180,11 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--only", action="append", help="a study of the recipe (repeatable)")
     st.add_argument("--runs", help="comma-separated arms to add to the stored study (with the reference)")
     st.add_argument("--settings", type=json.loads, help="study settings over the recipe's, as JSON")
+    st.add_argument("--alone", action="store_true", help="with --runs: without the reference (no rerun)")
     sub.add_parser("diagnose", help="stories260K and the planted controls (docs/evidence/diagnose/)")
     sub.add_parser("render", help="docs/evidence.md's generated blocks from the stored results")
     args = parser.parse_args(argv)
     if args.what == "study":
-        run_studies(args.only, args.runs.split(",") if args.runs else None, args.recipe, args.settings)
+        runs = args.runs.split(",") if args.runs else None
+        run_studies(args.only, runs, args.recipe, args.settings, args.alone)
     elif args.what == "diagnose":
         run_diagnoses()
     else:

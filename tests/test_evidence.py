@@ -37,7 +37,7 @@ RECIPES = {
 FIGURE = re.compile(r"(?<![\w./-])[-+±]?(?:\d+(?:\.\d+)?%|\d+(?:,\d{3})+(?:\.\d+)?|\d*\.\d+|\d+k\b)")
 # Settings the prose may name (they are inputs, fixed in the recipes and the code, not results).
 SETTINGS = re.compile(
-    r"reg 0\.0[16]\b|betas 0\.9/0\.95|10% linear warmup|cosine to 10%|clip 1\.0|first 95%|last 5%"
+    r"reg 0\.0[1236]\b|betas 0\.9/0\.95|10% linear warmup|cosine to 10%|clip 1\.0|first 95%|last 5%"
     r"|p < 0\.05|below 0\.05|N\(0, 0\.02\^2\)"
 )
 

@@ -141,6 +141,13 @@ def verdict_lines(result: StudyResult, alpha: float = ALPHA, margin: float | Non
     return lines
 
 
+def by_document(vs: dict[str, Any]) -> dict[str, Any]:
+    """A contrast with documents as the sampled unit (its ``by_document`` interval, p and standard
+    error; the per-seed ``diffs`` kept) when the study recorded each window's document, else as is."""
+    doc = vs.get("by_document")
+    return {**vs, **doc, "unit": "documents"} if doc else {**vs, "unit": "windows"}
+
+
 def primary_markdown(studies: dict[str, StudyResult], family: PrimaryFamily, recipe: str) -> str:
     """The primary family's table: ``family.reference`` minus each of ``family.against`` in every
     study, Holm within the study, TOST at the declared margin; then one verdict line per study.
@@ -150,14 +157,16 @@ def primary_markdown(studies: dict[str, StudyResult], family: PrimaryFamily, rec
         f"Declared in `{recipe}`, {family.declared}: `{family.reference}` minus each of "
         + ", ".join(f"`{a}`" for a in family.against)
         + f", per study, Holm over these {len(family.against)} within the study, alpha {alpha:g}; "
-        f"equivalence margin ±{m:g} nats (TOST)."
+        f"equivalence margin ±{m:g} nats (TOST). Unit: what the interval, p and TOST resample besides "
+        "seeds: held-out documents (each document's windows averaged) where the study recorded each "
+        "window's document, else windows."
     )
     lines = [
         head,
         "",
-        f"| study | contrast | Δ final loss, 95% CI | p | Holm p | TOST p (±{m:g}) | seeds | difference "
-        "| equivalence |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| study | contrast | Δ final loss, 95% CI | p | Holm p | TOST p (±{m:g}) | unit | seeds "
+        "| difference | equivalence |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []
     for name, r in studies.items():
@@ -165,7 +174,7 @@ def primary_markdown(studies: dict[str, StudyResult], family: PrimaryFamily, rec
         missing = [a for a in [family.reference, *family.against] if a not in labels]
         if missing:
             raise KeyError(f"study {name!r} lacks the primary family's arm(s) {', '.join(missing)}")
-        stats = [r.contrast(family.reference, a) for a in family.against]
+        stats = [by_document(r.contrast(family.reference, a)) for a in family.against]
         adjusted = holm([s["p"] for s in stats])
         said = []
         for a, vs, q in zip(family.against, stats, adjusted, strict=True):
@@ -174,7 +183,8 @@ def primary_markdown(studies: dict[str, StudyResult], family: PrimaryFamily, rec
             equivalent = e is not None and e < alpha
             lines.append(
                 f"| {name} | `{family.reference}` - `{a}` | {_ci(vs)} | {_p(vs['p'])} | {_p(q)} | {_p(e)} "
-                f"| {_agree(vs)} | {diff} | {'within ±' + format(m, 'g') if equivalent else 'not shown'} |"
+                f"| {vs['unit']} | {_agree(vs)} | {diff} "
+                f"| {'within ±' + format(m, 'g') if equivalent else 'not shown'} |"
             )
             if diff != "n.s.":
                 said.append(f"{diff} than `{a}`'s ({_ci(vs, 3)})")
@@ -594,6 +604,7 @@ def values(evidence: Path) -> Callable[[str], str]:
       in another set; FIELD one of abs3/abs4 (|Δ|), d3/d4 (signed Δ), ci3/ci4, absci3, p, seeds,
       or gaps (A's held-out loss minus B's at each evaluation step, mean over seeds);
     * ``STUDY|A|start3`` / ``final3``: an arm's mean start / final loss; ``STUDY|base|loss3``;
+    * ``STUDY|data|KEY``: a count in the study's ``data`` (e.g. eval_windows);
     * ``diagnose|mlp|KEY|range`` (or ``heads``), ``|zrange``: the range over the layer pairs of a
       score, or of its distance from the random-pairing mean in SDs; ``diagnose|entropy|MODULE|range``
       (normalised entropy)."""
@@ -615,6 +626,8 @@ def values(evidence: Path) -> Callable[[str], str]:
                 return _range([(x[field] - x["random_mean"]) / x["random_sd"] for x in rows], 1)
             return _range([x[field] for x in rows], 3)
         r = study(parts[0])
+        if parts[1] == "data":  # a count the study recorded (windows, documents)
+            return f"{r.data[parts[2]]:,}"
         if len(parts) == 4 and parts[3] == "gaps":
             return _gaps(r, parts[1], parts[2])
         if len(parts) == 4:

@@ -123,7 +123,11 @@ class StudyResult:
         return out
 
     def with_arms(
-        self, other: StudyResult, order: Sequence[str] | None = None, tol: float = 1e-6
+        self,
+        other: StudyResult,
+        order: Sequence[str] | None = None,
+        tol: float = 1e-6,
+        shared_run: bool = True,
     ) -> StudyResult:
         """This study with ``other``'s arms added (a later run of the same study with more methods,
         e.g. ``run_recipe(..., runs=[...])``), comparisons re-derived over all of them.
@@ -131,6 +135,8 @@ class StudyResult:
         Both must share the base, the data, the settings and the seeds; every (method, seed) run in
         both must agree window by window to ``tol`` (the shared arms, at least the reference, show
         that the later run reproduces the earlier one), and this study's copy of it is kept.
+        ``shared_run=False`` takes arms run without the reference (in processes of their own): then
+        the base's held-out loss must agree bit for bit instead, and the result's notes say so.
         ``order``: the methods' order in the result (default: this study's, then the new ones).
         """
         mine = {k: v for k, v in self.config.items() if k not in ("methods", "threads")}
@@ -147,14 +153,19 @@ class StudyResult:
             )
         by = {(r.label, r.seed): r for r in self.runs}
         shared = [r for r in other.runs if (r.label, r.seed) in by]
-        if not shared:
+        if not shared and shared_run:
             raise OtdusError("the studies share no run to check that the later one reproduces the earlier")
+        if not shared and self.base_loss != other.base_loss:
+            raise OtdusError(f"the base's held-out loss differs ({self.base_loss!r} vs {other.base_loss!r})")
         worst = max(
-            max(
-                abs(x - y)
-                for x, y in zip(r.final_window_loss, by[r.label, r.seed].final_window_loss, strict=True)
-            )
-            for r in shared
+            (
+                max(
+                    abs(x - y)
+                    for x, y in zip(r.final_window_loss, by[r.label, r.seed].final_window_loss, strict=True)
+                )
+                for r in shared
+            ),
+            default=0.0,
         )
         if not worst <= tol:
             raise OtdusError(f"the shared runs differ by up to {worst:.3g} per window (more than {tol:g})")
@@ -177,6 +188,9 @@ class StudyResult:
         new = ", ".join(sorted(set(labels) - known))
         out.notes.append(
             f"arms {new} added from a later run (its runs shared with this one agree to {worst:.2g})"
+            if shared
+            else f"arms {new} added from a run of their own (no shared run; the base's held-out loss agrees "
+            "bit for bit)"
         )
         return out.recompute()
 
