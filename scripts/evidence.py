@@ -119,7 +119,10 @@ def run_studies(
             stored = StudyResult.load(EVIDENCE / study_set / name)
             wanted = {m.label for m in stored.methods} | set(runs)
             order = [r.name for r in recipe.runs if r.name in wanted]
-            stored.with_arms(later, order=order, shared_run=not alone).save(EVIDENCE / study_set / name)
+            merged = stored.with_arms(later, order=order, shared_run=not alone)
+            if not merged.reference and recipe.reference in order:  # arms run alone have none
+                merged = merged.recompute(recipe.reference)
+            merged.save(EVIDENCE / study_set / name)
             command += f" --runs {','.join(runs)}" + (" --alone" if alone else "")
             key = f"{prefix}/{name} +{','.join(runs)}"
         _log(key, time.perf_counter() - t0, load, command)
