@@ -68,7 +68,9 @@ class StudySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1, description="Seeds.")
-    steps: int = Field(150, ge=1, description="Training steps per run (a recipe's until_plateau replaces them).")
+    steps: int = Field(
+        150, ge=1, description="Training steps per run (a recipe's until_plateau replaces them)."
+    )
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate (lr_sweep replaces it).")
     lr_sweep: list[float] | None = Field(
         None, min_length=1, description="Learning rates to choose from, per method, on the validation split."
