@@ -1,9 +1,12 @@
+#!/usr/bin/env python
 """Regenerate docs/evidence.md's figures: run the studies and diagnoses, then render the tables.
 
     python -m scripts.evidence study                    # both studies of recipes/study-table6.yaml
     python -m scripts.evidence study --only in-domain   # one of them (two processes: one per core)
     python -m scripts.evidence study --only in-domain --runs lesa   # add an arm to a stored study
     python -m scripts.evidence study --recipe interpose-stack       # recipes/study-interpose-stack.yaml
+    python -m scripts.evidence study --recipe plateau --only in-domain --runs average+zero,average,copy
+    python -m scripts.evidence study ... --settings '{"eval_windows": 1024}'   # settings over the recipe's
     python -m scripts.evidence diagnose                 # stories260K and the two planted controls
     python -m scripts.evidence render                   # docs/evidence.md's generated blocks
 
@@ -34,6 +37,7 @@ DOC = ROOT / "docs" / "evidence.md"
 RECIPES = {
     "table6": ROOT / "recipes" / "study-table6.yaml",
     "interpose-stack": ROOT / "recipes" / "study-interpose-stack.yaml",
+    "plateau": ROOT / "recipes" / "study-plateau.yaml",
 }
 DIAGNOSE_TEXT = "bundled:tinystories-train-2mib"
 DIAGNOSE_TOKENS = 8192
@@ -59,16 +63,26 @@ def _log(name: str, seconds: float, load_before: float, command: str) -> None:
     path.write_text(json.dumps(dict(sorted(runs.items())), indent=2) + "\n")
 
 
-def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set: str = "table6") -> None:
+def run_studies(
+    only: list[str] | None,
+    runs: list[str] | None = None,
+    study_set: str = "table6",
+    overrides: dict | None = None,
+    alone: bool = False,
+) -> None:
     """Run the set's recipe's studies into docs/evidence/SET/NAME/; with ``runs``, only those arms
     (and the reference), added to the stored study (StudyResult.with_arms checks that the
-    reference's runs reproduce the stored ones)."""
+    reference's runs reproduce the stored ones); ``overrides``: settings over the recipe's (the
+    logged command carries them); ``alone``: the arms without the reference, merged without a
+    shared run (StudyResult.with_arms(shared_run=False): the base's loss must agree instead)."""
     from otdus_cli.study import StudyResult, run_recipe
-    from otdus_cli.study.runner import load_study_recipe
+    from otdus_cli.study.recipe import load_study_recipe
 
     def progress(event) -> None:
         if event.kind in ("run", "data"):
-            tail = f"final loss {event.loss:.6f}" if event.loss is not None else event.message
+            tail = event.message
+            if event.loss is not None:
+                tail = f"step {event.step}, final {event.message or 'held-out'} loss {event.loss:.6f}"
             when = time.strftime("%H:%M:%S")
             print(f"[{when}] {event.run}/{event.runs} {event.label} seed {event.seed}: {tail}", flush=True)
 
@@ -79,18 +93,37 @@ def run_studies(only: list[str] | None, runs: list[str] | None = None, study_set
     for name in only or [s.name for s in recipe.studies]:
         t0, load = time.perf_counter(), _load()
         command = f"python -m scripts.evidence study{flag} --only {name}"
+        if overrides:
+            command += f" --settings '{json.dumps(overrides)}'"
         if runs is None:
-            run_recipe(path, EVIDENCE / study_set, only=[name], progress=progress)
+            run_recipe(path, EVIDENCE / study_set, only=[name], progress=progress, overrides=overrides)
             key = f"{prefix}/{name}"
         else:
-            (later,) = run_recipe(path, None, only=[name], progress=progress, runs=runs).values()
-            kept = later.save(Path(tempfile.gettempdir()) / f"otdus-evidence-{name}-added", plot=False)
+            (later,) = run_recipe(
+                path,
+                None,
+                only=[name],
+                progress=progress,
+                runs=runs,
+                overrides=overrides,
+                reference="" if alone else None,
+            ).values()
+            tag = ",".join(runs).replace("/", "_")
+            kept = later.save(Path(tempfile.gettempdir()) / f"otdus-evidence-{name}-{tag}", plot=False)
             print(f"the added arms' runs: {kept[0]}", flush=True)  # kept should the merge refuse them
+            if not (EVIDENCE / study_set / name / "study.json").exists():  # the first arms of a new set
+                later.save(EVIDENCE / study_set / name)
+                command += f" --runs {','.join(runs)}" + (" --alone" if alone else "")
+                _log(f"{prefix}/{name} {','.join(runs)}", time.perf_counter() - t0, load, command)
+                continue
             stored = StudyResult.load(EVIDENCE / study_set / name)
             wanted = {m.label for m in stored.methods} | set(runs)
             order = [r.name for r in recipe.runs if r.name in wanted]
-            stored.with_arms(later, order=order).save(EVIDENCE / study_set / name)
-            command += f" --runs {','.join(runs)}"
+            merged = stored.with_arms(later, order=order, shared_run=not alone)
+            if not merged.reference and recipe.reference in order:  # arms run alone have none
+                merged = merged.recompute(recipe.reference)
+            merged.save(EVIDENCE / study_set / name)
+            command += f" --runs {','.join(runs)}" + (" --alone" if alone else "")
             key = f"{prefix}/{name} +{','.join(runs)}"
         _log(key, time.perf_counter() - t0, load, command)
 
@@ -155,11 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     st.add_argument("--only", action="append", help="a study of the recipe (repeatable)")
     st.add_argument("--runs", help="comma-separated arms to add to the stored study (with the reference)")
+    st.add_argument("--settings", type=json.loads, help="study settings over the recipe's, as JSON")
+    st.add_argument("--alone", action="store_true", help="with --runs: without the reference (no rerun)")
     sub.add_parser("diagnose", help="stories260K and the planted controls (docs/evidence/diagnose/)")
     sub.add_parser("render", help="docs/evidence.md's generated blocks from the stored results")
     args = parser.parse_args(argv)
     if args.what == "study":
-        run_studies(args.only, args.runs.split(",") if args.runs else None, args.recipe)
+        runs = args.runs.split(",") if args.runs else None
+        run_studies(args.only, runs, args.recipe, args.settings, args.alone)
     elif args.what == "diagnose":
         run_diagnoses()
     else:

@@ -112,6 +112,11 @@ def test_cli_defaults_are_the_library_defaults(command):
         for name, p in inspect.signature(fn).parameters.items():
             if p.default is not inspect.Parameter.empty:
                 library.setdefault(name, p.default)
+    if command == "study":  # the study's settings: their model's defaults
+        from otdus_cli.study_settings import DEFAULT_METHODS, StudySettings
+
+        library |= StudySettings().model_dump() | {"methods": DEFAULT_METHODS}
+        library["eval_windows"] = str(library["eval_windows"])
     # CLI spellings of library parameters
     library |= {
         "methods": ",".join(library.get("methods", ())),
@@ -125,7 +130,7 @@ def test_cli_defaults_are_the_library_defaults(command):
             continue
         assert param.default == library[name], (command, name, param.default, library[name])
         compared.append(name)
-    expected = {"verify": 10, "ppl": 10, "study": 14, "diagnose": 6}[command]
+    expected = {"verify": 10, "ppl": 10, "study": 15, "diagnose": 6}[command]
     assert len(compared) == expected, compared
 
 

@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from otdus_cli.study import PrimaryFamily
 from otdus_cli.study.evidence import (
     ALIGNMENT_VS_AVERAGE,
+    DOSE,
     across_studies_lines,
     blocks,
     contrasts_markdown,
+    dose_response_markdown,
     error_markdown,
     error_parts,
     primary_markdown,
@@ -20,7 +23,6 @@ from otdus_cli.study.evidence import (
     strip_generated,
     verdict_lines,
 )
-from otdus_cli.study.runner import PrimaryFamily
 from otdus_cli.study.stats import holm, tost
 from tests.support.study_results import study_from_window_losses
 
@@ -29,12 +31,13 @@ DOC = ROOT / "docs" / "evidence.md"
 RECIPES = {
     "table6": ROOT / "recipes" / "study-table6.yaml",
     "interpose-stack": ROOT / "recipes" / "study-interpose-stack.yaml",
+    "plateau": ROOT / "recipes" / "study-plateau.yaml",
 }
 # A figure: a decimal, a number with thousands separators, a percentage, "41k".
 FIGURE = re.compile(r"(?<![\w./-])[-+±]?(?:\d+(?:\.\d+)?%|\d+(?:,\d{3})+(?:\.\d+)?|\d*\.\d+|\d+k\b)")
 # Settings the prose may name (they are inputs, fixed in the recipes and the code, not results).
 SETTINGS = re.compile(
-    r"reg 0\.0[16]\b|betas 0\.9/0\.95|10% linear warmup|cosine to 10%|clip 1\.0|first 95%|last 5%"
+    r"reg 0\.0[1236]\b|betas 0\.9/0\.95|10% linear warmup|cosine to 10%|clip 1\.0|first 95%|last 5%"
     r"|p < 0\.05|below 0\.05|N\(0, 0\.02\^2\)"
 )
 
@@ -293,3 +296,22 @@ def test_primary_family_holm_within_it_and_tost_backs_equivalence():
     with pytest.raises(KeyError, match="lacks the primary family"):
         lacking = study_from_window_losses({"ot": [list(base)], "copy": [list(base)]}, reference="ot")
         primary_markdown({"s": lacking}, family, "x")
+
+
+def test_dose_response_is_called_monotone_only_when_every_step_is_lower():
+    """Five sharpness levels: "monotone" needs every step to the next sharper level to lower the final
+    loss at Holm p < 0.05; a run of steps that stops falling is reported as not shown monotone."""
+    rng = np.random.default_rng(5)
+    base = rng.normal(1.5, 0.2, 32)
+    labels = [a for a, _ in DOSE]
+    assert len(labels) >= 5
+    falling = study_from_window_losses(
+        {a: _windows(rng, base, -0.02 * i, 0.001) for i, a in enumerate(labels)}, reference="ot"
+    )
+    assert "**5 levels**: monotone: every sharper level ends lower" in dose_response_markdown(falling)
+    levelled = study_from_window_losses(
+        {a: _windows(rng, base, -0.02 * min(i, 2), 0.001) for i, a in enumerate(labels)}, reference="ot"
+    )
+    text = dose_response_markdown(levelled)
+    assert "not shown monotone: 2 of 4 steps lower and 0 higher" in text
+    assert text.count("| `ot") == 5 and "Sinkhorn reg 0.06 -> Sinkhorn reg 0.03" in text

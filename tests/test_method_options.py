@@ -18,7 +18,7 @@ from otdus_cli.cli.checkpoint import LayoutFlags, _options
 from otdus_cli.cli.flags import method_flags
 from otdus_cli.methods.registry import METHODS
 from otdus_cli.options import load_recipe, option_groups
-from otdus_cli.study.runner import StudyRecipe
+from otdus_cli.study import StudyRecipe
 
 GROUPS = option_groups()
 
@@ -112,7 +112,7 @@ def test_a_rule_across_options_reads_the_same_in_every_recipe(tmp_path):
     """A model rule's message (OT's official variant has no emd solver) without pydantic's
     "Value error, " prefix, in expand recipes, study recipes and study runs alike."""
     from otdus_cli.errors import OtdusError
-    from otdus_cli.study.runner import load_study_recipe
+    from otdus_cli.study import load_study_recipe
 
     rule = "expand.ot: --ot-variant official reproduces the released code's POT Sinkhorn"
     expand_recipe = tmp_path / "e.yaml"

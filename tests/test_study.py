@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.study import TABLE6_METHODS, StudyResult, load_study_recipe, parse_method, study
 from otdus_cli.study.data import Documents, load_documents, split_documents
 from otdus_cli.study.report import study_markdown, study_table
-from otdus_cli.study.runner import TABLE6_METHODS, StudyResult, load_study_recipe, parse_method, study
 
 RECIPE = Path(__file__).parent.parent / "recipes" / "study-table6.yaml"
 SMALL = dict(

@@ -9,8 +9,8 @@ import pytest
 from scipy import stats
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.study import StudyResult
 from otdus_cli.study.report import study_markdown
-from otdus_cli.study.runner import StudyResult
 from otdus_cli.study.stats import by_document_mean_ci, crossed_mean_ci, holm, sign_flip_p, t_quantile, tost
 from tests.support.study_results import study_from_window_losses
 
@@ -256,3 +256,19 @@ def test_by_document_interval_resamples_documents_not_windows():
     result = study_from_window_losses({"ref": [[1.0] * 12] * 3, "a": [[1.0 + x for x in s] for s in shared]})
     result.data["eval_window_documents"] = documents
     assert result.recompute().summary("a").vs_reference["by_document"]["se"] == pytest.approx(got["se"])
+
+
+def test_arms_run_alone_join_only_when_the_base_loss_agrees():
+    """Arms run in a process of their own (no shared reference run) join a stored study only with
+    shared_run=False, and only when the base's held-out loss agrees bit for bit; the notes say so."""
+    first = study_from_window_losses({"ref": [[1.0, 1.2], [1.1, 1.3]], "a": [[1.0, 1.1], [1.2, 1.2]]})
+    alone = study_from_window_losses({"b": [[0.9, 1.0], [1.0, 1.1]]}, reference="")
+    with pytest.raises(OtdusError, match="share no run"):
+        first.with_arms(alone)
+    merged = first.with_arms(alone, shared_run=False)
+    assert [m.label for m in merged.methods] == ["ref", "a", "b"]
+    assert merged.summary("b").vs_reference["reference"] == "ref"
+    assert "no shared run" in merged.notes[-1]
+    alone.base_loss = 0.5
+    with pytest.raises(OtdusError, match="base's held-out loss differs"):
+        first.with_arms(alone, shared_run=False)

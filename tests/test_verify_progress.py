@@ -75,7 +75,7 @@ def test_bar_at_80_columns_keeps_its_width_eta_and_count_unit(monkeypatch):
 
 def test_study_lines_count_runs_over_the_whole_study():
     from otdus_cli.cli.research import study_progress_line
-    from otdus_cli.study.runner import StudyEvent
+    from otdus_cli.study import StudyEvent
 
     events = [StudyEvent("data", message="7520 train / 64 eval windows")]
     for k, label in enumerate(["ot", "copy"], start=1):
@@ -88,5 +88,8 @@ def test_study_lines_count_runs_over_the_whole_study():
     assert lines[0] == "study: 7520 train / 64 eval windows"
     assert lines[1] == "study: run 1/2, ot seed 0: expanding, then training"
     assert lines[2] == "study: run 1/2, ot seed 0: step 20, held-out loss 1.5000"
-    assert lines[-1] == "study: run 2/2, copy seed 0: done, final held-out loss 1.5000"
+    assert lines[-1] == "study: run 2/2, copy seed 0: done at step 80, final held-out loss 1.5000"
+    # a study that decides on a validation split says which loss it reports
+    validated = StudyEvent("eval", "ot", 0, 25, 1.5, 1, 2, message="validation")
+    assert study_progress_line(validated, every_eval=True).endswith("step 25, validation loss 1.5000")
     assert study_progress_line(events[2], every_eval=False) is None  # on a terminal the bar shows it

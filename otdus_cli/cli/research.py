@@ -20,6 +20,37 @@ from otdus_cli.cli.console import (
 )
 from otdus_cli.cli.values import device_parser, int_list, ints, method_specs, model_name, text_spec
 from otdus_cli.errors import OtdusError
+from otdus_cli.study_settings import DEFAULT_METHODS, StudySettings
+
+# the study's defaults and help texts come from its settings model (the library's, the recipes')
+_DEFAULTS = StudySettings()
+
+
+def _help(field: str, text: str | None = None) -> str:
+    return text or StudySettings.model_fields[field].description or ""
+
+
+def float_list(value: str) -> str:
+    """Comma-separated positive numbers (kept as text; the command splits them)."""
+    try:
+        ok = all(float(x) > 0 for x in value.split(",") if x.strip())
+    except ValueError:
+        ok = False
+    if not ok or not value.strip():
+        raise typer.BadParameter(f"takes comma-separated positive numbers, got {value!r}")
+    return value
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def window_count(value: str) -> str:
+    """A positive number of windows, or 'all'."""
+    if value != "all" and not (value.isdigit() and int(value) >= 1):
+        raise typer.BadParameter(f"takes a number of windows >= 1 or 'all', got {value!r}")
+    return value
+
 
 Device = Annotated[
     str, typer.Option(help="auto (a GPU when there is one), cpu, cuda or cuda:N.", parser=device_parser(True))
@@ -80,30 +111,50 @@ def study(
             "e.g. ot,ot:structured,average+zero, or interpose,stack (with --layers the base depth).",
             parser=method_specs,
         ),
-    ] = "ot,average,average+zero,copy,random",
-    seeds: Annotated[str, typer.Option(help="Comma-separated seeds.", parser=int_list)] = "0,1,2",
-    steps: Annotated[int, typer.Option(help="Training steps per run.", min=1)] = 150,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate.", min=0)] = 2e-3,
-    batch: Annotated[int, typer.Option(help="Windows per step.", min=1)] = 8,
-    seq_len: SeqLen = 128,
-    eval_every: Annotated[int, typer.Option(help="Evaluate held-out loss every N steps.", min=1)] = 25,
-    eval_windows: Annotated[int, typer.Option(help="Held-out windows per evaluation.", min=1)] = 128,
+    ] = ",".join(DEFAULT_METHODS),
+    seeds: Annotated[str, typer.Option(help=_help("seeds", "Comma-separated seeds."), parser=int_list)] = (
+        ",".join(map(str, _DEFAULTS.seeds))
+    ),
+    steps: Annotated[int, typer.Option(help=_help("steps"), min=1)] = _DEFAULTS.steps,
+    lr: Annotated[float, typer.Option(help=_help("lr"), min=0)] = _DEFAULTS.lr,
+    lr_sweep: Annotated[
+        str | None,
+        typer.Option(
+            help=_help(
+                "lr_sweep",
+                "Comma-separated learning rates to choose from, per method, on a validation split.",
+            ),
+            parser=float_list,
+        ),
+    ] = None,
+    batch: Annotated[int, typer.Option(help=_help("batch"), min=1)] = _DEFAULTS.batch,
+    seq_len: SeqLen = _DEFAULTS.seq_len,
+    eval_every: Annotated[int, typer.Option(help=_help("eval_every"), min=1)] = _DEFAULTS.eval_every,
+    eval_windows: Annotated[
+        str,
+        typer.Option(
+            help=_help("eval_windows", "Held-out windows scored (evenly spaced), or 'all'."),
+            parser=window_count,
+        ),
+    ] = str(_DEFAULTS.eval_windows),
     eval_fraction: Annotated[
-        float, typer.Option(help="Held-out share of documents when --eval is not given.", min=0, max=1)
-    ] = 0.05,
+        float, typer.Option(help=_help("eval_fraction"), min=0, max=1)
+    ] = _DEFAULTS.eval_fraction,
     reference: Annotated[
         str,
         typer.Option(
             help="Method the others are compared with (paired by seed and evaluation window; Holm-adjusted)."
         ),
     ] = "ot",
-    train_all: Annotated[bool, typer.Option(help="Train every parameter, not only the new layers.")] = False,
+    train_all: Annotated[
+        bool, typer.Option(help="Train every parameter, not only the new layers.")
+    ] = not _DEFAULTS.train_new_only,
     layers: Layers = None,
     position: Position = None,
-    device: Device = "auto",
+    device: Device = _DEFAULTS.device,
     threads: Annotated[
         int | None, typer.Option(help="torch CPU threads. [default: torch's choice]", min=1)
-    ] = None,
+    ] = _DEFAULTS.threads,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Folder for study.json and loss_curves.png.")
     ] = None,
@@ -123,15 +174,16 @@ def study(
     from otdus_cli.study import run_recipe, study_table
     from otdus_cli.study import study as run_study
 
-    # every setting by its study() keyword, with the CLI parameter that carries it
+    # every setting by its StudySettings field, with the CLI parameter that carries it
     settings = {
         "seeds": ("seeds", ints(seeds) or [0]),
         "steps": ("steps", steps),
         "lr": ("lr", lr),
+        "lr_sweep": ("lr_sweep", floats(lr_sweep) if lr_sweep else None),
         "batch": ("batch", batch),
         "seq_len": ("seq_len", seq_len),
         "eval_every": ("eval_every", eval_every),
-        "eval_windows": ("eval_windows", eval_windows),
+        "eval_windows": ("eval_windows", eval_windows if eval_windows == "all" else int(eval_windows)),
         "eval_fraction": ("eval_fraction", eval_fraction),
         "train_new_only": ("train_all", not train_all),
         "device": ("device", device),
@@ -187,9 +239,10 @@ def study_progress_line(event, every_eval: bool) -> str | None:
     if event.kind == "expand":
         return f"{where}: expanding, then training"
     if event.kind == "eval" and every_eval:
-        return f"{where}: step {event.step}, held-out loss {event.loss:.4f}"
+        return f"{where}: step {event.step}, {event.message or 'held-out'} loss {event.loss:.4f}"
     if event.kind == "run":
-        return f"{where}: done, final held-out loss {event.loss:.4f}"
+        scored = event.message or "held-out"
+        return f"{where}: done at step {event.step}, final {scored} loss {event.loss:.4f}"
     return None
 
 

@@ -11,7 +11,7 @@ under docs/evidence/ (scripts/evidence.py writes both); the prose itself carries
 Verdicts are not written by hand: :func:`verdict_lines` lists, for one study, what the
 Holm-adjusted tests show and what they do not, so a rerun with other figures changes them too, and
 :func:`primary_markdown` gives the verdicts of the primary family a recipe declares
-(:class:`~otdus_cli.study.runner.PrimaryFamily`); every other table is labelled exploratory.
+(:class:`~otdus_cli.study.recipe.PrimaryFamily`); every other table is labelled exploratory.
 """
 
 from __future__ import annotations
@@ -25,19 +25,23 @@ from typing import Any
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.study.diagnose import MODULES, DiagnoseResult, PairDiagnosis, norm_bars
+from otdus_cli.study.recipe import PrimaryFamily, load_study_recipe
 from otdus_cli.study.report import study_markdown
-from otdus_cli.study.runner import PrimaryFamily, StudyResult, load_study_recipe
+from otdus_cli.study.results import StudyResult
 from otdus_cli.study.stats import crossed_mean_ci, holm, tost
 
 __all__ = [
     "ALIGNMENT_VS_AVERAGE",
+    "DOSE",
     "SHARPNESS",
     "TWO_BY_TWO",
     "contrasts_markdown",
+    "dose_response_markdown",
     "error_parts",
     "primary_markdown",
     "render_document",
     "strip_generated",
+    "training_markdown",
     "values",
     "verdict_lines",
 ]
@@ -65,6 +69,15 @@ SHARPNESS = (
     ("ot/reg0.01", "ot", "reg 0.06 -> 0.01"),
     ("ot/emd", "ot", "reg 0.06 -> exact assignment"),
     ("ot/emd", "ot/reg0.01", "reg 0.01 -> exact assignment"),
+)
+# The dose-response: the paper-variant flow at ever sharper plans, least sharp first (reg 0.06 is
+# OT-DUS's default; exact assignment is the limit reg -> 0), each step tested against the one before.
+DOSE = (
+    ("ot", "Sinkhorn reg 0.06"),
+    ("ot/reg0.03", "Sinkhorn reg 0.03"),
+    ("ot/reg0.02", "Sinkhorn reg 0.02"),
+    ("ot/reg0.01", "Sinkhorn reg 0.01"),
+    ("ot/emd", "exact assignment"),
 )
 ALPHA = 0.05
 
@@ -128,6 +141,13 @@ def verdict_lines(result: StudyResult, alpha: float = ALPHA, margin: float | Non
     return lines
 
 
+def by_document(vs: dict[str, Any]) -> dict[str, Any]:
+    """A contrast with documents as the sampled unit (its ``by_document`` interval, p and standard
+    error; the per-seed ``diffs`` kept) when the study recorded each window's document, else as is."""
+    doc = vs.get("by_document")
+    return {**vs, **doc, "unit": "documents"} if doc else {**vs, "unit": "windows"}
+
+
 def primary_markdown(studies: dict[str, StudyResult], family: PrimaryFamily, recipe: str) -> str:
     """The primary family's table: ``family.reference`` minus each of ``family.against`` in every
     study, Holm within the study, TOST at the declared margin; then one verdict line per study.
@@ -137,14 +157,16 @@ def primary_markdown(studies: dict[str, StudyResult], family: PrimaryFamily, rec
         f"Declared in `{recipe}`, {family.declared}: `{family.reference}` minus each of "
         + ", ".join(f"`{a}`" for a in family.against)
         + f", per study, Holm over these {len(family.against)} within the study, alpha {alpha:g}; "
-        f"equivalence margin ±{m:g} nats (TOST)."
+        f"equivalence margin ±{m:g} nats (TOST). Unit: what the interval, p and TOST resample besides "
+        "seeds: held-out documents (each document's windows averaged) where the study recorded each "
+        "window's document, else windows."
     )
     lines = [
         head,
         "",
-        f"| study | contrast | Δ final loss, 95% CI | p | Holm p | TOST p (±{m:g}) | seeds | difference "
-        "| equivalence |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| study | contrast | Δ final loss, 95% CI | p | Holm p | TOST p (±{m:g}) | unit | seeds "
+        "| difference | equivalence |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []
     for name, r in studies.items():
@@ -152,7 +174,7 @@ def primary_markdown(studies: dict[str, StudyResult], family: PrimaryFamily, rec
         missing = [a for a in [family.reference, *family.against] if a not in labels]
         if missing:
             raise KeyError(f"study {name!r} lacks the primary family's arm(s) {', '.join(missing)}")
-        stats = [r.contrast(family.reference, a) for a in family.against]
+        stats = [by_document(r.contrast(family.reference, a)) for a in family.against]
         adjusted = holm([s["p"] for s in stats])
         said = []
         for a, vs, q in zip(family.against, stats, adjusted, strict=True):
@@ -161,7 +183,8 @@ def primary_markdown(studies: dict[str, StudyResult], family: PrimaryFamily, rec
             equivalent = e is not None and e < alpha
             lines.append(
                 f"| {name} | `{family.reference}` - `{a}` | {_ci(vs)} | {_p(vs['p'])} | {_p(q)} | {_p(e)} "
-                f"| {_agree(vs)} | {diff} | {'within ±' + format(m, 'g') if equivalent else 'not shown'} |"
+                f"| {vs['unit']} | {_agree(vs)} | {diff} "
+                f"| {'within ±' + format(m, 'g') if equivalent else 'not shown'} |"
             )
             if diff != "n.s.":
                 said.append(f"{diff} than `{a}`'s ({_ci(vs, 3)})")
@@ -263,6 +286,8 @@ def _text(name: str, documents: int) -> str:
 
 def setup_markdown(results: dict[str, StudyResult]) -> str:
     """The settings every figure depends on, from the stored results themselves."""
+    if any(r.config.get("until_plateau") or r.config.get("lr_sweep") for r in results.values()):
+        return validated_setup_markdown(results)
     lines = ["| study | train text | eval text | seeds | steps x batch x seq | lr | eval windows (tokens) |"]
     lines.append("|---|---|---|---|---|---|---|")
     for name, r in results.items():
@@ -275,6 +300,88 @@ def setup_markdown(results: dict[str, StudyResult]) -> str:
             f"{d['eval_windows']} ({d['eval_tokens_scored']:,}) |"
         )
     return "\n".join(lines)
+
+
+def validated_setup_markdown(results: dict[str, StudyResult]) -> str:
+    """The settings of studies that decide on a validation split (plateau rule, learning-rate sweep)."""
+    lines = [
+        "| study | train text | validation text (windows) | eval text | seeds | batch x seq | stop rule "
+        "| learning rates | eval windows (tokens) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        c, d = r.config, r.data
+        rule = c.get("until_plateau")
+        stop = (
+            f"plateau: every {rule['eval_every']} steps, last {rule['window']} evaluations < "
+            f"max({rule['tolerance']:g} nats, {rule['noise']:g} SE); at most {rule['max_steps']} steps"
+            if rule
+            else f"{c['steps']} steps"
+        )
+        rates = ", ".join(f"{x:g}" for x in c["lr_sweep"]) if c.get("lr_sweep") else f"{c['lr']:g}"
+        lines.append(
+            f"| {name} | {_text(d['train'], d['train_documents'])} | "
+            f"{_text(d['validation'], d['validation_documents'])} ({d['validation_windows']}) | "
+            f"{_text(d['eval'], d['eval_documents'])} | {', '.join(map(str, c['seeds']))} | "
+            f"{c['batch']} x {c['seq_len']} | {stop} | {rates} | "
+            f"{d['eval_windows']} ({d['eval_tokens_scored']:,}) |"
+        )
+    return "\n".join(lines)
+
+
+def training_markdown(result: StudyResult) -> str:
+    """Per method: the learning rate its sweep chose (each rate's final validation loss on the first
+    seed, and the step it stopped at), the steps each seed trained, and how many runs plateaued."""
+    lines = [
+        "| method | lr chosen | sweep: lr -> validation loss (stop step) | steps per seed | plateaued |",
+        "|---|---|---|---|---|",
+    ]
+    for m in result.methods:
+        runs = [r for r in result.runs if r.label == m.label]
+        sweep = "; ".join(
+            f"{x['lr']:g} -> {x['validation_loss']:.4f} ({x['steps']})" for x in m.lr_sweep or []
+        )
+        lr = f"{m.lr:g}" if m.lr is not None else f"{result.config['lr']:g}"
+        plateaued = sum(bool(r.plateaued) for r in runs)
+        lines.append(
+            f"| {m.label} | {lr} | {sweep or '-'} | {', '.join(str(r.eval_steps[-1]) for r in runs)} "
+            f"| {plateaued}/{len(runs)} |"
+        )
+    return "\n".join(lines)
+
+
+def dose_response_markdown(
+    result: StudyResult,
+    levels: Sequence[tuple[str, str]] = DOSE,
+    alpha: float = ALPHA,
+    margin: float | None = None,
+) -> str:
+    """Each sharpness level's final loss, then every step to the next sharper level as a contrast
+    (sharper minus the one before; Holm over these steps), and a generated verdict: monotone only
+    when every step lowers the loss at Holm p < alpha."""
+    labels = {m.label for m in result.methods}
+    present = [(a, what) for a, what in levels if a in labels]
+    if len(present) < 2:
+        return "*Fewer than two sharpness levels in this study.*"
+    lines = ["| level | method | final loss ± sd |", "|---|---|---|"]
+    for a, what in present:
+        m = result.summary(a)
+        lines.append(f"| {what} | `{a}` | {m.final_loss:.4f} ± {m.final_loss_std:.4f} |")
+    steps = [(b, a, f"{wa} -> {wb}") for (a, wa), (b, wb) in zip(present, present[1:], strict=False)]
+    lines += ["", contrasts_markdown(result, steps, alpha, margin)]
+    stats = [result.contrast(b, a) for b, a, _ in steps]
+    adjusted = holm([x["p"] for x in stats])
+    lower = sum(q < alpha and x["mean"] < 0 for x, q in zip(stats, adjusted, strict=True))
+    higher = sum(q < alpha and x["mean"] > 0 for x, q in zip(stats, adjusted, strict=True))
+    means = [result.summary(a).final_loss for a, _ in present]
+    falling = all(y < x for x, y in zip(means, means[1:], strict=False))
+    verdict = (
+        "monotone: every sharper level ends lower than the one before (Holm p < " + f"{alpha:g})"
+        if lower == len(steps)
+        else f"not shown monotone: {lower} of {len(steps)} steps lower and {higher} higher at Holm p < "
+        f"{alpha:g}; the mean final loss {'falls' if falling else 'does not fall'} at every step"
+    )
+    return "\n".join([*lines, "", f"* **{len(present)} levels**: {verdict}."])
 
 
 _PLANS = ("ot_gate", "ot_up", "ot_joint")
@@ -401,6 +508,8 @@ def _study_blocks(
         out[f"{prefix}sharpness:{name}"] = lambda r=r: (
             label + "\n\n" + contrasts_markdown(r, SHARPNESS, margin=margin)
         )
+        out[f"{prefix}training:{name}"] = lambda r=r: training_markdown(r)
+        out[f"{prefix}dose:{name}"] = lambda r=r: label + "\n\n" + dose_response_markdown(r, margin=margin)
     return out
 
 
@@ -495,6 +604,7 @@ def values(evidence: Path) -> Callable[[str], str]:
       in another set; FIELD one of abs3/abs4 (|Δ|), d3/d4 (signed Δ), ci3/ci4, absci3, p, seeds,
       or gaps (A's held-out loss minus B's at each evaluation step, mean over seeds);
     * ``STUDY|A|start3`` / ``final3``: an arm's mean start / final loss; ``STUDY|base|loss3``;
+    * ``STUDY|data|KEY``: a count in the study's ``data`` (e.g. eval_windows);
     * ``diagnose|mlp|KEY|range`` (or ``heads``), ``|zrange``: the range over the layer pairs of a
       score, or of its distance from the random-pairing mean in SDs; ``diagnose|entropy|MODULE|range``
       (normalised entropy)."""
@@ -516,6 +626,8 @@ def values(evidence: Path) -> Callable[[str], str]:
                 return _range([(x[field] - x["random_mean"]) / x["random_sd"] for x in rows], 1)
             return _range([x[field] for x in rows], 3)
         r = study(parts[0])
+        if parts[1] == "data":  # a count the study recorded (windows, documents)
+            return f"{r.data[parts[2]]:,}"
         if len(parts) == 4 and parts[3] == "gaps":
             return _gaps(r, parts[1], parts[2])
         if len(parts) == 4:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from otdus_cli.study.runner import StudyResult
+    from otdus_cli.study.results import StudyResult
 
 __all__ = ["plot_curves", "study_caption", "study_markdown", "study_table"]
 
@@ -107,9 +107,12 @@ def study_table(result: StudyResult) -> Table:
 
     n = len(result.config["seeds"])
     ref = result.reference
+    plateau = result.config.get("until_plateau")
+    steps = f"{result.config['steps']} steps"
+    if plateau:
+        steps = f"to a plateau (<= {plateau['max_steps']} steps)"
     title = (
-        f"{result.base}: {result.config['steps']} steps x {n} seed(s); base loss {result.base_loss:.4f} "
-        f"(ppl {result.base_ppl:.3f})"
+        f"{result.base}: {steps} x {n} seed(s); base loss {result.base_loss:.4f} (ppl {result.base_ppl:.3f})"
     )
     table = Table(title=title, caption=study_caption(result) or None)
     for col in ("method", "layers", "start loss", "= base", "final loss", "± sd", "ppl"):
@@ -157,7 +160,9 @@ def study_markdown(result: StudyResult) -> str:
 
 
 def plot_curves(result: StudyResult, path: str | Path) -> Path | None:
-    """Held-out loss against step, mean over seeds (shaded min..max), one line per method.
+    """Held-out loss against step, mean over seeds (shaded min..max), one line per method; for a
+    study trained on a validation split (plateau rule, learning-rate sweep), the validation loss of
+    every run up to its stop (the held-out text is scored only at step 0 and at the stop).
 
     Left: every method from step 0. Right: a zoom on the function-preserving methods (those that
     start exactly at the base's loss), whose differences are otherwise invisible; when there are
@@ -168,7 +173,17 @@ def plot_curves(result: StudyResult, path: str | Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     zoom = [m.label for m in result.methods if m.initial_equals_base]
-    for m in result.methods:
+    validated = any(r.validation_steps for r in result.runs)
+    for m in result.methods if validated else []:
+        # each run stops at its own plateau: one line per seed, the validation loss that decided it
+        color = None
+        for r in (r for r in result.runs if r.label == m.label):
+            for ax in axes[: 1 if m.label not in zoom else 2]:
+                (line,) = ax.plot(
+                    r.validation_steps, r.validation_loss, lw=1, color=color, label=None if color else m.label
+                )
+            color = line.get_color()
+    for m in result.methods if not validated else []:
         runs = [r for r in result.runs if r.label == m.label]
         steps = runs[0].eval_steps
         mean = [sum(r.eval_loss[i] for r in runs) / len(runs) for i in range(len(steps))]
@@ -181,13 +196,19 @@ def plot_curves(result: StudyResult, path: str | Path) -> Path | None:
             axes[1].plot(steps[first:], mean[first:], marker=".", color=line.get_color(), label=m.label)
             axes[1].fill_between(steps[first:], lo[first:], hi[first:], color=line.get_color(), alpha=0.15)
     for ax in axes:
-        ax.axhline(result.base_loss, color="black", lw=0.8, ls="--", label="base (unexpanded)")
+        if not validated:  # the base's loss is a held-out figure
+            ax.axhline(result.base_loss, color="black", lw=0.8, ls="--", label="base (unexpanded)")
         ax.set_xlabel(
             "training step (new layers only)" if result.config["train_new_only"] else "training step"
         )
-        ax.set_ylabel("held-out loss (nats/token)")
+        ax.set_ylabel(("validation" if validated else "held-out") + " loss (nats/token)")
         ax.grid(alpha=0.3)
-    axes[0].set_title("all methods, from step 0 (mean over seeds, min-max shaded)", fontsize=9)
+    axes[0].set_title(
+        "all methods, one line per seed, each to its stop"
+        if validated
+        else "all methods, from step 0 (mean over seeds, min-max shaded)",
+        fontsize=9,
+    )
     axes[1].set_title(
         "zoom: function-preserving methods" if zoom else "after the first evaluation interval", fontsize=9
     )

@@ -2,7 +2,10 @@
 
 Only the parameters named in ``trainable`` are updated (the expansion manifest's ``new_parameters``
 when the study trains the new layers only); everything else is frozen. The data order depends on
-the seed alone, so every method sees exactly the same batches for a given seed.
+the seed alone, so every method sees exactly the same batches for a given seed. A run is either a
+fixed number of steps (linear warmup, cosine decay to 10%) or, with a plateau rule
+(otdus_cli.study_settings.PlateauRule), as long as the loss on the curve's windows keeps falling (linear
+warmup over ``warmup`` x max_steps, then a constant learning rate).
 """
 
 from __future__ import annotations
@@ -17,8 +20,18 @@ import torch
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.study_settings import PlateauRule, plateau_reached
 
-__all__ = ["TrainConfig", "TrainCurve", "batch_order", "evaluate", "load_model", "train", "window_losses"]
+__all__ = [
+    "TrainConfig",
+    "TrainCurve",
+    "attention",
+    "batch_order",
+    "evaluate",
+    "load_model",
+    "train",
+    "window_losses",
+]
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,16 @@ class TrainConfig:
     warmup: float = 0.1  # fraction of the steps with a linear warmup; cosine decay to 10% after
     grad_clip: float = 1.0
     eval_batch: int = 16
+    plateau: PlateauRule | None = None  # stop on the rule (eval_every and steps come from it)
+    eval_attention: str = "eager"  # the attention kernel of the evaluations (training: eager)
+
+    @property
+    def max_steps(self) -> int:
+        return self.plateau.max_steps if self.plateau else self.steps
+
+    @property
+    def every(self) -> int:
+        return self.plateau.eval_every if self.plateau else self.eval_every
 
 
 @dataclass
@@ -39,6 +62,7 @@ class TrainCurve:
 
     ``final_window_loss``: the last evaluation's loss on each held-out window (same window order for
     every run), so that paired comparisons can account for the sampling of the evaluation text.
+    ``plateaued``: with a plateau rule, whether it stopped the run (False: it ran to max_steps).
     """
 
     eval_steps: list[int] = field(default_factory=list)
@@ -47,6 +71,7 @@ class TrainCurve:
     final_window_loss: list[float] = field(default_factory=list)
     trainable_parameters: int = 0
     seconds: float = 0.0
+    plateaued: bool | None = None
 
 
 @contextlib.contextmanager
@@ -111,10 +136,12 @@ def batch_order(n_windows: int, steps: int, batch: int, seed: int) -> list[torch
     return [torch.tensor(order[i * batch : (i + 1) * batch]) for i in range(steps)]
 
 
-def _lr_factor(step: int, steps: int, warmup: float) -> float:
+def _lr_factor(step: int, steps: int, warmup: float, constant: bool = False) -> float:
     w = max(1, int(round(steps * warmup))) if warmup > 0 else 0
     if step < w:
         return (step + 1) / w
+    if constant:
+        return 1.0
     progress = (step - w) / max(1, steps - w)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -145,13 +172,17 @@ def train(
     curve = TrainCurve(trainable_parameters=sum(p.numel() for p in chosen))
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(chosen, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, config.steps, config.warmup))
-    order = batch_order(train_windows.shape[0], config.steps, config.batch, seed)
+    steps, constant = config.max_steps, config.plateau is not None
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps, config.warmup, constant))
+    order = batch_order(train_windows.shape[0], steps, config.batch, seed)
+    history: list[list[float]] = []  # per-window losses of every evaluation (the plateau rule's input)
 
     def record(step: int) -> None:
-        per_window = window_losses(model, eval_windows, config.eval_batch)
+        with attention(model, config.eval_attention):
+            per_window = window_losses(model, eval_windows, config.eval_batch)
         loss = math.fsum(per_window) / len(per_window)
         curve.final_window_loss = per_window
+        history.append(per_window)
         curve.eval_steps.append(step)
         curve.eval_loss.append(loss)
         if on_eval is not None:
@@ -170,7 +201,24 @@ def train(
             opt.step()
             sched.step()
             curve.train_loss.append(float(loss.detach()))
-            if step % config.eval_every == 0 or step == config.steps:
+            if step % config.every == 0 or step == steps:
                 record(step)
+                if config.plateau is not None:
+                    curve.plateaued = plateau_reached(config.plateau, history)
+                    if curve.plateaued:
+                        break
     curve.seconds = time.perf_counter() - t0
     return curve
+
+
+@contextlib.contextmanager
+def attention(model, kind: str) -> Iterator[None]:
+    """The model's attention kernel set to ``kind`` ("eager", "sdpa") for the duration."""
+    before = model.config._attn_implementation
+    if kind != before:
+        model.set_attn_implementation(kind)
+    try:
+        yield
+    finally:
+        if kind != before:
+            model.set_attn_implementation(before)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from otdus_cli.study.runner import MethodSummary, RunResult, StudyResult
+from otdus_cli.study import MethodSummary, RunResult, StudyResult
 
 
 def study_from_window_losses(per_window: dict[str, list[list[float]]], reference: str = "ref"):
