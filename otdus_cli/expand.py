@@ -378,6 +378,8 @@ def source_record(src: SourceModel) -> dict:
         "model_type": src.config.get("model_type"),
         "family": src.family.name,
         "num_hidden_layers": src.depth,
+        # a derived template's zero-init targets and how they were proved (arch/identity.py)
+        **({"zero_init_proof": src.family.zero_init_proof} if src.family.zero_init_proof else {}),
         "kind": src.resolved.kind,
         **src.reader.fingerprint(),
         "fingerprints": stack_fingerprints(src),
