@@ -126,41 +126,74 @@ def reload(folder: Path):
         return getattr(transformers, name).from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
-def check(model_type: str, root: Path) -> tuple[str, str, str]:
-    """(kind, family, detail) for one model_type."""
+def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
+    """(kind, family, detail, columns) for one model_type; columns: zero-init, OT, LESA, verify."""
+    columns = dict.fromkeys(COLUMNS, "")
     src = root / model_type
     try:
         base = build(model_type, src)
     except Exception as exc:
-        return "not built", "", f"tiny model: {type(exc).__name__}: {_one_line(exc)}"
+        return "not built", "", f"tiny model: {type(exc).__name__}: {_one_line(exc)}", columns
     try:
         result = expand(str(src), root / "copy", ExpandOptions(method="copy", layers=2))
     except OtdusError as exc:
-        return "refused", "", _one_line(exc)
+        return "refused", "", _one_line(exc), columns
     except Exception as exc:
-        return "failed", "", f"expand: {type(exc).__name__}: {_one_line(exc)}"
+        return "failed", "", f"expand: {type(exc).__name__}: {_one_line(exc)}", columns
     family = result.plan.source.family
+    kind = "derived" if family.copy_only else "exact"
     try:
         grown = reload(root / "copy")
         assert grown.config.get_text_config().num_hidden_layers == result.manifest["num_hidden_layers"]
         logits_of(grown)
     except Exception as exc:
-        return "failed", family.name, f"copy does not reload: {type(exc).__name__}: {_one_line(exc)}"
-    if family.copy_only or not family.zero_init:
-        return "derived", family.name, "copy-type methods; no zero-init (no exact template)"
+        return "failed", family.name, f"copy does not reload: {type(exc).__name__}: {_one_line(exc)}", columns
+    for method, column in (("ot", "OT"), ("lesa", "LESA")):
+        columns[column] = "plans" if _plans(src, method) else "refused"
+    if not family.zero_init:
+        columns["zero-init"] = "no"
+        return kind, family.name, f"zero-init refused: {family.zero_init_note or 'no targets'}", columns
     try:
         expand(str(src), root / "zero", ExpandOptions(method="copy", layers=2, zero_init=True))
         same = torch.equal(base, logits_of(reload(root / "zero")))
     except Exception as exc:
-        return "failed", family.name, f"zero-init: {type(exc).__name__}: {_one_line(exc)}"
+        return "failed", family.name, f"zero-init: {type(exc).__name__}: {_one_line(exc)}", columns
     if not same:
-        return "failed", family.name, "zero-init logits differ from the base"
-    return (
-        "exact",
-        family.name,
-        "copy-type methods; zero-init bit-identical"
-        + ("; OT" if "ot" not in family.refuses and family.roles else ""),
-    )
+        return "failed", family.name, "zero-init logits differ from the base", columns
+    columns["zero-init"] = "bitwise"
+    columns["verify"] = _verify(src, root / "zero")
+    detail = "zero-init bit-identical" + (" (targets proved on the tiny model)" if family.derived else "")
+    return kind, family.name, detail, columns
+
+
+COLUMNS = ("zero-init", "OT", "LESA", "verify")
+
+
+def _plans(src: Path, method: str) -> bool:
+    """Whether otdus accepts the method for this model at plan time (before any tensor is built)."""
+    from otdus_cli.expand import make_plan, open_source
+
+    try:
+        make_plan(open_source(str(src)), ExpandOptions(method=method, layers=2))
+    except OtdusError:
+        return False
+    return True
+
+
+def _verify(src: Path, out: Path) -> str:
+    """verify's verdict for a zero-init output on random token ids: PARITY, BROKEN or why it did not run."""
+    from otdus_cli.verify.compare import verify_expansion
+    from otdus_cli.verify.metrics import EvalPlan, Window
+
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (20, 20, 13)]
+    plan = EvalPlan("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
+    try:
+        return verify_expansion(src, out, plan).verdict.split(":")[0]
+    except OtdusError as exc:
+        return f"not run: {_one_line(exc)}"
+    except Exception as exc:
+        return f"not run: {type(exc).__name__}"
 
 
 def main() -> int:
@@ -180,11 +213,11 @@ def main() -> int:
     for mt in model_types:
         root = Path(tempfile.mkdtemp(prefix="otdus-coverage-"))
         try:
-            kind, family, detail = check(mt, root)
+            kind, family, detail, columns = check(mt, root)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        rows.append((mt, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt], kind, family, detail))
-        print(f"{mt:28s} {kind:9s} {family:24s} {detail}", flush=True)
+        rows.append((mt, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt], kind, family, detail, columns))
+        print(f"{mt:28s} {kind:9s} {family:24s} {' '.join(columns.values())} {detail}", flush=True)
     counts = {k: sum(r[2] == k for r in rows) for k in ("exact", "derived", "refused", "failed", "not built")}
     seconds = time.perf_counter() - start
     print(counts, f"{seconds:.0f} s")
@@ -208,32 +241,42 @@ def run_stamp() -> str:
 
 def write_table(path: Path, rows: list, counts: dict, version: str, stamp: str) -> None:
     expandable = counts["exact"] + counts["derived"]
+    proven = sum(r[5]["zero-init"] == "bitwise" for r in rows)
+    parity = sum(r[5]["verify"] == "PARITY" for r in rows)
     lines = [
         "# Compatibility",
         "",
         f"Generated by `make coverage` (scripts/coverage.py) on {stamp}, with transformers {version}:",
-        "every model_type",
-        "of its causal-LM auto mapping, built as a tiny random model from its config class, expanded with",
-        "`copy` (2 new layers) and, where the template offers it, `copy --zero-init`, then reloaded with",
-        "AutoModelForCausalLM (the class that built it where that cannot read the saved config: Mllama's",
-        "text model). Multimodal wrappers are built with the tiny vision towers of tests/test_wrappers.py.",
+        "every model_type of its causal-LM auto mapping, built as a tiny random model from its config",
+        "class, expanded with `copy` (2 new layers) and `copy --zero-init` where otdus knows or proves the",
+        "zero-init targets, then reloaded with AutoModelForCausalLM (the class that built it where that",
+        "cannot read the saved config: Mllama's text model). Multimodal wrappers are built with the tiny",
+        "vision towers of tests/test_wrappers.py.",
         "",
         f"**{expandable} of {len(rows)} architectures expand and reload**: {counts['exact']} with an exact",
-        f"template (zero-init gives bit-identical logits), {counts['derived']} with a template derived from",
-        f"transformers (copy-type methods only); {counts['refused']} refused with a reason, "
-        f"{counts['failed']} failed, {counts['not built']} could not be built tiny here.",
+        f"template, {counts['derived']} with a template derived from transformers; zero-init gives",
+        f"bit-identical logits for {proven} of them, and verify says PARITY for {parity};",
+        f"{counts['refused']} refused with a reason, {counts['failed']} failed, {counts['not built']}",
+        "could not be built tiny here.",
         "",
-        "- **exact**: a template in otdus_cli/arch/families.py; every method (OT where listed).",
-        "- **derived**: the layer list read off transformers' class on the meta device (arch/derived.py);",
-        "  copy, interpose, llama-pro, solar, stack without zero-init.",
+        "- **exact**: a template in otdus_cli/arch/families.py; every method it allows.",
+        "- **derived**: the layer list and each layer's kind read off transformers' class on the meta device",
+        "  (arch/derived.py); copy, interpose, llama-pro, solar, stack. Its zero-init targets (the tensors",
+        "  that write into the residual stream) are proved on a tiny instance: with them zeroed, a layer's",
+        "  output equals its input bit for bit (arch/identity.py).",
         "- **refused**: otdus stops with one line before writing anything; the reason is given.",
         "- **not built**: this script could not build the tiny config (not a verdict on the architecture).",
+        "- **zero-init**: `bitwise` when `copy --zero-init` reloads with the base's logits bit for bit.",
+        "- **OT**, **LESA**: `plans` when otdus accepts the method at plan time; `refused` otherwise (a",
+        "  derived template: the method computes tensors from roles (q/k/v/o ...), which it does not name).",
+        "- **verify**: `otdus verify`'s verdict on the zero-init output (random token ids, float32).",
         "",
-        "| model_type | class | result | template | detail |",
-        "|---|---|---|---|---|",
+        "| model_type | class | result | template | zero-init | OT | LESA | verify | detail |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for mt, cls, kind, family, detail in rows:
-        lines.append(f"| {mt} | {cls} | {kind} | {family} | {detail.replace('|', '/')} |")
+    for mt, cls, kind, family, detail, columns in rows:
+        cells = " | ".join(v.replace("|", "/") for v in columns.values())
+        lines.append(f"| {mt} | {cls} | {kind} | {family} | {cells} | {detail.replace('|', '/')} |")
     path.write_text("\n".join(lines) + "\n")
 
 
