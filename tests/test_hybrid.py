@@ -5,7 +5,8 @@ layers), Qwen3-Next (its MoE and dense MLP layers too), GLM-4.5 (glm4_moe: dense
 MoE), Nemotron-H (Mamba, attention and MLP blocks; its depth is the length of layers_block_type),
 Falcon-H1 (attention and Mamba side by side), GPT-2 and Bloom (depth as n_layer). LLaMA PRO's zero-init
 keeps the logits bit for bit, with the zeroed tensors proved on a tiny instance (arch/identity.py) and
-recorded in the manifest; the reloaded model's layer kinds are the plan's; OT is refused in one line.
+recorded in the manifest; the reloaded model's layer kinds are the plan's; verify says PARITY; OT is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from otdus_cli.arch.derived import layer_kinds
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
+from otdus_cli.verify.compare import verify_expansion
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -161,6 +163,17 @@ def test_llama_pro_keeps_the_logits_and_the_layer_kinds(hybrids, tmp_path, model
     planned = [base_kinds[lay.source] for lay in result.plan.layer_map]
     assert _kinds_of(grown) == planned
     assert grown.config.get_text_config().num_hidden_layers == len(planned) == result.plan.source.depth + 2
+    report = verify_expansion(src, tmp_path / "out", _random_ids_plan())
+    assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict
+
+
+def _random_ids_plan():
+    """Token perplexity over random ids (the tiny models have no tokenizer)."""
+    from otdus_cli.verify.metrics import EvalPlan, Window
+
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (20, 20, 13)]
+    return EvalPlan("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "gpt2"])

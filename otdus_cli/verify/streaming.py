@@ -19,6 +19,7 @@ logits (positions are scored in chunks of at most ``max_logits_bytes``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -81,15 +82,22 @@ class _LayerStandIn(nn.Module):
         super().__init__()
         self.index = index
         self._hub = hub
-        # attributes some forwards read from the layer object (e.g. attention_type); copied, not owned
-        for name in ("attention_type", "layer_type", "is_sliding", "sliding_window", "layer_idx"):
-            if name in real.__dict__:
-                setattr(self, name, real.__dict__[name])
+        # the real layer's parameters after hidden_states, for forwards that pass them by position
+        # (GPT-2's blocks: past_key_values, cache_position, attention_mask ...)
+        self._positional = list(inspect.signature(real.forward).parameters)[1:]
+        # attributes some forwards read from the layer object (attention_type, layer_idx, Nemotron-H's
+        # block_type ...): every plain setting of the real layer, copied, not owned
+        for name, value in real.__dict__.items():
+            plain = isinstance(value, str | int | float | bool) or value is None
+            if plain and not name.startswith("_") and name not in ("training", "index"):
+                setattr(self, name, value)
 
     def forward(self, hidden_states, *args, **kwargs):
         hub = self._hub
         if args:
-            raise OtdusError("decoder layer called with positional arguments besides hidden_states")
+            if len(args) > len(self._positional) or set(self._positional[: len(args)]) & set(kwargs):
+                raise OtdusError("decoder layer called with positional arguments its forward does not name")
+            kwargs = {**dict(zip(self._positional, args, strict=False)), **kwargs}
         if hub.mode == "delegate":
             return hub.delegate(self.index, hidden_states, kwargs)
         if hub.mode == "record":
@@ -244,7 +252,7 @@ class StreamedModel:
         self.config = self.model.config
         # a multimodal wrapper's sizes (hidden, heads, experts, vocabulary) are its text model's
         self.text_config = self.config.get_text_config()
-        self.decoder = self._find_decoder()
+        self.decoder, self._layers_name = self._find_decoder()
         self._on_disk = set(self.reader.names)
         self._disk_names = self._disk_name_rules()
         untie = hf_compat.loads_stored_tied_copies()
@@ -253,15 +261,17 @@ class StreamedModel:
             for target, source in hf_compat.tied_parameters(self.model).items()
             if not (untie and self.disk_name(target) in self._on_disk)
         }
-        self.layers = list(self.decoder.layers)
+        self.layers = list(getattr(self.decoder, self._layers_name))
         self.num_layers = len(self.layers)
         if self.num_layers == 0:
             raise OtdusError(f"{self.folder} has no decoder layers")
         self.layer_prefixes = self._layer_prefixes()
         self._check_layer_tensors()
         self._hub = _Hub(last_index=self.num_layers - 1, learn_output=self._layer0_output)
-        self.decoder.layers = nn.ModuleList(
-            _LayerStandIn(i, layer, self._hub) for i, layer in enumerate(self.layers)
+        setattr(
+            self.decoder,
+            self._layers_name,
+            nn.ModuleList(_LayerStandIn(i, layer, self._hub) for i, layer in enumerate(self.layers)),
         )
         self._stage_skips = self._shell_stages()
         # decoder layers the family's forward skips on text-only input (Mllama's cross-attention layers
@@ -270,14 +280,23 @@ class StreamedModel:
         self._shell_loaded: str | None = None  # "embed", "head" or "all": what is on the device
 
     # -- structure ------------------------------------------------------------------------------
-    def _find_decoder(self) -> nn.Module:
+    def _find_decoder(self) -> tuple[nn.Module, str]:
+        """The module whose forward runs the decoder layers, and the name of their list in it:
+        ``.model.layers`` for most; the base model's one list of that depth for others (GPT-2's
+        ``transformer.h``, Bloom's ``transformer.h``)."""
         inner = getattr(self.model, "model", None)
         candidates = [inner, getattr(inner, "language_model", None)]  # a causal LM's; a wrapper's
         with contextlib.suppress(Exception):  # best effort: some wrappers raise
             candidates.append(self.model.get_decoder())
         for cand in candidates:
             if isinstance(cand, nn.Module) and isinstance(getattr(cand, "layers", None), nn.ModuleList):
-                return cand
+                return cand, "layers"
+        base = getattr(self.model, "base_model", None)
+        depth = getattr(self.model.config.get_text_config(), "num_hidden_layers", None)
+        if isinstance(base, nn.Module) and base is not self.model:
+            lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m) == depth]
+            if len(lists) == 1:
+                return base, lists[0]
         raise OtdusError(f"{type(self.model).__name__}: cannot find its decoder layers (.model.layers)")
 
     def _layer_prefixes(self) -> list[str]:
@@ -292,7 +311,14 @@ class StreamedModel:
         ``language_model.lm_head``, its vision tower and projector at the top."""
         decoder = next(n for n, m in self.model.named_modules() if m is self.decoder) + "."
         stored = text_model_prefix(sorted(self._on_disk))
-        if stored is None or stored == decoder:
+        if stored is None:
+            # a class that renames its base model when loading (Nemotron-H: built as model.layers.N,
+            # stored as backbone.layers.N): the one prefix its layer list is stored under
+            first = f"{self._layers_name}.0."
+            found = {n[: n.index(first)] for n in self._on_disk if first in n}
+            found = {p for p in found if p == "" or p.endswith(".")}
+            return [(decoder, found.pop())] if len(found) == 1 and decoder not in found else []
+        if stored == decoder:
             return []
         text_root = stored.rsplit(".", 2)[0] + "." if stored.count(".") > 1 else ""
         return [(decoder, stored), ("lm_head.", text_root + "lm_head."), ("model.", "")]
