@@ -56,48 +56,67 @@ TINY_MOE = dict(
     qk_nope_head_dim=8,
     v_head_dim=8,
 )
+# multi-head latent attention: a rotary part half the head (tests/conftest.py's DeepSeek-V3)
+TINY_MLA = dict(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 try:
     from conftest import COMMON as TESTED_COMMON
     from conftest import TINY_CONFIGS as TESTED_CONFIGS
+    from test_hybrid import CONFIGS as TESTED_HYBRIDS  # hybrid stacks, GPT-2 and Bloom
     from test_wrappers import WRAPPERS as TESTED_WRAPPERS  # multimodal wrappers: tiny vision towers too
 except ImportError:  # an installed otdus without its tests
-    TESTED_COMMON, TESTED_CONFIGS, TESTED_WRAPPERS = {}, {}, {}
+    TESTED_COMMON, TESTED_CONFIGS, TESTED_WRAPPERS, TESTED_HYBRIDS = {}, {}, {}, {}
 MAX_PARAMETERS = 20_000_000  # a config whose sizes our tiny fields do not reach is reported, not built
 
 
 def build(model_type: str, folder: Path) -> torch.Tensor:
-    """Save a tiny random model; return its logits on fixed ids."""
+    """Save a tiny random model; return its logits on fixed ids. Each set of tiny fields is tried in
+    turn until one builds a small model that runs; else the error of the first that built a config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     no_head_dim = {k: v for k, v in TINY.items() if k != "head_dim"}  # for classes that compute it
-    tested = TESTED_CONFIGS.get(model_type)  # the test suite's tiny config, where it has one
-    attempts = ([{**TESTED_COMMON, **tested}] if tested is not None else []) + [
+    any_depth = {k: v for k, v in TINY.items() if k != "num_hidden_layers"}  # configs whose kinds fix it
+    tested = [  # the test suite's tiny configs, where it has one
+        *([{**TESTED_COMMON, **TESTED_CONFIGS[model_type]}] if model_type in TESTED_CONFIGS else []),
+        *([TESTED_HYBRIDS[model_type]] if model_type in TESTED_HYBRIDS else []),
         *([TESTED_WRAPPERS[model_type]] if model_type in TESTED_WRAPPERS else []),
+    ]
+    attempts = [
+        *tested,
         {**TINY, **TINY_MOE},
+        {**TINY, **TINY_MOE, **TINY_MLA},
         {**no_head_dim, **TINY_MOE},
         TINY,
         no_head_dim,
+        {**any_depth, **TINY_MOE},
+        {k: v for k, v in any_depth.items() if k != "head_dim"},
     ]
+    refused: list[Exception] = []  # configs transformers refused
+    failed: list[Exception] = []  # configs that built, then failed: their errors say more
     for fields in attempts:
         try:
             config = AutoConfig.for_model(model_type, **fields)
+        except Exception as exc:
+            refused.append(exc)
+            continue
+        try:
             with torch.device("meta"):
                 size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-            break
-        except Exception:
-            if fields is no_head_dim:
-                raise
-    if size > MAX_PARAMETERS:
-        raise RuntimeError(f"the tiny config still has {size / 1e6:.0f}M parameters")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1 and p.is_floating_point():
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    return logits_of(model)
+            if size > MAX_PARAMETERS:
+                raise RuntimeError(f"the tiny config still has {size / 1e6:.0f}M parameters")
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config).eval()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() == 1 and p.is_floating_point():
+                        p.add_(torch.randn_like(p) * 0.1)
+            logits = logits_of(model)
+        except Exception as exc:
+            failed.append(exc)
+            continue
+        model.save_pretrained(folder)
+        return logits
+    raise (failed or refused)[0]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -107,8 +126,8 @@ def _one_line(exc: BaseException) -> str:
 
 def logits_of(model) -> torch.Tensor:
     ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return model(input_ids=ids).logits.float()
+    with torch.no_grad():  # no cache: some hybrids' caches cannot be asked their length before attention
+        return model(input_ids=ids, use_cache=False).logits.float()
 
 
 def reload(folder: Path):
