@@ -30,7 +30,7 @@ from otdus_cli.arch.config_rules import (
     rewrite_config,
     validate_with_transformers,
 )
-from otdus_cli.arch.derived import check_planned_kinds
+from otdus_cli.arch.derived import check_derived_plan
 from otdus_cli.arch.families import family_for
 from otdus_cli.card import write_output_card
 from otdus_cli.device import resolve_device
@@ -144,7 +144,7 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
         source.family.index_fields,
     )
     if source.family.derived:
-        check_planned_kinds(source.family, source.text_config, config, layer_map)
+        check_derived_plan(source, config, layer_map)
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
     return ExpansionPlan(

@@ -170,11 +170,14 @@ def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     for method, column in (("ot", "OT"), ("lesa", "LESA")):
         columns[column] = "plans" if _plans(src, method) else "refused"
     if not family.zero_init:
-        columns["zero-init"] = "no"
+        columns["zero-init"] = "refused"
         return kind, family.name, f"zero-init refused: {family.zero_init_note or 'no targets'}", columns
     try:
         expand(str(src), root / "zero", ExpandOptions(method="copy", layers=2, zero_init=True))
         same = torch.equal(base, logits_of(reload(root / "zero")))
+    except OtdusError as exc:  # refused at plan time, saying why (names, positions)
+        columns["zero-init"] = "refused"
+        return kind, family.name, f"zero-init refused: {_one_line(exc)}", columns
     except Exception as exc:
         return "failed", family.name, f"zero-init: {type(exc).__name__}: {_one_line(exc)}", columns
     if not same:
@@ -285,7 +288,8 @@ def write_table(path: Path, rows: list, counts: dict, version: str, stamp: str) 
         "  output equals its input bit for bit (arch/identity.py).",
         "- **refused**: otdus stops with one line before writing anything; the reason is given.",
         "- **not built**: this script could not build the tiny config (not a verdict on the architecture).",
-        "- **zero-init**: `bitwise` when `copy --zero-init` reloads with the base's logits bit for bit.",
+        "- **zero-init**: `bitwise` when `copy --zero-init` reloads with the base's logits bit for bit;",
+        "  `refused` when otdus refuses it at plan time (the detail says why).",
         "- **OT**, **LESA**: `plans` when otdus accepts the method at plan time; `refused` otherwise (a",
         "  derived template: the method computes tensors from roles (q/k/v/o ...), which it does not name).",
         "- **verify**: `otdus verify`'s verdict on the zero-init output (random token ids, float32).",

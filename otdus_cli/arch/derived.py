@@ -12,6 +12,7 @@ copy-type methods only; its zero-init targets are proved on a tiny instance (arc
 from __future__ import annotations
 
 import hashlib
+import re
 import warnings
 
 from otdus_cli.arch.depth import stated_depth
@@ -184,3 +185,39 @@ def modules_of(model, path: str) -> list:
     for part in path.split("."):
         module = getattr(module, part)
     return list(module)
+
+
+def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
+    """A derived template's plan, checked before anything is written (OtdusError otherwise): every output
+    layer is of its source's kind in what transformers builds from ``written_config``; with zero-init,
+    every proved target is stored in the checkpoint under the name transformers' class gives it, and the
+    expanded tiny instance gives the base's logits bit for bit (arch/identity.py: prove_plan)."""
+    from otdus_cli.arch.identity import expert_forms, prove_plan
+
+    family = source.family
+    check_planned_kinds(family, source.text_config, written_config, layer_map)
+    if not any(lay.zero_init for lay in layer_map) or family.zero_init_proof is None:
+        return
+    proved = family.zero_init_proof["kinds"]
+    zeroed: list[list[str]] = []
+    for lay in layer_map:
+        kind = family.layer_kind(source.text_config, lay.source)
+        names = proved[kind]["zeroed"] if lay.zero_init else []
+        stored = source.layers[lay.source].suffixes()
+        for name in names:
+            if not any(re.fullmatch(form, suffix) for form in expert_forms(name) for suffix in stored):
+                raise OtdusError(
+                    f"zero-init for {family.name}: the checkpoint stores {name} of its {kind} layers under "
+                    "another name than transformers' class (which converts it when loading), so otdus cannot "
+                    "zero it; add --no-zero-init"
+                )
+        zeroed.append(names)
+    why = prove_plan(
+        source.config,
+        written_config,
+        family.zero_init_proof["layer_list"],
+        [lay.source for lay in layer_map],
+        zeroed,
+    )
+    if why:
+        raise OtdusError(f"zero-init for {family.name}: {why}; add --no-zero-init")

@@ -63,6 +63,7 @@ class IdentityProof:
     layers: dict[str, int] = field(default_factory=dict)  # kind -> the layer the proof ran on
     instance: str = ""  # "the config as given" or "the config with widths shrunk"
     failure: str | None = None  # why no proof (then ``zeroed`` is incomplete)
+    layer_list: str = ""  # the decoder layers' module list in transformers' class
 
     def record(self) -> dict:
         """The proof as the manifest records it."""
@@ -70,27 +71,32 @@ class IdentityProof:
             "check": f"layer output equals its input bit for bit on {_SEQUENCE} random tokens, "
             "with these tensors zeroed",
             "instance": self.instance,
+            "layer_list": self.layer_list,
             "kinds": {k: {"layer": self.layers[k], "zeroed": v} for k, v in self.zeroed.items()},
         }
 
     def patterns(self) -> tuple[str, ...]:
-        """The zero-init targets as tensor-name patterns within a layer: each name as in memory, and a
-        fused expert tensor also as its per-expert form (experts.N.<name>.weight, older saves)."""
-        out: list[str] = []
-        for names in self.zeroed.values():
-            for name in names:
-                out.append(re.escape(name))
-                m = re.fullmatch(r"(.*experts)\.(\w+)", name)
-                if m:
-                    out.append(re.escape(m.group(1)) + r"\.\d+\." + re.escape(m.group(2)) + r"\.weight")
-        return tuple(dict.fromkeys(out))
+        """The zero-init targets as tensor-name patterns within a layer (expert_forms)."""
+        return tuple(
+            dict.fromkeys(form for names in self.zeroed.values() for n in names for form in expert_forms(n))
+        )
+
+
+def expert_forms(name: str) -> list[str]:
+    """Patterns a zero-init target is stored under: its name as in memory, and a fused expert tensor
+    also in its per-expert form (experts.N.<name>.weight, older saves)."""
+    out = [re.escape(name)]
+    m = re.fullmatch(r"(.*experts)\.(\w+)", name)
+    if m:
+        out.append(re.escape(m.group(1)) + r"\.\d+\." + re.escape(m.group(2)) + r"\.weight")
+    return out
 
 
 def prove_identity(config: dict, layer_list: str, kinds: list[str]) -> IdentityProof:
     """Find and prove the zero-init targets of every layer kind of ``config``'s model (see module)."""
     import torch
 
-    proof = IdentityProof()
+    proof = IdentityProof(layer_list=layer_list)
     try:
         model, proof.instance = _tiny_instance(config)
     except Exception as exc:
@@ -129,7 +135,56 @@ def prove_identity(config: dict, layer_list: str, kinds: list[str]) -> IdentityP
     return proof
 
 
-def _tiny_instance(config: dict):
+def prove_plan(
+    config: dict, written: dict, layer_list: str, sources: list[int], zeroed: list[list[str]]
+) -> str | None:
+    """Whether the expanded model computes the base function, shown on the tiny instance: the model
+    ``written`` describes, with output layer j a copy of base layer ``sources[j]`` and the tensors
+    ``zeroed[j]`` zeroed in it, gives the base's logits bit for bit. None when it does; else why not
+    (a layer whose index enters its computation computes otherwise at its new position ...)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        base, _ = _tiny_instance(config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            grown = AutoModelForCausalLM.from_config(_tiny_config(written)[0]).float().eval()
+    except Exception as exc:
+        return f"no tiny instance of the expanded model to prove it on ({type(exc).__name__})"
+    prefix = layer_list + "."
+    state = base.state_dict()
+    out = {}
+    for name, value in state.items():
+        if not name.startswith(prefix):
+            out[name] = value
+    for j, i in enumerate(sources):
+        for name, value in state.items():
+            if name.startswith(f"{prefix}{i}."):
+                suffix = name[len(f"{prefix}{i}.") :]
+                out[f"{prefix}{j}.{suffix}"] = torch.zeros_like(value) if suffix in zeroed[j] else value
+    vocab = base.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(1))
+    try:
+        grown.load_state_dict(out, strict=True)
+        with torch.no_grad():
+            same = torch.equal(
+                base(input_ids=ids, use_cache=False).logits, grown(input_ids=ids, use_cache=False).logits
+            )
+    except Exception as exc:
+        return f"the expanded tiny model did not run ({type(exc).__name__})"
+    if not same:
+        return (
+            "on a tiny instance the expanded model's logits differ from the base's although each new layer "
+            "is an identity: its layers compute differently at their new positions (their index enters "
+            "their computation)"
+        )
+    return None
+
+
+def _tiny_config(config: dict) -> tuple[object, bool]:
+    """transformers' config for ``config`` if its model is small, else with its widths shrunk; and
+    whether it was shrunk."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -138,11 +193,19 @@ def _tiny_instance(config: dict):
         loaded = transformers_config(config)
         with torch.device("meta"):
             size = sum(p.numel() for p in AutoModelForCausalLM.from_config(loaded).parameters())
-        instance = "the config as given"
         if size > MAX_PROOF_PARAMETERS:
-            instance = "the config with its widths shrunk"
-            shrunk = {k: _SHRUNK_WIDTHS.get(k, v) for k, v in config.items()}
-            loaded = transformers_config(shrunk)
+            return transformers_config({k: _SHRUNK_WIDTHS.get(k, v) for k, v in config.items()}), True
+    return loaded, False
+
+
+def _tiny_instance(config: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded, shrunk = _tiny_config(config)
+    instance = "the config with its widths shrunk" if shrunk else "the config as given"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(loaded).float().eval()
     with torch.no_grad():  # norms start at exactly 1 or 0; perturb them so a lucky identity shows
