@@ -273,3 +273,41 @@ def test_a_pair_of_different_kinds_is_refused_at_plan_time_naming_the_alternativ
     plan = json.loads(shown.stdout)
     assert plan["mixed_kind_gaps"] == [0]
     assert plan["layer_kinds"] == ["dense", "sparse", "sparse", "sparse", "sparse"]
+
+
+def test_zero_init_is_proved_for_the_plan_not_only_for_the_new_layers(tmp_path):
+    """DiffLLaMA's attention depends on its layer's index: a zeroed new layer is an identity, but a base
+    layer moved to another index computes otherwise, so zero-init is refused for a placement before the
+    last layer (it did write an output with other logits, called function-preserving), and kept after it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    fields = {k: v for k, v in _BASE.items() if "token_id" not in k}
+    AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("diffllama", num_hidden_layers=4, **fields)
+    ).save_pretrained(tmp_path / "src")
+    with pytest.raises(
+        OtdusError, match=r"index enters their computation\); new layers after the last one \(--after 3\)"
+    ):
+        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    assert not (tmp_path / "out").exists()
+    expand(str(tmp_path / "src"), tmp_path / "last", ExpandOptions(method="llama-pro", after=[3, 3]))
+    assert torch.equal(_logits(_reload(tmp_path / "last")), _logits(_reload(tmp_path / "src")))
+
+
+def test_zero_init_of_tensors_stored_under_other_names_is_refused(tmp_path):
+    """GraniteMoE stores its experts per expert under other names than its class's fused tensors (a
+    conversion on loading): otdus cannot tell which stored tensors to zero, and says so (it used to
+    zero nothing and call the output function-preserving)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in _BASE.items() if "token_id" not in k}
+    config = AutoConfig.for_model(
+        "granitemoe", num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, **fields
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    with pytest.raises(OtdusError, match="under another name than transformers' class"):
+        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    expand(
+        str(tmp_path / "src"), tmp_path / "copy", ExpandOptions(method="llama-pro", layers=2, zero_init=False)
+    )

@@ -220,4 +220,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
         zeroed,
     )
     if why:
-        raise OtdusError(f"zero-init for {family.name}: {why}; add --no-zero-init")
+        last = source.depth - 1
+        if any(not lay.new and lay.index != lay.source for lay in layer_map):  # base layers moved
+            why += f"; new layers after the last one (--after {last}) leave every base layer's index as it is"
+        raise OtdusError(f"zero-init for {family.name}: {why}; or add --no-zero-init")
