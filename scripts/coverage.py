@@ -56,8 +56,18 @@ TINY_MOE = dict(
     qk_nope_head_dim=8,
     v_head_dim=8,
 )
-# multi-head latent attention: a rotary part half the head (tests/conftest.py's DeepSeek-V3)
-TINY_MLA = dict(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+# encoder-decoder classes' decoder settings (BART family, Whisper, PLBart: their causal LM is the decoder)
+TINY_DECODER = dict(
+    d_model=32,
+    decoder_layers=4,
+    encoder_layers=2,
+    decoder_attention_heads=4,
+    encoder_attention_heads=4,
+    decoder_ffn_dim=48,
+    encoder_ffn_dim=48,
+)
+# multi-head latent attention (and other classes) wanting as many key-value heads as query heads
+TINY_MLA = dict(num_key_value_heads=4)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 try:
     from conftest import COMMON as TESTED_COMMON
@@ -85,6 +95,7 @@ def build(model_type: str, folder: Path) -> torch.Tensor:
         *tested,
         {**TINY, **TINY_MOE},
         {**TINY, **TINY_MOE, **TINY_MLA},
+        {**TINY, **TINY_DECODER},
         {**no_head_dim, **TINY_MOE},
         TINY,
         no_head_dim,
@@ -163,7 +174,7 @@ def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     kind = "derived" if family.copy_only else "exact"
     try:
         grown = reload(root / "copy")
-        assert grown.config.get_text_config().num_hidden_layers == result.manifest["num_hidden_layers"]
+        assert _depth(grown, root / "copy") == result.manifest["num_hidden_layers"]
         logits_of(grown)
     except Exception as exc:
         return "failed", family.name, f"copy does not reload: {type(exc).__name__}: {_one_line(exc)}", columns
@@ -189,6 +200,17 @@ def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
 
 
 COLUMNS = ("zero-init", "OT", "LESA", "verify")
+
+
+def _depth(model, folder: Path) -> int:
+    """The depth transformers loaded, under the name the saved config gives it (BART: decoder_layers)."""
+    import json
+
+    from otdus_cli.arch.depth import DEPTH, depth_field
+    from otdus_cli.arch.wrappers import text_config
+
+    field = depth_field(text_config(json.loads((folder / "config.json").read_text()))) or DEPTH
+    return getattr(model.config.get_text_config(), field)
 
 
 def _plans(src: Path, method: str) -> bool:

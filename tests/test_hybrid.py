@@ -234,6 +234,8 @@ def test_depth_fields_are_read_from_the_config_class():
     assert depth_field({"model_type": "gpt2", "n_layer": 3}) == "n_layer"
     assert depth_field({"model_type": "bloom", "n_layer": 3}) == "n_layer"
     assert depth_field({"model_type": "llama", "num_hidden_layers": 3}) == "num_hidden_layers"
+    # BART's attribute_map says encoder_layers; its causal LM (the decoder) is built from decoder_layers
+    assert depth_field({"model_type": "bart", "encoder_layers": 2, "decoder_layers": 3}) == "decoder_layers"
     nemotron = {"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention", "mlp"]}
     assert depth_field(nemotron) is None and implied_depth_field(nemotron) == "layers_block_type"
     assert stated_depth(nemotron) == 3

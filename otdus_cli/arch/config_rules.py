@@ -230,8 +230,9 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> str | None
     except Exception as exc:
         raise OtdusError(f"transformers rejects the rewritten config: {exc}") from None
     text = loaded.get_text_config()  # a multimodal wrapper's text config; the config itself otherwise
+    field = depth_field(text_config(written)) or DEPTH  # BART's decoder_layers, not its num_hidden_layers
     _check_depth(
-        {"num_hidden_layers": text.num_hidden_layers, "layer_types": getattr(text, "layer_types", None)},
+        {"num_hidden_layers": getattr(text, field), "layer_types": getattr(text, "layer_types", None)},
         expected_layers,
     )
     return None

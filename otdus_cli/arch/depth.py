@@ -7,6 +7,10 @@ a few (Nemotron-H) compute the depth as a property, the length of their per-laye
 
 from __future__ import annotations
 
+import functools
+import json
+import warnings
+
 DEPTH = "num_hidden_layers"
 
 
@@ -22,25 +26,64 @@ def _config_class(model_type: object):
 
 
 def depth_field(config: dict) -> str | None:
-    """The field of ``config`` (a stack's settings) that holds its depth: ``num_hidden_layers``, the
-    name the config class maps it to, or the one integer "layer" field transformers reads the depth
-    from; None when the config states no depth of its own (Nemotron-H: the length of its
+    """The field of ``config`` (a stack's settings) that holds its depth: ``num_hidden_layers``, else
+    the integer "layer" field that sets the length of the decoder layer list transformers' class builds
+    (found by building it on the meta device with the field one larger: BART's decoder_layers, though
+    its attribute_map maps num_hidden_layers to encoder_layers), else the config class's attribute_map
+    name for it; None when the config states no depth of its own (Nemotron-H: the length of its
     ``layers_block_type``; see implied_depth_field)."""
     if DEPTH in config:
         return DEPTH
     cls = _config_class(config.get("model_type"))
     if cls is None:
         return None
+    learned = _field_setting_the_layer_list(json.dumps(config, sort_keys=True))
+    if learned is not None:
+        return learned
     mapped = getattr(cls, "attribute_map", {}).get(DEPTH)
     if isinstance(mapped, str) and isinstance(config.get(mapped), int):
         return mapped
-    depth = _loaded_depth(config)
-    found = [
-        k
-        for k, v in config.items()
-        if "layer" in k and isinstance(v, int) and not isinstance(v, bool) and v == depth
-    ]
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _field_setting_the_layer_list(config_json: str) -> str | None:
+    config = json.loads(config_json)
+    lengths = _module_list_lengths(config)
+    if lengths is None:
+        return None
+    found = []
+    for name, value in config.items():
+        if "layer" not in name or not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            continue
+        grown = _module_list_lengths({**config, name: value + 1})
+        if grown is not None and grown.count(value + 1) > lengths.count(value + 1):
+            found.append(name)
     return found[0] if len(found) == 1 else None
+
+
+def _module_list_lengths(config: dict) -> list[int] | None:
+    """The lengths of the module lists (outside vision / audio towers) of the causal LM transformers
+    builds from ``config`` on the meta device; None when it cannot build one."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from otdus_cli.arch.derived import NOT_TEXT
+        from otdus_cli.arch.hf_config import transformers_config
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = transformers_config(config)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(loaded, trust_remote_code=False)
+    except Exception:
+        return None
+    return [
+        len(module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and not any(part in name for part in NOT_TEXT)
+    ]
 
 
 def implied_depth_field(config: dict) -> str | None:

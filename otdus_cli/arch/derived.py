@@ -23,7 +23,7 @@ from otdus_cli.errors import OtdusError
 # what a refused derivation tells the user to do
 _NEEDS_TEMPLATE = "expanding it needs an exact template (otdus_cli/arch/families.py)"
 # module-name parts of towers that are not the text stack
-_NOT_TEXT = ("vision", "visual", "audio", "image", "speech")
+NOT_TEXT = ("vision", "visual", "audio", "image", "speech")
 
 
 def derivable(model_type: str) -> bool:
@@ -119,7 +119,7 @@ def _layer_list(model, depth: int, model_type: object) -> str:
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.ModuleList)
         and len(module) == depth
-        and not any(part in name for part in _NOT_TEXT)
+        and not any(part in name for part in NOT_TEXT)
     ]
     if len(lists) != 1:
         found = f"{len(lists)} ({', '.join(lists[:3])})" if lists else "none"
@@ -155,8 +155,8 @@ def layer_kinds(layers: list) -> list[str]:
 
 def config_layer_kinds(config: dict) -> list[str]:
     """The layer kinds of the model transformers builds from ``config`` (on the meta device)."""
-    model, loaded = _meta_model(config)
-    depth = loaded.get_text_config().num_hidden_layers
+    model, _ = _meta_model(config)
+    depth = stated_depth(text_config(config))
     return layer_kinds(modules_of(model, _layer_list(model, depth, config.get("model_type"))))
 
 
