@@ -29,6 +29,7 @@ from otdus_cli.arch.config_rules import (
     rewrite_config,
     validate_with_transformers,
 )
+from otdus_cli.arch.derived import check_derived_plan
 from otdus_cli.device import resolve_device
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
@@ -39,7 +40,7 @@ from otdus_cli.methods.base import BuildContext, Method
 from otdus_cli.methods.registry import get_method
 from otdus_cli.options import ExpandOptions, ignored_options
 from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
-from otdus_cli.plan.layer_map import OutputLayer, is_function_preserving, plan_layers
+from otdus_cli.plan.layer_map import OutputLayer, check_parent_kinds, is_function_preserving, plan_layers
 from otdus_cli.source import SourceModel, open_source
 
 SCRATCH = ".otdus-scratch"  # inside the staging folder; never part of an output
@@ -86,8 +87,9 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
         if source.family.name == "generic":
             raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
         raise OtdusError(
-            f"{source.family.name} has no exact template (its layers were read off transformers' class): "
-            f"copy-type methods only, not {method.name}"
+            f"--method {method.name} computes new tensors from the layer roles (q/k/v/o, gate/up/down) of "
+            f"an exact template; {source.family.name} was read off transformers' class, which names no "
+            "roles: use copy, interpose, llama-pro, solar or stack"
         )
     refusal = method.refusal(source.family)
     if refusal:
@@ -108,28 +110,20 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
         options.after,
         method.zero_init_for(options.method_variant()) if options.zero_init is None else options.zero_init,
     )
-    # a layer built from several parents (average) needs them of one kind: the same tensors
-    for lay in layer_map:
-        kinds = {source.family.layer_kind(source.text_config, i) for i in lay.parents}
-        if len(kinds) > 1:
-            parents, kinds_named = ", ".join(map(str, lay.parents)), ", ".join(sorted(kinds))
-            raise OtdusError(
-                f"--method {method.name}: new layer {lay.index} would be built from layers {parents}, of "
-                f"different kinds in {source.family.name} ({kinds_named}); use a copy-type method or place "
-                "the new layers between layers of one kind"
-            )
+    check_parent_kinds(source.family, source.text_config, source.depth, layer_map, method.name)
     if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
-        raise OtdusError(
-            f"zero-init needs an exact template (which tensors to zero), which {source.family.name} is not; "
-            "add --no-zero-init"
-        )
+        why = source.family.zero_init_note or "it needs an exact template (which tensors to zero)"
+        raise OtdusError(f"zero-init for {source.family.name}: {why}; add --no-zero-init")
     config = rewrite_config(
         source.config,
         layer_map,
         source.family.derives_layer_types,
         source.family.per_layer_fields,
         source.family.derived_fields,
+        source.family.index_fields,
     )
+    if source.family.derived:
+        check_derived_plan(source, config, layer_map)
     if options.dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
     return ExpansionPlan(
@@ -398,7 +392,11 @@ def expand(
         timings["plan_s"] = time.perf_counter() - start
         # otdus's own depth rules first (pure Python): a wrong rewrite fails before any output exists
         check_depth_rules(
-            the_plan.config, source.config, len(the_plan.layer_map), source.family.per_layer_fields
+            the_plan.config,
+            source.config,
+            len(the_plan.layer_map),
+            source.family.per_layer_fields,
+            source.family.index_fields,
         )
         return the_plan
 

@@ -62,6 +62,7 @@ class ManifestSource(BaseModel):
     model_type: str | None = None
     family: str | None = None
     num_hidden_layers: int | None = None
+    zero_init_proof: dict | None = None  # a derived template's zero-init targets, proved (arch/identity.py)
     kind: str | None = None  # "local", "hub", "bundled" (absent in manifests of otdus <= 0.1.0 runs)
     config_sha256: str | None = None
     index_sha256: str | None = None
@@ -156,6 +157,7 @@ def source_record(src: SourceModel) -> ManifestSource:
         model_type=src.config.get("model_type"),
         family=src.family.name,
         num_hidden_layers=src.depth,
+        **({"zero_init_proof": src.family.zero_init_proof} if src.family.zero_init_proof else {}),
         kind=src.resolved.kind,
         **src.reader.fingerprint(),
         fingerprints=stack_fingerprints(src),

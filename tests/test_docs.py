@@ -108,9 +108,11 @@ def test_coverage_table_keeps_details_whole_and_records_when(tmp_path):
     detail = "refused: " + "word " * 60 + "end"
     counts = {"exact": 0, "derived": 0, "refused": 1, "failed": 0, "not built": 0}
     out = tmp_path / "compatibility.md"
-    coverage.write_table(
-        out, [("x", "XForCausalLM", "refused", "", detail)], counts, "5.0", coverage.run_stamp()
-    )
+    columns = {"zero-init": "refused", "OT": "", "LESA": "", "verify": ""}
+    row = ("x", "XForCausalLM", "refused", "", detail, columns)
+    coverage.write_table(out, [row], counts, "5.0", coverage.run_stamp())
     text = out.read_text()
     assert detail in text and re.search(r"on \d{4}-\d\d-\d\d \d\d:\d\d UTC, git \w+", text)
+    assert "| zero-init | OT | LESA | verify |" in text
+    assert "| x | XForCausalLM | refused |  | refused |" in text
     assert coverage._one_line(ValueError("a\nb  c")) == "a b c"

@@ -9,6 +9,7 @@ import threading
 import warnings
 from pathlib import Path
 
+from otdus_cli.arch.depth import DEPTH, depth_field, stated_depth
 from otdus_cli.arch.families import DEPTH_FIELDS
 from otdus_cli.arch.wrappers import LEADING_LAYER_FIELDS, depth_parts, text_config
 from otdus_cli.errors import OtdusError
@@ -53,6 +54,7 @@ def rewrite_config(
     derives_layer_types: bool = True,
     per_layer_fields: tuple[str, ...] = (),
     derived_fields: tuple[str, ...] = (),
+    index_fields: tuple[str, ...] = (),
 ) -> dict:
     """A copy of `config` describing the expanded stack: where it states the depth (a multimodal
     wrapper's text_config, the top level, or both), the depth fields are rewritten.
@@ -62,16 +64,18 @@ def rewrite_config(
     ``per_layer_fields``: more fields with one entry per layer (Family.per_layer_fields).
     ``derived_fields``: depth fields transformers derives when absent (Family.derived_fields); written
     explicitly, each new layer taking its source layer's entry.
+    ``index_fields``: more fields listing layer indices (Family.index_fields).
     """
+    fields = {**dict.fromkeys(per_layer_fields, "per_layer"), **dict.fromkeys(index_fields, "index_list")}
     check_leading_layers(config, layer_map)
     out = copy.deepcopy(config)
     for key in depth_parts(config):
         if key is None:
             stack = {**config, **transformers_derived(config, derived_fields)}
-            out = {**out, **_rewrite_stack_config(stack, layer_map, derives_layer_types, per_layer_fields)}
+            out = {**out, **_rewrite_stack_config(stack, layer_map, derives_layer_types, fields)}
         else:
             stack = {**config[key], **transformers_derived(config[key], derived_fields)}
-            out[key] = _rewrite_stack_config(stack, layer_map, derives_layer_types, per_layer_fields)
+            out[key] = _rewrite_stack_config(stack, layer_map, derives_layer_types, fields)
     return out
 
 
@@ -94,12 +98,16 @@ def check_leading_layers(config: dict, layer_map: list[OutputLayer]) -> None:
 
 
 def _rewrite_stack_config(
-    config: dict, layer_map: list[OutputLayer], derives_layer_types: bool, per_layer_fields: tuple[str, ...]
+    config: dict, layer_map: list[OutputLayer], derives_layer_types: bool, fields: dict[str, str]
 ) -> dict:
-    base_layers = int(config["num_hidden_layers"])
+    base_layers = stated_depth(config)
+    if base_layers is None:
+        raise OtdusError("config.json states no depth otdus can rewrite (num_hidden_layers or its alias)")
     sources = [lay.source for lay in layer_map]
     out = copy.deepcopy(config)
-    out["num_hidden_layers"] = len(layer_map)
+    field = depth_field(config)
+    if field is not None:  # else the depth is the length of a per-layer list, rewritten below
+        out[field] = len(layer_map)
     if derives_layer_types:
         types = derived_layer_types(config)
     else:
@@ -108,14 +116,15 @@ def _rewrite_stack_config(
         if len(types) != base_layers:
             raise OtdusError(f"config layer_types has {len(types)} entries for {base_layers} layers")
         out["layer_types"] = [types[i] for i in sources]
-    for name, kind in {**DEPTH_FIELDS, **dict.fromkeys(per_layer_fields, "per_layer")}.items():
+    for name, kind in {**DEPTH_FIELDS, **fields}.items():
         value = config.get(name)
         if value is None or name == "layer_types":
             continue
-        if kind == "per_layer" and isinstance(value, list):
+        if kind == "per_layer" and isinstance(value, list | str):
             if len(value) != base_layers:
                 raise OtdusError(f"config {name} has {len(value)} entries for {base_layers} layers")
-            out[name] = [value[i] for i in sources]
+            picked = [value[i] for i in sources]
+            out[name] = "".join(picked) if isinstance(value, str) else picked  # a pattern: a letter a layer
         elif kind == "index_list" and isinstance(value, list):
             listed = set(value)
             out[name] = [j for j, i in enumerate(sources) if i in listed]
@@ -221,15 +230,16 @@ def validate_with_transformers(folder: Path, expected_layers: int) -> str | None
     except Exception as exc:
         raise OtdusError(f"transformers rejects the rewritten config: {exc}") from None
     text = loaded.get_text_config()  # a multimodal wrapper's text config; the config itself otherwise
+    field = depth_field(text_config(written)) or DEPTH  # BART's decoder_layers, not its num_hidden_layers
     _check_depth(
-        {"num_hidden_layers": text.num_hidden_layers, "layer_types": getattr(text, "layer_types", None)},
+        {"num_hidden_layers": getattr(text, field), "layer_types": getattr(text, "layer_types", None)},
         expected_layers,
     )
     return None
 
 
 def _check_depth(config: dict, expected_layers: int) -> None:
-    depth = config.get("num_hidden_layers")
+    depth = stated_depth(config)
     if depth != expected_layers:
         raise OtdusError(f"rewritten config loads with {depth} layers, expected {expected_layers}")
     types = config.get("layer_types")
@@ -238,11 +248,15 @@ def _check_depth(config: dict, expected_layers: int) -> None:
 
 
 # Fields rewrite_config may change in a stack's settings; anything else must stay the source's.
-_REWRITTEN = {"num_hidden_layers", "torch_dtype", "dtype", *DEPTH_FIELDS}
+_REWRITTEN = {DEPTH, "torch_dtype", "dtype", *DEPTH_FIELDS}
 
 
 def check_depth_rules(
-    written: dict, source: dict, expected_layers: int, per_layer_fields: tuple[str, ...] = ()
+    written: dict,
+    source: dict,
+    expected_layers: int,
+    per_layer_fields: tuple[str, ...] = (),
+    index_fields: tuple[str, ...] = (),
 ) -> None:
     """The written config describes ``expected_layers`` layers by otdus's own depth rules: wherever
     the source states the depth (the top level, a wrapper's text config, or both), every depth field
@@ -256,24 +270,25 @@ def check_depth_rules(
     imported anyway.
     """
     parts = depth_parts(source)
+    fields = {**dict.fromkeys(per_layer_fields, "per_layer"), **dict.fromkeys(index_fields, "index_list")}
     for key in parts:
         stack = written if key is None else written.get(key)
         if not isinstance(stack, dict):
             raise OtdusError(f"rewritten config lost its {key}")
-        _check_stack_rules(stack, expected_layers, per_layer_fields)
+        _check_stack_rules(stack, expected_layers, fields)
         if key is not None:
-            _check_unchanged(stack, source[key], _REWRITTEN | set(per_layer_fields), f"{key}.")
+            _check_unchanged(stack, source[key], _REWRITTEN | set(fields), f"{key}.")
     top_may_change = {"torch_dtype", "dtype", *(k for k in parts if k)}
     if None in parts:
-        top_may_change |= _REWRITTEN | set(per_layer_fields)
+        top_may_change |= _REWRITTEN | set(fields) | {depth_field(source)}
     _check_unchanged(written, source, top_may_change, "")
 
 
-def _check_stack_rules(config: dict, expected_layers: int, per_layer_fields: tuple[str, ...]) -> None:
+def _check_stack_rules(config: dict, expected_layers: int, fields: dict[str, str]) -> None:
     _check_depth(config, expected_layers)
-    for name, kind in {**DEPTH_FIELDS, **dict.fromkeys(per_layer_fields, "per_layer")}.items():
+    for name, kind in {**DEPTH_FIELDS, **fields}.items():
         value = config.get(name)
-        if kind == "per_layer" and isinstance(value, list) and len(value) != expected_layers:
+        if kind == "per_layer" and isinstance(value, list | str) and len(value) != expected_layers:
             raise OtdusError(f"rewritten config has {len(value)} {name} for {expected_layers} layers")
         if kind == "index_list" and isinstance(value, list):
             bad = [i for i in value if not isinstance(i, int) or not 0 <= i < expected_layers]

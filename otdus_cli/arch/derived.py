@@ -1,23 +1,29 @@
 """A layer template derived from transformers itself, for a model_type without an exact template.
 
 The model class is built from the config on the meta device (no weights, no remote code: only
-model_types transformers ships); its decoder layer list and the config fields with one entry per
-layer are read off it. Such a template knows no roles and no output projections, so it allows
-copy-type methods only, without zero-init: which tensors make a layer an exact identity is
-architecture knowledge that only an exact template (families.py) states for certain.
+model_types transformers ships); its decoder layer list, each layer's kind (attention / linear
+attention / Mamba, dense / MoE: the classes of its parts) and the config fields that follow the layers
+(one entry per layer, or lists of layer indices) are read off it. A new layer copies its source's kind;
+the rewritten config is built again by transformers at plan time to check that every output layer
+comes out of the kind planned (check_planned_kinds). Such a template knows no roles, so it allows
+copy-type methods only; its zero-init targets are proved on a tiny instance (arch/identity.py).
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 import warnings
 
+from otdus_cli.arch.depth import stated_depth
+from otdus_cli.arch.hf_config import transformers_config
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
 
 # what a refused derivation tells the user to do
-_NEEDS_TEMPLATE = "copy-type methods need an exact template for it (otdus_cli/arch/families.py)"
+_NEEDS_TEMPLATE = "expanding it needs an exact template (otdus_cli/arch/families.py)"
 # module-name parts of towers that are not the text stack
-_NOT_TEXT = ("vision", "visual", "audio", "image", "speech")
+NOT_TEXT = ("vision", "visual", "audio", "image", "speech")
 
 
 def derivable(model_type: str) -> bool:
@@ -30,38 +36,90 @@ def derivable(model_type: str) -> bool:
 
 
 def derive_template(config: dict) -> dict:
-    """What transformers' class for ``config`` says about its decoder stack:
-    ``{"model_type", "class", "layer_list", "per_layer_fields"}``; OtdusError when it has none we can use."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """What transformers' class for ``config`` says about its decoder stack: ``{"model_type", "class",
+    "layer_list", "kinds", "per_layer_fields", "index_fields", "derives_layer_types"}``; OtdusError when
+    it has none we can use."""
     model_type = config.get("model_type")
     text = text_config(config)
-    depth = text.get("num_hidden_layers")
+    depth = stated_depth(text)
+    model, loaded = _meta_model(config)
+    if not isinstance(depth, int):
+        raise OtdusError(
+            f"model_type={model_type!r} ({type(model).__name__}) states its depth in no field otdus can read "
+            f"off its config class (num_hidden_layers, its attribute_map alias, or a per-layer list); "
+            f"{_NEEDS_TEMPLATE}"
+        )
+    layer_list = _layer_list(model, depth, model_type)
+    kinds = layer_kinds(modules_of(model, layer_list))
+    loaded_text = loaded.get_text_config().to_dict()
+    per_layer = sorted(
+        name
+        for name, value in {**loaded_text, **text}.items()
+        if _per_layer(name, value, depth) and name != "layer_types"
+    )
+    # lists of layer indices (mlp_only_layers ...): a copy is listed where its source layer is; a list of
+    # other things of another length (Nemotron-H's mtp_layers_block_type: the kinds of the layers after the
+    # stack) does not follow the depth (check_planned_kinds proves what transformers builds either way)
+    index_fields, listing = [], []
+    for name, value in text.items():
+        if "layer" not in name or not isinstance(value, list) or name in per_layer or name == "layer_types":
+            continue
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            continue
+        (index_fields if all(0 <= i < depth for i in value) else listing).append(name)
+    if listing:
+        raise OtdusError(
+            f"model_type={model_type!r}: config field {sorted(listing)[0]} lists layer numbers beyond its "
+            f"{depth} layers, which otdus cannot renumber; {_NEEDS_TEMPLATE}"
+        )
+    return {
+        # layer_types is written explicitly only where the config class stores it (a field, not a property)
+        "derives_layer_types": "layer_types" in loaded_text,
+        "model_type": model_type,
+        "class": type(model).__name__,
+        "layer_list": layer_list,
+        "kinds": kinds,
+        "per_layer_fields": per_layer,
+        "index_fields": sorted(index_fields),
+    }
+
+
+def _per_layer(name: str, value: object, depth: int) -> bool:
+    """A list of one entry per layer, or a string of one letter per layer named so (a pattern: not a
+    4-layer model's model_type "gpt2")."""
+    if isinstance(value, list):
+        return len(value) == depth
+    return isinstance(value, str) and len(value) == depth and ("pattern" in name or "layer" in name)
+
+
+def _meta_model(config: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            loaded = AutoConfig.for_model(**config)
+            loaded = transformers_config(config)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(loaded, trust_remote_code=False)
     except Exception as exc:
         raise OtdusError(
-            f"model_type={model_type!r} has no exact template and transformers could not build it to derive "
-            f"one ({type(exc).__name__}: {str(exc)[:120]})"
+            f"model_type={config.get('model_type')!r} has no exact template and transformers could not build "
+            f"it to derive one ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
         ) from None
-    if not isinstance(depth, int):
-        field = type(loaded.get_text_config()).attribute_map.get("num_hidden_layers", "another field")
-        raise OtdusError(
-            f"model_type={model_type!r} ({type(model).__name__}) states its depth as {field}, not "
-            f"num_hidden_layers, so a template derived from transformers cannot rewrite it; {_NEEDS_TEMPLATE}"
-        )
-    # the decoder layers: the one module list of `depth` entries outside vision / audio towers
+    return model, loaded
+
+
+def _layer_list(model, depth: int, model_type: object) -> str:
+    """The decoder layers: the one module list of ``depth`` entries outside vision / audio towers."""
+    import torch
+
     lists = [
         name
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.ModuleList)
         and len(module) == depth
-        and not any(part in name for part in _NOT_TEXT)
+        and not any(part in name for part in NOT_TEXT)
     ]
     if len(lists) != 1:
         found = f"{len(lists)} ({', '.join(lists[:3])})" if lists else "none"
@@ -70,45 +128,56 @@ def derive_template(config: dict) -> dict:
             f"the one list of {depth} modules outside vision and audio towers, and finds {found}; "
             f"{_NEEDS_TEMPLATE}"
         )
-    layer_list = lists[0]
-    # a hybrid stack (attention and recurrent layers, dense and MoE ...) places its kinds by rules
-    # only an exact template knows
-    kinds = [
-        sorted((n, tuple(p.shape)) for n, p in layer.named_parameters())
-        for layer in modules_of(model, layer_list)
+    return lists[0]
+
+
+def layer_kinds(layers: list) -> list[str]:
+    """Each layer's kind: the classes of its parts that are not norms (``Qwen3NextGatedDeltaNet+
+    Qwen3NextSparseMoeBlock``); layers of one kind hold the same tensors (names and shapes), so a kind
+    named alike with other tensors gets a short hash of them."""
+    signatures = [tuple(sorted((n, tuple(p.shape)) for n, p in layer.named_parameters())) for layer in layers]
+    names = []
+    for layer in layers:
+        parts = [
+            type(child).__name__
+            for name, child in layer.named_children()
+            if "norm" not in name.lower() and any(True for _ in child.parameters())
+        ]
+        names.append("+".join(parts) or type(layer).__name__)
+    by_name: dict[str, set] = {}
+    for name, signature in zip(names, signatures, strict=True):
+        by_name.setdefault(name, set()).add(signature)
+    return [
+        name if len(by_name[name]) == 1 else f"{name}#{hashlib.sha1(repr(sig).encode()).hexdigest()[:6]}"
+        for name, sig in zip(names, signatures, strict=True)
     ]
-    odd = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), None)
-    if odd is not None:
+
+
+def config_layer_kinds(config: dict) -> list[str]:
+    """The layer kinds of the model transformers builds from ``config`` (on the meta device)."""
+    model, _ = _meta_model(config)
+    depth = stated_depth(text_config(config))
+    return layer_kinds(modules_of(model, _layer_list(model, depth, config.get("model_type"))))
+
+
+def check_planned_kinds(family, source_config: dict, written_config: dict, layer_map: list) -> None:
+    """The rewritten config builds, in transformers, the layer kinds the plan copies: each output layer
+    the kind of its source (OtdusError naming the first that differs)."""
+    planned = [family.layer_kind(source_config, lay.source) for lay in layer_map]
+    built = config_layer_kinds(written_config)
+    if len(built) != len(planned):
         raise OtdusError(
-            f"model_type={model_type!r} ({type(model).__name__}): layer {odd} holds other tensors than "
-            "layer 0 (a hybrid stack: attention / recurrent or dense / MoE layers), and which kind each new "
-            f"layer must be is not in transformers' class; {_NEEDS_TEMPLATE}"
+            f"the rewritten config builds {len(built)} layers in transformers, not {len(planned)}"
         )
-    loaded_text = loaded.get_text_config()
-    per_layer = sorted(
-        name
-        for name, value in loaded_text.to_dict().items()
-        if isinstance(value, list) and len(value) == depth and name != "layer_types"
-    )
-    # a list of layer indices (cross-attention layers, KV sharing ...) would need renumbering by rule
-    listing = sorted(
-        name
-        for name, value in text.items()
-        if "layer" in name and isinstance(value, list) and name not in per_layer and name != "layer_types"
-    )
-    if listing:
+    wrong = next((j for j, (a, b) in enumerate(zip(planned, built, strict=True)) if a != b), None)
+    if wrong is not None:
+        fields = ", ".join(family.per_layer_fields + family.index_fields) or "none"
         raise OtdusError(
-            f"model_type={model_type!r}: config field {listing[0]} lists layers, and what its entries mean "
-            f"(which layers it renumbers) is not in transformers' class; {_NEEDS_TEMPLATE}"
+            f"{family.name}: output layer {wrong} would be a {planned[wrong]} layer (a copy of base layer "
+            f"{layer_map[wrong].source}), but transformers builds a {built[wrong]} layer there from the "
+            f"rewritten config (per-layer fields rewritten: {fields}); place the new layers elsewhere "
+            "(e.g. --position top) or add an exact template"
         )
-    return {
-        # layer_types is written explicitly only where the config class stores it (a field, not a property)
-        "derives_layer_types": "layer_types" in loaded_text.to_dict(),
-        "model_type": model_type,
-        "class": type(model).__name__,
-        "layer_list": layer_list,
-        "per_layer_fields": per_layer,
-    }
 
 
 def modules_of(model, path: str) -> list:
@@ -116,3 +185,42 @@ def modules_of(model, path: str) -> list:
     for part in path.split("."):
         module = getattr(module, part)
     return list(module)
+
+
+def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
+    """A derived template's plan, checked before anything is written (OtdusError otherwise): every output
+    layer is of its source's kind in what transformers builds from ``written_config``; with zero-init,
+    every proved target is stored in the checkpoint under the name transformers' class gives it, and the
+    expanded tiny instance gives the base's logits bit for bit (arch/identity.py: prove_plan)."""
+    from otdus_cli.arch.identity import expert_forms, prove_plan
+
+    family = source.family
+    check_planned_kinds(family, source.text_config, written_config, layer_map)
+    if not any(lay.zero_init for lay in layer_map) or family.zero_init_proof is None:
+        return
+    proved = family.zero_init_proof["kinds"]
+    zeroed: list[list[str]] = []
+    for lay in layer_map:
+        kind = family.layer_kind(source.text_config, lay.source)
+        names = proved[kind]["zeroed"] if lay.zero_init else []
+        stored = source.layers[lay.source].suffixes()
+        for name in names:
+            if not any(re.fullmatch(form, suffix) for form in expert_forms(name) for suffix in stored):
+                raise OtdusError(
+                    f"zero-init for {family.name}: the checkpoint stores {name} of its {kind} layers under "
+                    "another name than transformers' class (which converts it when loading), so otdus cannot "
+                    "zero it; add --no-zero-init"
+                )
+        zeroed.append(names)
+    why = prove_plan(
+        source.config,
+        written_config,
+        family.zero_init_proof["layer_list"],
+        [lay.source for lay in layer_map],
+        zeroed,
+    )
+    if why:
+        last = source.depth - 1
+        if any(not lay.new and lay.index != lay.source for lay in layer_map):  # base layers moved
+            why += f"; new layers after the last one (--after {last}) leave every base layer's index as it is"
+        raise OtdusError(f"zero-init for {family.name}: {why}; or add --no-zero-init")

@@ -9,6 +9,7 @@ MoE family also needs its expert layout (arch/experts.py) for the methods that r
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -97,6 +98,15 @@ class Family:
     # DEPTH_FIELDS transformers derives from other fields when config.json lacks them (Llama 4's
     # moe_layers, no_rope_layers): read from transformers and written explicitly, like layer_types
     derived_fields: tuple[str, ...] = ()
+    # config fields listing layer indices besides DEPTH_FIELDS' (found by a derived template)
+    index_fields: tuple[str, ...] = ()
+    # a derived template: how its zero-init targets were proved (IdentityProof.record), or why they
+    # could not be (then zero_init is empty)
+    zero_init_proof: dict | None = None
+    zero_init_note: str = ""
+    # a derived template: its output configs are built by transformers at plan time to check that each
+    # output layer is of its source layer's kind (arch/derived.py: check_planned_kinds)
+    derived: bool = False
 
     def has(self, trait: str) -> bool:
         return trait in self.traits or (trait == MOE and self.moe)
@@ -314,19 +324,35 @@ GENERIC = Family("generic", (), {}, zero_init=(), derives_layer_types=True, copy
 
 
 def derived_family(config: dict) -> Family:
-    """The template transformers' own class gives a model_type without an exact one (arch/derived.py)."""
-    from otdus_cli.arch.derived import derive_template
+    """The template transformers' own class gives a model_type without an exact one (arch/derived.py):
+    its layer kinds, the config fields that follow them, and the zero-init targets proved on a tiny
+    instance (arch/identity.py)."""
+    return _derived_family(json.dumps(config, sort_keys=True))
 
+
+@functools.lru_cache(maxsize=8)
+def _derived_family(config_json: str) -> Family:
+    from otdus_cli.arch.derived import derive_template
+    from otdus_cli.arch.identity import prove_identity
+
+    config = json.loads(config_json)
     found = derive_template(config)
+    kinds = tuple(found["kinds"])
+    proof = prove_identity(config, found["layer_list"], list(kinds))
     return Family(
         f"derived:{found['model_type']}",
         (found["model_type"],),
         {},
-        zero_init=(),
+        zero_init=() if proof.failure else proof.patterns(),
         derives_layer_types=found["derives_layer_types"],
         layer_prefix=found["layer_list"] + ".{i}.",  # on disk as in memory, or a wrapper's (io/stack.py)
+        layer_kind=lambda _config, index: kinds[index],
         copy_only=True,
         per_layer_fields=tuple(found["per_layer_fields"]),
+        index_fields=tuple(found["index_fields"]),
+        zero_init_proof=None if proof.failure else proof.record(),
+        zero_init_note=proof.failure or "",
+        derived=True,
     )
 
 

@@ -168,8 +168,20 @@ def _flag(loc: tuple | list) -> str:
 
 
 def _layer_table(plan) -> Table:
+    from otdus_cli.plan.layer_map import layer_kinds
+
     table = Table(title=f"{plan.method.name}: {plan.source.depth} -> {len(plan.layer_map)} layers")
-    for col in ("out", "kind", "source", "parents", "builder", "zero-init"):
+    kinds = layer_kinds(plan.source.family, plan.source.text_config, plan.source.depth)
+    hybrid = len(set(kinds)) > 1  # a hybrid stack: say which kind each output layer is
+    for col in (
+        "out",
+        "kind",
+        "source",
+        "parents",
+        "builder",
+        "zero-init",
+        *(["layer kind"] if hybrid else []),
+    ):
         table.add_column(col)
     for lay in plan.layer_map:
         table.add_row(
@@ -179,11 +191,28 @@ def _layer_table(plan) -> Table:
             ",".join(map(str, lay.parents)) if lay.new else "",
             lay.builder if lay.new else "copy",
             "yes" if lay.zero_init else "",
+            *([kinds[lay.source]] if hybrid else []),
         )
     return table
 
 
+def _mixed_kinds_line(plan) -> str | None:
+    """Where a pair method (a new layer built from layers i and i + 1) would meet layers of two kinds."""
+    from otdus_cli.plan.layer_map import mixed_kind_gaps
+
+    gaps = mixed_kind_gaps(plan.source.family, plan.source.text_config, plan.source.depth)
+    if not gaps:
+        return None
+    return (
+        f"layers of different kinds meet after base layers {', '.join(map(str, gaps))}: a pair method "
+        "(average, ot, lesa) cannot place a new layer there; a copy-type method copies one layer's kind"
+    )
+
+
 def _plan_json(plan) -> dict:
+    from otdus_cli.plan.layer_map import layer_kinds, mixed_kind_gaps
+
+    kinds = layer_kinds(plan.source.family, plan.source.text_config, plan.source.depth)
     return {
         "source": plan.source.resolved.id,
         "family": plan.source.family.name,
@@ -192,6 +221,8 @@ def _plan_json(plan) -> dict:
         "num_hidden_layers": len(plan.layer_map),
         "function_preserving": plan.function_preserving,
         "layers": [lay.to_json() for lay in plan.layer_map],
+        "layer_kinds": [kinds[lay.source] for lay in plan.layer_map],
+        "mixed_kind_gaps": mixed_kind_gaps(plan.source.family, plan.source.text_config, plan.source.depth),
         "options": plan.options.model_dump(),
         "output_bytes": sum(t.nbytes for t in plan.tensors),
     }
@@ -415,6 +446,9 @@ def plan(
         if the_plan.function_preserving
         else "not function-preserving (perplexity will move)"
     )
+    mixed = _mixed_kinds_line(the_plan)
+    if mixed:
+        out_console.print(mixed)
 
 
 def inspect(

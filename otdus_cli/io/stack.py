@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from otdus_cli.arch.depth import stated_depth
 from otdus_cli.arch.dims import check_dimensions
 from otdus_cli.arch.families import DEPTH_FIELDS, Family
 from otdus_cli.arch.wrappers import text_config, text_model_prefix
@@ -89,7 +90,7 @@ class LayerStack:
 
 def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
     config = text_config(reader.config)
-    depth = config.get("num_hidden_layers")
+    depth = stated_depth(config)
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
         raise OtdusError("config.json has no valid num_hidden_layers (nor a text_config that has one)")
     # a multimodal wrapper keeps its text model under another prefix; the rest is copied as is

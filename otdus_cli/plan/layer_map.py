@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from otdus_cli.errors import OtdusError
 
 if TYPE_CHECKING:
+    from otdus_cli.arch.families import Family
     from otdus_cli.methods.base import Method
 
 POSITIONS = ("top", "bottom", "mid", "top-bottom", "uniform")
@@ -192,3 +193,46 @@ def plan_layers(
     else:
         points = insertion_points(base_layers, count, position, method.pair)
     return interleave(base_layers, points, method.builder, zero, method.pair)
+
+
+def layer_kinds(family: Family, config: dict, base_layers: int) -> list[str]:
+    """Each base layer's kind (attention / recurrent, dense / MoE ...; one kind in a uniform stack)."""
+    return [family.layer_kind(config, i) for i in range(base_layers)]
+
+
+def mixed_kind_gaps(family: Family, config: dict, base_layers: int) -> list[int]:
+    """Base layers i after which layers of different kinds meet (i and i + 1): a new layer built from
+    both (a pair method) cannot be placed there."""
+    kinds = layer_kinds(family, config, base_layers)
+    return [i for i in range(base_layers - 1) if kinds[i] != kinds[i + 1]]
+
+
+def check_parent_kinds(
+    family: Family, config: dict, base_layers: int, layer_map: list[OutputLayer], method: str
+) -> None:
+    """A layer built from several parents (average, OT, LESA) needs them of one kind: the same tensors.
+    OtdusError naming the first that is not, and the placements that would work."""
+    kinds = layer_kinds(family, config, base_layers)
+    for lay in layer_map:
+        mixed = ", ".join(sorted({kinds[i] for i in lay.parents}))
+        if len(set(kinds[i] for i in lay.parents)) > 1:
+            mixed_gaps = set(mixed_kind_gaps(family, config, base_layers))
+            fine = [i for i in range(base_layers - 1) if i not in mixed_gaps]
+            where = f"--after with any of {_ranges(fine)}" if fine else "no pair placement here"
+            raise OtdusError(
+                f"--method {method}: new layer {lay.index} would be built from layers "
+                f"{', '.join(map(str, lay.parents))}, of different kinds in {family.name} ({mixed}); "
+                f"place it between layers of one kind ({where}), or use a copy-type method (copy, "
+                "llama-pro: a new layer takes its one parent's kind)"
+            )
+
+
+def _ranges(values: list[int]) -> str:
+    """0,1,2,4 -> '0-2, 4'."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

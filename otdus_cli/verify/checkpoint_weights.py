@@ -111,6 +111,7 @@ class CheckpointWeights:
         reader: CheckpointReader,
         model: nn.Module,
         decoder: nn.Module,
+        layers_name: str,
         layers: list[nn.Module],
         buffer_values: hf_compat.BufferValues,
         device: torch.device,
@@ -124,7 +125,7 @@ class CheckpointWeights:
         self.text_config = text_config
         self._buffer_values = buffer_values
         self._on_disk = set(reader.names)
-        self._disk_names = self._disk_name_rules(decoder)
+        self._disk_names = self._disk_name_rules(decoder, layers_name)
         untie = hf_compat.loads_stored_tied_copies()
         # tied name -> its source; a stored tied copy is its own tensor where transformers loads it so
         self._tied = {
@@ -142,14 +143,21 @@ class CheckpointWeights:
         self._staging = _StagingBuffer()
 
     # -- names -------------------------------------------------------------------------------------
-    def _disk_name_rules(self, decoder: nn.Module) -> list[tuple[str, str]]:
+    def _disk_name_rules(self, decoder: nn.Module, layers_name: str) -> list[tuple[str, str]]:
         """(module-name prefix, on-disk prefix) pairs for checkpoints that store the text model under
         another name than the class builds it: a wrapper saved as ``language_model.model.layers.N``
         (or ``model.layers.N``) and built as ``model.language_model.layers.N``, its head as
         ``language_model.lm_head``, its vision tower and projector at the top."""
         built = next(n for n, m in self.model.named_modules() if m is decoder) + "."
         stored = text_model_prefix(sorted(self._on_disk))
-        if stored is None or stored == built:
+        if stored is None:
+            # a class that renames its base model when loading (Nemotron-H: built as model.layers.N,
+            # stored as backbone.layers.N): the one prefix its layer list is stored under
+            first = f"{layers_name}.0."
+            found = {n[: n.index(first)] for n in self._on_disk if first in n}
+            found = {p for p in found if p == "" or p.endswith(".")}
+            return [(built, found.pop())] if len(found) == 1 and built not in found else []
+        if stored == built:
             return []
         text_root = stored.rsplit(".", 2)[0] + "." if stored.count(".") > 1 else ""
         return [(built, stored), ("lm_head.", text_root + "lm_head."), ("model.", "")]

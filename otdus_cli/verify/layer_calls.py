@@ -9,6 +9,7 @@ head pass), or hand the call to the real layer (a forward in one call, each laye
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,15 +50,22 @@ class LayerStandIn(nn.Module):
         super().__init__()
         self.index = index
         self._calls = calls
-        # attributes some forwards read from the layer object (e.g. attention_type); copied, not owned
-        for name in ("attention_type", "layer_type", "is_sliding", "sliding_window", "layer_idx"):
-            if name in real.__dict__:
-                setattr(self, name, real.__dict__[name])
+        # the real layer's parameters after hidden_states, for forwards that pass them by position
+        # (GPT-2's blocks: past_key_values, cache_position, attention_mask ...)
+        self._positional = list(inspect.signature(real.forward).parameters)[1:]
+        # attributes some forwards read from the layer object (attention_type, layer_idx, Nemotron-H's
+        # block_type ...): every plain setting of the real layer, copied, not owned
+        for name, value in real.__dict__.items():
+            plain = isinstance(value, str | int | float | bool) or value is None
+            if plain and not name.startswith("_") and name not in ("training", "index"):
+                setattr(self, name, value)
 
     def forward(self, hidden_states, *args, **kwargs):
         calls = self._calls
         if args:
-            raise OtdusError("decoder layer called with positional arguments besides hidden_states")
+            if len(args) > len(self._positional) or set(self._positional[: len(args)]) & set(kwargs):
+                raise OtdusError("decoder layer called with positional arguments its forward does not name")
+            kwargs = {**dict(zip(self._positional, args, strict=False)), **kwargs}
         if calls.mode == "delegate":
             return calls.delegate(self.index, hidden_states, kwargs)
         if calls.mode == "record":

@@ -107,30 +107,48 @@ class StreamedModel:
         self.config = self.model.config
         # a multimodal wrapper's sizes (hidden, heads, experts, vocabulary) are its text model's
         self.text_config = self.config.get_text_config()
-        self.decoder = self._find_decoder()
-        layers = list(self.decoder.layers)
+        self.decoder, layers_name = self._find_decoder()
+        layers = list(getattr(self.decoder, layers_name))
         self.num_layers = len(layers)
         if self.num_layers == 0:
             raise OtdusError(f"{self.folder} has no decoder layers")
         self.weights = CheckpointWeights(
-            self.reader, self.model, self.decoder, layers, buffer_values, self.device, self.text_config
+            self.reader,
+            self.model,
+            self.decoder,
+            layers_name,
+            layers,
+            buffer_values,
+            self.device,
+            self.text_config,
         )
         self.calls = LayerCalls(last_index=self.num_layers - 1, learn_output=self._layer0_output)
-        self.decoder.layers = nn.ModuleList(
-            LayerStandIn(i, layer, self.calls) for i, layer in enumerate(layers)
+        setattr(
+            self.decoder,
+            layers_name,
+            nn.ModuleList(LayerStandIn(i, layer, self.calls) for i, layer in enumerate(layers)),
         )
         # decoder layers the family's forward skips on text-only input (Mllama's cross-attention layers
         # without an image): learned at the first recording, passed through by apply_layer
         self.skipped_layers: frozenset[int] | None = None
 
-    def _find_decoder(self) -> nn.Module:
+    def _find_decoder(self) -> tuple[nn.Module, str]:
+        """The module whose forward runs the decoder layers, and the name of their list in it:
+        ``.model.layers`` for most; the base model's one list of that depth for others (GPT-2's
+        ``transformer.h``, Bloom's ``transformer.h``)."""
         inner = getattr(self.model, "model", None)
         candidates = [inner, getattr(inner, "language_model", None)]  # a causal LM's; a wrapper's
         with contextlib.suppress(Exception):  # best effort: some wrappers raise
             candidates.append(self.model.get_decoder())
         for cand in candidates:
             if isinstance(cand, nn.Module) and isinstance(getattr(cand, "layers", None), nn.ModuleList):
-                return cand
+                return cand, "layers"
+        base = getattr(self.model, "base_model", None)
+        depth = getattr(self.model.config.get_text_config(), "num_hidden_layers", None)
+        if isinstance(base, nn.Module) and base is not self.model:
+            lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m) == depth]
+            if len(lists) == 1:
+                return base, lists[0]
         raise OtdusError(f"{type(self.model).__name__}: cannot find its decoder layers (.model.layers)")
 
     def _layer0_output(self, hidden_states: torch.Tensor, kwargs: dict):

@@ -239,3 +239,85 @@ def logits(model, seed: int = 0, vocab: int | None = None, length: int = 24) -> 
     ids = torch.randint(0, vocab or model.config.vocab_size, (2, length), generator=gen)
     with torch.no_grad():
         return model(input_ids=ids).logits
+
+
+# hybrid stacks (linear attention, Mamba, dense and MoE layers), GPT-2 and Bloom: tests/test_hybrid.py
+HYBRID_BASE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    head_dim=8,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_HYBRID_MOE = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+)
+_HYBRID_LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=2,
+)
+HYBRID_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+HYBRID_CONFIGS: dict[str, dict] = {
+    "qwen3_5_text": {
+        **HYBRID_BASE,
+        **_HYBRID_LINEAR,
+        "num_hidden_layers": 4,
+        "layer_types": HYBRID_LAYER_TYPES,
+    },
+    "qwen3_5_moe_text": {
+        **HYBRID_BASE,
+        **_HYBRID_LINEAR,
+        **_HYBRID_MOE,
+        "num_hidden_layers": 4,
+        "layer_types": HYBRID_LAYER_TYPES,
+    },
+    "qwen3_next": {
+        **HYBRID_BASE,
+        **_HYBRID_LINEAR,
+        **_HYBRID_MOE,
+        "num_hidden_layers": 4,
+        "layer_types": HYBRID_LAYER_TYPES,
+        "mlp_only_layers": [0],
+    },
+    "glm4_moe": {
+        **HYBRID_BASE,
+        "num_hidden_layers": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_nextn_predict_layers": 0,
+    },
+    "nemotron_h": {
+        **HYBRID_BASE,
+        "layers_block_type": ["mamba", "attention", "mamba", "mlp"],
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 8,
+        "ssm_state_size": 8,
+        "n_groups": 1,
+        "mamba_d_conv": 2,
+        "expand": 1,
+    },
+    "falcon_h1": {
+        **HYBRID_BASE,
+        "num_hidden_layers": 4,
+        "mamba_d_ssm": 32,
+        "mamba_n_heads": 4,
+        "mamba_d_head": 8,
+        "mamba_d_state": 8,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 2,
+    },
+    "gpt2": dict(vocab_size=96, n_embd=32, n_layer=4, n_head=4, n_positions=64),
+    "bloom": dict(vocab_size=96, hidden_size=32, n_layer=4, n_head=4),
+}

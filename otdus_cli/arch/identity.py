@@ -1,0 +1,307 @@
+"""Which tensors make a decoder layer an exact identity, found on transformers' own class and proved.
+
+For an architecture without an exact template (arch/derived.py) the candidates are the tensors that
+write into the residual stream: every linear map whose output has the model's hidden width (attention
+and MLP output projections, a Mamba mixer's out_proj, shared experts ...) and fused expert tensors
+with that width. On a tiny random instance of the class, one layer of each kind is run with all
+candidates zeroed; its output must equal its input bit for bit. Candidates whose zeroing is not needed
+for that (a q_proj behind a zeroed o_proj) are then given back one at a time, so only the
+residual-writing ones are zeroed in a new layer: they are given back in the order the layer runs them
+(a gate or input projection before the output projection it feeds). The instance is the config itself
+when it is small, else the config with its widths shrunk (the layer kinds and their order are the
+config's).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+
+from otdus_cli.arch.hf_config import transformers_config
+
+# a model at most this large is proved on as it is; a larger one on a copy with these widths
+MAX_PROOF_PARAMETERS = 20_000_000
+_SHRUNK_WIDTHS = {
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "intermediate_size": 96,
+    "ffn_hidden_size": 96,
+    "n_inner": 96,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_head_dim": 16,
+    "mamba_d_state": 16,
+    "ssm_state_size": 16,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "vocab_size": 256,
+}
+_SEQUENCE = 8
+
+
+@dataclass
+class IdentityProof:
+    """What zeroing makes each layer kind an identity, and how that was shown (None: not shown)."""
+
+    zeroed: dict[str, list[str]] = field(default_factory=dict)  # kind -> tensor names inside a layer
+    layers: dict[str, int] = field(default_factory=dict)  # kind -> the layer the proof ran on
+    instance: str = ""  # "the config as given" or "the config with widths shrunk"
+    failure: str | None = None  # why no proof (then ``zeroed`` is incomplete)
+    layer_list: str = ""  # the decoder layers' module list in transformers' class
+
+    def record(self) -> dict:
+        """The proof as the manifest records it."""
+        return {
+            "check": f"layer output equals its input bit for bit on {_SEQUENCE} random tokens, "
+            "with these tensors zeroed",
+            "instance": self.instance,
+            "layer_list": self.layer_list,
+            "kinds": {k: {"layer": self.layers[k], "zeroed": v} for k, v in self.zeroed.items()},
+        }
+
+    def patterns(self) -> tuple[str, ...]:
+        """The zero-init targets as tensor-name patterns within a layer (expert_forms)."""
+        return tuple(
+            dict.fromkeys(form for names in self.zeroed.values() for n in names for form in expert_forms(n))
+        )
+
+
+def expert_forms(name: str) -> list[str]:
+    """Patterns a zero-init target is stored under: its name as in memory, and a fused expert tensor
+    also in its per-expert form (experts.N.<name>.weight, older saves)."""
+    out = [re.escape(name)]
+    m = re.fullmatch(r"(.*experts)\.(\w+)", name)
+    if m:
+        out.append(re.escape(m.group(1)) + r"\.\d+\." + re.escape(m.group(2)) + r"\.weight")
+    return out
+
+
+def prove_identity(config: dict, layer_list: str, kinds: list[str]) -> IdentityProof:
+    """Find and prove the zero-init targets of every layer kind of ``config``'s model (see module)."""
+    import torch
+
+    proof = IdentityProof(layer_list=layer_list)
+    try:
+        model, proof.instance = _tiny_instance(config)
+    except Exception as exc:
+        proof.failure = (
+            f"no tiny instance to prove it on ({type(exc).__name__}: {' '.join(str(exc).split())})"
+        )
+        return proof
+    layers = _modules_of(model, layer_list)
+    hidden = model.get_input_embeddings().weight.shape[-1]
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(0))
+    for kind in dict.fromkeys(kinds):
+        index = kinds.index(kind)
+        layer = layers[index]
+        run = _LayerRun(model, layer, ids)
+        try:
+            units = [n for _, n in sorted(_residual_writers(layer, hidden), key=lambda u: run.order(u[0]))]
+            every = [name for unit in units for name in unit]
+            if not units or not run.identity(every):
+                named = ", ".join(every) or "none"
+                proof.failure = (
+                    f"zeroing the tensors that write into its residual stream ({named}) does not make "
+                    f"layer {index} ({kind}) an identity"
+                )
+                return proof
+            kept = list(units)
+            for unit in units:  # give back what the identity does not need
+                trial = [name for u in kept if u is not unit for name in u]
+                if run.identity(trial):
+                    kept = [u for u in kept if u is not unit]
+        except Exception as exc:
+            proof.failure = f"layer {index} ({kind}) did not run on the tiny instance ({type(exc).__name__})"
+            return proof
+        proof.zeroed[kind] = [name for unit in kept for name in unit]
+        proof.layers[kind] = index
+    return proof
+
+
+def prove_plan(
+    config: dict, written: dict, layer_list: str, sources: list[int], zeroed: list[list[str]]
+) -> str | None:
+    """Whether the expanded model computes the base function, shown on the tiny instance: the model
+    ``written`` describes, with output layer j a copy of base layer ``sources[j]`` and the tensors
+    ``zeroed[j]`` zeroed in it, gives the base's logits bit for bit. None when it does; else why not
+    (a layer whose index enters its computation computes otherwise at its new position ...)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        base, _ = _tiny_instance(config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            grown = AutoModelForCausalLM.from_config(_tiny_config(written)[0]).float().eval()
+    except Exception as exc:
+        return f"no tiny instance of the expanded model to prove it on ({type(exc).__name__})"
+    prefix = layer_list + "."
+    state = base.state_dict()
+    out = {}
+    for name, value in state.items():
+        if not name.startswith(prefix):
+            out[name] = value
+    for j, i in enumerate(sources):
+        for name, value in state.items():
+            if name.startswith(f"{prefix}{i}."):
+                suffix = name[len(f"{prefix}{i}.") :]
+                out[f"{prefix}{j}.{suffix}"] = torch.zeros_like(value) if suffix in zeroed[j] else value
+    vocab = base.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(1))
+    try:
+        grown.load_state_dict(out, strict=True)
+        with torch.no_grad():
+            same = torch.equal(
+                base(input_ids=ids, use_cache=False).logits, grown(input_ids=ids, use_cache=False).logits
+            )
+    except Exception as exc:
+        return f"the expanded tiny model did not run ({type(exc).__name__})"
+    if not same:
+        return (
+            "on a tiny instance the expanded model's logits differ from the base's although each new layer "
+            "is an identity: its layers compute differently at their new positions (their index enters "
+            "their computation)"
+        )
+    return None
+
+
+def _tiny_config(config: dict) -> tuple[object, bool]:
+    """transformers' config for ``config`` if its model is small, else with its widths shrunk; and
+    whether it was shrunk."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers_config(config)
+        with torch.device("meta"):
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(loaded).parameters())
+        if size > MAX_PROOF_PARAMETERS:
+            return transformers_config({k: _SHRUNK_WIDTHS.get(k, v) for k, v in config.items()}), True
+    return loaded, False
+
+
+def _tiny_instance(config: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded, shrunk = _tiny_config(config)
+    instance = "the config with its widths shrunk" if shrunk else "the config as given"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(loaded).float().eval()
+    with torch.no_grad():  # norms start at exactly 1 or 0; perturb them so a lucky identity shows
+        for p in model.parameters():
+            if p.dim() == 1 and p.is_floating_point():
+                p.add_(torch.randn_like(p) * 0.1)
+    return model, instance
+
+
+def _residual_writers(layer, hidden: int) -> list[tuple[str, list[str]]]:
+    """Groups of tensor names (a module's weight and bias, or one fused expert tensor and its bias)
+    that map into the hidden width, each with the module that holds it."""
+    import torch
+
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers ships it
+        Conv1D = ()
+    units: list[list[str]] = []
+    for prefix, module in layer.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        dot = prefix + "." if prefix else ""
+        linear = isinstance(module, torch.nn.Linear) and module.out_features == hidden
+        conv = isinstance(module, Conv1D) and module.nf == hidden
+        if linear or conv:
+            units.append((prefix, [dot + n for n in own]))
+            continue
+        for name, p in own.items():
+            if p.dim() == 3 and hidden in p.shape[-2:]:
+                units.append(
+                    (prefix, [dot + name] + ([dot + name + "_bias"] if name + "_bias" in own else []))
+                )
+    return units
+
+
+class _LayerRun:
+    """The model run on fixed ids with some of one layer's tensors zeroed; the layer's input and output."""
+
+    def __init__(self, model, layer, ids) -> None:
+        self.model, self.layer, self.ids = model, layer, ids
+        self.params = dict(layer.named_parameters())
+        self._calls: dict[str, int] = {}
+
+    def order(self, module: str) -> int:
+        """When the layer first runs ``module`` (-1: never, so it cannot matter), from one hooked run."""
+        if not self._calls:
+
+            def seen(name: str):
+                def hook(_module, _args) -> None:
+                    self._calls.setdefault(name, len(self._calls))
+
+                return hook
+
+            hooks = [m.register_forward_pre_hook(seen(name)) for name, m in self.layer.named_modules()]
+            try:
+                self.identity([])
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        return self._calls.get(module, -1)
+
+    def identity(self, zeroed: list[str]) -> bool:
+        import torch
+
+        seen: dict[str, torch.Tensor] = {}
+
+        def before(_module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            seen["in"] = hidden.detach().clone()
+
+        def after(_module, _args, _kwargs, output):
+            seen["out"] = (output[0] if isinstance(output, tuple) else output).detach().clone()
+
+        saved = {n: self.params[n].detach().clone() for n in zeroed}
+        hooks = [
+            self.layer.register_forward_pre_hook(before, with_kwargs=True),
+            self.layer.register_forward_hook(after, with_kwargs=True),
+        ]
+        try:
+            with torch.no_grad():
+                for n in zeroed:
+                    self.params[n].zero_()
+                self.model(input_ids=self.ids, use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            with torch.no_grad():
+                for n, value in saved.items():
+                    self.params[n].copy_(value)
+        return seen["in"].shape == seen["out"].shape and torch.equal(seen["in"], seen["out"])
+
+
+def _modules_of(model, path: str) -> list:
+    module = model
+    for part in path.split("."):
+        module = getattr(module, part)
+    return list(module)

@@ -1,0 +1,251 @@
+"""Function-preserving growth of architectures without an exact template, hybrid stacks included.
+
+Tiny models built here by the installed transformers: Qwen3.5 (dense and MoE: linear and full attention
+layers), Qwen3-Next (its MoE and dense MLP layers too), GLM-4.5 (glm4_moe: dense first layers, then
+MoE), Nemotron-H (Mamba, attention and MLP blocks; its depth is the length of layers_block_type),
+Falcon-H1 (attention and Mamba side by side), GPT-2 and Bloom (depth as n_layer). LLaMA PRO's zero-init
+keeps the logits bit for bit, with the zeroed tensors proved on a tiny instance (arch/identity.py) and
+recorded in the manifest; the reloaded model's layer kinds are the plan's; verify says PARITY; OT is
+refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from otdus_cli.arch.derived import layer_kinds
+from otdus_cli.errors import OtdusError
+from otdus_cli.expand import expand
+from otdus_cli.options import ExpandOptions
+from otdus_cli.verify.compare import verify_expansion
+from tests.support.cli_checks import one_error_line
+from tests.support.tiny_models import HYBRID_BASE as _BASE
+from tests.support.tiny_models import HYBRID_CONFIGS as CONFIGS
+from tests.support.tiny_models import HYBRID_LAYER_TYPES as _TYPES
+from tests.support.tiny_models import build_tiny
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+IDS = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(0))
+
+
+def _build(model_type: str, folder: Path) -> torch.Tensor:
+    """Save a tiny random model (norms perturbed, so an identity is not luck); return its logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(model_type, **CONFIGS[model_type])
+        ).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1 and p.is_floating_point():
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return _logits(model)
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def _reload(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _kinds_of(model) -> list[str]:
+    """The kinds of the reloaded model's decoder layers (its one module list of that depth)."""
+    depth = model.config.get_text_config().num_hidden_layers
+    (layers,) = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == depth]
+    return layer_kinds(list(layers))
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("hybrid")
+    return {mt: (root / mt, _build(mt, root / mt)) for mt in CONFIGS}
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_llama_pro_keeps_the_logits_and_the_layer_kinds(hybrids, tmp_path, model_type):
+    src, base = hybrids[model_type]
+    # bottom: the new layers copy the first layers (GLM-4.5's dense one; Qwen3.5's linear attention)
+    result = expand(
+        str(src), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2, position="bottom")
+    )
+    manifest = json.loads((tmp_path / "out" / "otdus.json").read_text())
+    assert manifest["function_preserving"]
+    proof = manifest["source"]["zero_init_proof"]
+    family = result.plan.source.family
+    base_kinds = [
+        family.layer_kind(result.plan.source.text_config, i) for i in range(result.plan.source.depth)
+    ]
+    assert set(proof["kinds"]) == set(base_kinds)
+    assert all(entry["zeroed"] for entry in proof["kinds"].values())
+    grown = _reload(tmp_path / "out")
+    assert torch.equal(_logits(grown), base)
+    planned = [base_kinds[lay.source] for lay in result.plan.layer_map]
+    assert _kinds_of(grown) == planned
+    assert grown.config.get_text_config().num_hidden_layers == len(planned) == result.plan.source.depth + 2
+    report = verify_expansion(src, tmp_path / "out", _random_ids_plan())
+    assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict
+
+
+def _random_ids_plan():
+    """Token perplexity over random ids (the tiny models have no tokenizer)."""
+    from otdus_cli.verify.metrics import EvalPlan, Window
+
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (20, 20, 13)]
+    return EvalPlan("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "gpt2"])
+def test_ot_is_refused_in_one_line(hybrids, tmp_path, model_type):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    out = tmp_path / "out"
+    args = ["expand", str(hybrids[model_type][0]), "--out", str(out), "--method", "ot"]
+    result = CliRunner().invoke(app, args)
+    one_error_line(result, message="names no roles: use copy, interpose, llama-pro, solar or stack")
+    assert not out.exists()
+
+
+def test_the_residual_writers_are_zeroed_not_what_feeds_them(hybrids, tmp_path):
+    """Qwen3.5's gated delta net: its gate (in_proj_z) zeroed would also give an identity; the output
+    projection is the one that writes into the residual stream."""
+    result = expand(
+        str(hybrids["qwen3_5_text"][0]), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2)
+    )
+    kinds = result.manifest["source"]["zero_init_proof"]["kinds"]
+    zeroed = sorted(name for entry in kinds.values() for name in entry["zeroed"])
+    assert zeroed == sorted(
+        [
+            "linear_attn.out_proj.weight",
+            "mlp.down_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.down_proj.weight",
+        ]
+    )
+
+
+def test_per_layer_kind_fields_are_rewritten(hybrids, tmp_path):
+    """Each field transformers reads the layer kinds from follows the layer map: Nemotron-H's
+    layers_block_type (its depth), Qwen3-Next's layer_types and mlp_only_layers, GLM-4.5's
+    first_k_dense_replace, GPT-2's n_layer."""
+
+    def grown(model_type: str, **options) -> dict:
+        out = tmp_path / model_type
+        expand(str(hybrids[model_type][0]), out, ExpandOptions(method="copy", **options))
+        return json.loads((out / "config.json").read_text())
+
+    nemotron = grown("nemotron_h", after=[0, 3])
+    kinds = json.loads((hybrids["nemotron_h"][0] / "config.json").read_text())["layers_block_type"]
+    assert nemotron["layers_block_type"] == [kinds[i] for i in (0, 0, 1, 2, 3, 3)]
+    assert "num_hidden_layers" not in nemotron
+    qwen = grown("qwen3_next", after=[0, 1])
+    assert qwen["layer_types"] == [_TYPES[i] for i in (0, 0, 1, 1, 2, 3)]
+    assert qwen["mlp_only_layers"] == [0, 1]
+    assert grown("glm4_moe", after=[0])["first_k_dense_replace"] == 2
+    assert grown("gpt2", layers=2)["n_layer"] == 6
+
+
+def test_depth_fields_are_read_from_the_config_class():
+    from otdus_cli.arch.depth import depth_field, implied_depth_field, stated_depth
+
+    assert depth_field({"model_type": "gpt2", "n_layer": 3}) == "n_layer"
+    assert depth_field({"model_type": "bloom", "n_layer": 3}) == "n_layer"
+    assert depth_field({"model_type": "llama", "num_hidden_layers": 3}) == "num_hidden_layers"
+    # BART's attribute_map says encoder_layers; its causal LM (the decoder) is built from decoder_layers
+    assert depth_field({"model_type": "bart", "encoder_layers": 2, "decoder_layers": 3}) == "decoder_layers"
+    nemotron = {"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention", "mlp"]}
+    assert depth_field(nemotron) is None and implied_depth_field(nemotron) == "layers_block_type"
+    assert stated_depth(nemotron) == 3
+
+
+def test_a_layer_that_zeroing_cannot_make_an_identity_refuses_zero_init(tmp_path):
+    """OPT with its norms after the residual add: no output projection zeroed makes a layer an
+    identity, so zero-init is refused saying so, and copies without it still work."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "opt", vocab_size=96, hidden_size=32, ffn_dim=48, num_hidden_layers=4, num_attention_heads=4,
+        word_embed_proj_dim=32, max_position_embeddings=64, do_layer_norm_before=False,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "opt")
+    with pytest.raises(
+        OtdusError, match=r"zero-init for derived:opt: zeroing the tensors .* does not make layer 0"
+    ):
+        expand(str(tmp_path / "opt"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    assert not (tmp_path / "out").exists()
+    expand(str(tmp_path / "opt"), tmp_path / "copy", ExpandOptions(method="copy", layers=2))
+
+
+def test_a_pair_of_different_kinds_is_refused_at_plan_time_naming_the_alternatives(tmp_path):
+    """DeepSeek-V3 (dense layer 0, MoE after): averaging layers 0 and 1 would mix kinds; the refusal
+    says where a pair method may go, and `otdus plan` names the gap for copy methods."""
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    src = build_tiny("deepseek_v3", tmp_path / "ds")
+    runner = CliRunner()
+    refused = runner.invoke(app, ["plan", str(src), "--method", "average", "--after", "0"])
+    line = one_error_line(refused, message="of different kinds in deepseek_v3 (dense, sparse)")
+    assert "--after with any of 1-2" in line and "copy, llama-pro" in line
+    shown = runner.invoke(app, ["plan", str(src), "--method", "copy", "--layers", "1", "--json"])
+    plan = json.loads(shown.stdout)
+    assert plan["mixed_kind_gaps"] == [0]
+    assert plan["layer_kinds"] == ["dense", "sparse", "sparse", "sparse", "sparse"]
+
+
+def test_zero_init_is_proved_for_the_plan_not_only_for_the_new_layers(tmp_path):
+    """DiffLLaMA's attention depends on its layer's index: a zeroed new layer is an identity, but a base
+    layer moved to another index computes otherwise, so zero-init is refused for a placement before the
+    last layer (it did write an output with other logits, called function-preserving), and kept after it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    fields = {k: v for k, v in _BASE.items() if "token_id" not in k}
+    AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("diffllama", num_hidden_layers=4, **fields)
+    ).save_pretrained(tmp_path / "src")
+    with pytest.raises(
+        OtdusError, match=r"index enters their computation\); new layers after the last one \(--after 3\)"
+    ):
+        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    assert not (tmp_path / "out").exists()
+    expand(str(tmp_path / "src"), tmp_path / "last", ExpandOptions(method="llama-pro", after=[3, 3]))
+    assert torch.equal(_logits(_reload(tmp_path / "last")), _logits(_reload(tmp_path / "src")))
+
+
+def test_zero_init_of_tensors_stored_under_other_names_is_refused(tmp_path):
+    """GraniteMoE stores its experts per expert under other names than its class's fused tensors (a
+    conversion on loading): otdus cannot tell which stored tensors to zero, and says so (it used to
+    zero nothing and call the output function-preserving)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in _BASE.items() if "token_id" not in k}
+    config = AutoConfig.for_model(
+        "granitemoe", num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, **fields
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    with pytest.raises(OtdusError, match="under another name than transformers' class"):
+        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    expand(
+        str(tmp_path / "src"), tmp_path / "copy", ExpandOptions(method="llama-pro", layers=2, zero_init=False)
+    )
