@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from otdus_cli import __version__
 from otdus_cli.arch.config_rules import (
@@ -326,7 +326,7 @@ class _Engine:
 
     def _build_layer(self, lay: OutputLayer, builder, device: torch.device) -> None:
         parents = [self.src.layers[i] for i in lay.parents]
-        if len(parents) != builder.parents_needed:
+        if builder.parents_needed is not None and len(parents) != builder.parents_needed:  # None: any
             raise OtdusError(f"layer {lay.index}: {lay.builder} needs {builder.parents_needed} parent layers")
         ctx = self._context(lay.zero_init, device, lay.index)
         expected = set(parents[0].suffixes())
@@ -436,9 +436,13 @@ def expand(
     on_plan: Callable[[ExpansionPlan], None] | None = None,
     on_note: Callable[[str], None] | None = None,
     world: World | None = None,
+    planner: Callable[[SourceModel, Any], ExpansionPlan] = make_plan,
+    manifest_of: Callable[..., dict] = build_manifest,
 ) -> ExpandResult:
     """Expand `model` (folder or hub id) into `out` atomically; returns what was written.
 
+    ``planner`` and ``manifest_of`` make the layer map and the manifest; `otdus shrink` (shrink.py)
+    writes through this same path with its own.
     ``world`` (default: this process's, see distributed.py): its ranks share the work (module
     docstring); every rank returns the result, and a failure on any rank fails every rank with
     nothing left behind."""
@@ -460,7 +464,7 @@ def expand(
             if options.device not in ("auto", "cpu"):
                 resolve_device(options.device, world)
             source = open_source(model, options.revision, options.allow_unknown_arch)
-            plan = make_plan(source, options)
+            plan = planner(source, options)
             planned.append(plan)
             if on_plan:
                 on_plan(plan)
@@ -511,7 +515,7 @@ def expand(
             timings["config_check_s"] = time.perf_counter() - t
             timings["config_check"] = config_check
             t = time.perf_counter()
-            manifest = build_manifest(plan, stats, side_files, skipped, engine.reports, config_check)
+            manifest = manifest_of(plan, stats, side_files, skipped, engine.reports, config_check)
             timings["manifest_s"] = time.perf_counter() - t  # mostly the source's tensor fingerprints
             manifest["card"] = write_output_card(tmp, manifest, source.resolved.folder)  # before the manifest
             manifest = write_manifest(tmp, manifest)  # with the size and hash of every file written
