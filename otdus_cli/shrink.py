@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -38,14 +37,13 @@ from otdus_cli.methods.ot.options import OTOptions
 from otdus_cli.options import OutputDtype, invalid, read_yaml
 from otdus_cli.plan.shrink_map import (
     LayerScores,
+    Selection,
+    ShrinkMethod,
     merge_groups,
     removal_count,
     select_removed,
     shrink_layers,
 )
-
-ShrinkMethod = Literal["drop", "average", "laco", "ot"]
-Selection = Literal["bi", "angular", "explicit"]
 
 
 class ShrinkOptions(BaseModel):

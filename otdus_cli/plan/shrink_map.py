@@ -18,10 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.plan.layer_map import OutputLayer
 
+ShrinkMethod = Literal["drop", "average", "laco", "ot"]  # methods/merge.py declares them
+Selection = Literal["bi", "angular", "explicit"]
 SELECTIONS = ("bi", "angular", "explicit")
 
 
