@@ -148,3 +148,14 @@ def removed_of(layer_map: Sequence[OutputLayer], depth: int) -> list[int]:
     """The source layers a shrinking layer map no longer holds as layers of their own."""
     kept = {lay.source for lay in layer_map}
     return [i for i in range(depth) if i not in kept]
+
+
+def describe_removal(record: dict) -> str:
+    """One line on what a shrink did, from its manifest's ``shrink`` record (verify's report)."""
+    removed = ", ".join(map(str, record.get("removed") or []))
+    line = f"shrink: source layers {removed} removed ({record.get('select')} selection)"
+    merged = record.get("merged") or []
+    if merged:
+        groups = "; ".join(", ".join(map(str, sorted(g))) for g in merged)
+        line += f", merged into one layer each: {groups}"
+    return line + "; no parity expected, the delta is the change against the source"
