@@ -54,7 +54,7 @@ class ShrinkOptions(BaseModel):
     method: ShrinkMethod = "drop"
     layers: int | None = Field(None, ge=1, description="number of layers removed (default 1)")
     ratio: float | None = Field(None, gt=0, lt=1, description="layers removed, as a fraction of the depth")
-    select: Selection = "bi"
+    select: Selection | None = None  # None: explicit when remove names layers, else bi
     remove: list[int] | None = None  # --select explicit: the source layers removed
     # the text the selection scores are measured on (and OT's activation variant's calibration text)
     calib: str = DEFAULT_CALIB
@@ -66,6 +66,11 @@ class ShrinkOptions(BaseModel):
     revision: str | None = None
     allow_unknown_arch: bool = False
     ot: OTOptions = Field(default_factory=OTOptions)
+
+    @property
+    def selection(self) -> str:
+        """The selection in force (``select``, or its default)."""
+        return self.select or ("explicit" if self.remove else "bi")
 
     def method_options(self) -> OTOptions | None:
         """The OT options of --method ot, with the shrink's calibration text (None: other methods)."""
@@ -87,7 +92,9 @@ def ignored_options(options: ShrinkOptions) -> dict[str, str]:
         )
     else:
         ignored |= dict.fromkeys(("ot.calib", "ot.calib_tokens"), "the shrink's calib and calib_tokens apply")
-    if options.select == "explicit" and not (options.method == "ot" and options.ot.variant == "activation"):
+    if options.selection == "explicit" and not (
+        options.method == "ot" and options.ot.variant == "activation"
+    ):
         ignored |= dict.fromkeys(("calib", "calib_tokens"), "--select explicit scores nothing")
     return ignored
 
@@ -135,13 +142,11 @@ def make_shrink_plan(
         message = method.refuses_options(family, options.method_options())
         if message:
             raise OtdusError(message)
-    explicit = options.select == "explicit" or bool(options.remove)
-    if explicit:
-        count = options.layers
+    if options.selection == "explicit" or options.remove:
         if options.ratio is not None:
             raise OtdusError("--remove names the layers itself; leave out --ratio")
         scores = None
-        removed = select_removed(depth, count, options.select, options.remove)
+        removed = select_removed(depth, options.layers, options.selection, options.remove)
     else:
         count = removal_count(depth, options.layers, options.ratio)
         if scorer is None:
@@ -149,7 +154,7 @@ def make_shrink_plan(
 
         folder = source.resolved.folder
         scores = scorer(folder, options.calib, options.calib_tokens, count, device=_score_device(options))
-        removed = select_removed(depth, count, options.select, scores=scores)
+        removed = select_removed(depth, count, options.selection, scores=scores)
     layer_map = shrink_layers(depth, removed, method.builder)
     for group in merge_groups(depth, removed) if method.make_builder is not None else []:
         kinds = {family.layer_kind(source.text_config, i) for i in group}
@@ -201,7 +206,7 @@ def shrink_manifest(
         "shrink": {
             "removed": plan.removed,
             "merged": plan.merged,
-            "select": "explicit" if plan.scores is None else options.select,
+            "select": options.selection,
             "scores": None if plan.scores is None else plan.scores.to_json(),
         },
         "transport": {str(k): v for k, v in sorted(stats.items())},

@@ -85,7 +85,6 @@ def shrink_options(
     updates = {k: v for k, v in flags.items() if v is not None}
     if remove is not None:
         updates["remove"] = ints(remove)
-        updates.setdefault("select", "explicit")
     ot = {key.split(".")[1]: v for key, v in (ot_flags or {}).items() if v is not None}
     try:
         merged = ShrinkOptions.model_validate(merge_options(options.model_dump(), updates, {"ot": ot}))
@@ -152,7 +151,7 @@ def shrink_json(plan) -> dict:
         "num_hidden_layers": len(plan.layer_map),
         "removed": plan.removed,
         "merged": plan.merged,
-        "select": "explicit" if plan.scores is None else plan.options.select,
+        "select": plan.options.selection,
         "scores": None if plan.scores is None else plan.scores.to_json(),
         "layers": [lay.to_json() for lay in plan.layer_map],
         "options": plan.options.model_dump(),
