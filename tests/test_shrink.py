@@ -187,6 +187,7 @@ def test_each_method_shrinks_stories260k_into_a_model_transformers_loads(tmp_pat
     assert "depth-pruning" in card and "removed: source layers" in card
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("method", ["average", "laco", "ot"])
 def test_merging_a_layer_with_its_own_copy_gives_back_the_model_before_the_copy(tmp_path, method):
     """interpose duplicates layer 2; merging the copy back (into layer 2, its kept neighbour) with any
@@ -212,6 +213,7 @@ def test_ot_merges_three_layers_with_equal_weights(tmp_path):
     )
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("model_type", DENSE_TYPES + MOE_TYPES)
 def test_every_family_shrinks_with_every_method(tiny_models, tmp_path, model_type):
     source = tiny_models[model_type]
@@ -249,6 +251,18 @@ def test_layers_of_different_kinds_are_not_merged(tiny_models, tmp_path):
 
 
 # -- the command line ---------------------------------------------------------------------------
+
+
+def test_shrink_help_shows_the_library_defaults():
+    """The defaults --help names are ShrinkOptions' own."""
+    text = " ".join(runner.invoke(app, ["shrink", "--help"], env={"COLUMNS": "300"}).stdout.split())
+    defaults = ShrinkOptions()
+    assert defaults.method == "drop" and "[default: drop]" in text
+    assert defaults.selection == "bi" and "[default: bi; explicit with --remove]" in text
+    assert defaults.calib == "bundled:tinystories-sample" and "[default: bundled:tinystories-sample]" in text
+    assert defaults.calib_tokens == 4096 and "[default: 4096]" in text
+    assert removal_count(5, defaults.layers, defaults.ratio) == 1 and "removed. [default: 1]" in text
+    assert f"[default: {defaults.ot.variant}]" in text and "--calib-tokens" in text
 
 
 def test_plan_shrink_shows_what_shrink_writes_and_writes_nothing(tmp_path):
@@ -328,3 +342,27 @@ def test_verify_reports_the_change_against_the_source_and_what_was_removed(tmp_p
         in text.stdout
     )
     assert "shrunk" in text.stdout
+
+
+@pytest.mark.slow
+def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
+    """Scores streamed one layer at a time and a three-layer OT merge built one module at a time: the
+    whole shrink fits in a memory limit the checkpoint's bytes alone exceed (as expand's and verify's
+    memory test, tests/test_verify_cli.py)."""
+    from test_verify_cli import run_limited, write_random_checkpoint
+
+    size = write_random_checkpoint(tmp_path / "big", layers=20, hidden=1024, inter=4096)
+    limit = 900_000_000
+    assert size > 1.4 * limit
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        (tmp_path / "big" / f).write_bytes((STORIES260K / f).read_bytes())
+    args = ["-m", "otdus_cli.cli", "shrink", str(tmp_path / "big"), "--out", str(tmp_path / "small")]
+    options = ["--method", "ot", "--ot-variant", "structured", "--layers", "2", "--select", "angular"]
+    done = run_limited([*args, *options, "--calib-tokens", "512", "--device", "cpu", "--json"], limit)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["num_hidden_layers"] == 18 and len(summary["merged"]) == 1
+    assert len(summary["merged"][0]) == 3
+    manifest = json.loads((tmp_path / "small" / "otdus.json").read_text())
+    assert manifest["layers"] == summary["layers"] and manifest["shrink"]["merged"] == summary["merged"]
+    assert CheckpointReader(tmp_path / "small").config["num_hidden_layers"] == 18

@@ -18,15 +18,15 @@ beside it), one tensor at a time, from any number of parents:
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otdus_cli.methods.base import BuildContext, Method, ParentLayer
 from otdus_cli.methods.ot import OT, OTOptions
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import torch
 
     from otdus_cli.plan.layer_map import OutputLayer
@@ -61,7 +61,11 @@ class LacoBuilder:
 
 class OTMergeBuilder:
     """Each other layer of a group aligned to the group's last layer by the OT-DUS flow, then all
-    averaged with equal weights (module docstring)."""
+    averaged with equal weights (module docstring).
+
+    Memory is that of one pair's build: for a group of three or more, the pairs are built one after
+    the other, each pair's tensors spilled to the scratch folder (float32), then combined one tensor
+    at a time."""
 
     parents_needed = None
 
@@ -69,6 +73,7 @@ class OTMergeBuilder:
         from otdus_cli.methods.ot.builder import OTBuilder  # noqa: PLC0415 - torch only when building
 
         self.pair_builder = OTBuilder()
+        self.scratch: Path | None = None
 
     def prepare(
         self,
@@ -77,7 +82,8 @@ class OTMergeBuilder:
         ctx: BuildContext,
         scratch: Path,
     ) -> dict[str, Any] | None:
-        """The activation variant's pre-pass over every (other, anchor) pair of every group."""
+        """Keep the scratch folder; the activation variant's pre-pass over every (other, anchor) pair."""
+        self.scratch = scratch
         pairs = [
             dataclasses.replace(lay, parents=(j, max(lay.parents)))
             for lay in new_layers
@@ -86,41 +92,45 @@ class OTMergeBuilder:
         return self.pair_builder.prepare(layers, pairs, ctx, scratch)
 
     def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
+        import torch  # noqa: PLC0415
+
         ordered = sorted(parents, key=lambda p: p.index)
         anchor, others = ordered[-1], ordered[:-1]
         if len(others) == 1:  # a pair: the OT builder's own output and statistics
             yield from self.pair_builder.build([others[0], anchor], ctx)
             return
-        contexts = [dataclasses.replace(ctx, stats={}) for _ in others]
-        streams = [
-            iter(self.pair_builder.build([a, anchor], c)) for a, c in zip(others, contexts, strict=True)
-        ]
-        k = len(parents)
-        pending: dict[str, list[torch.Tensor]] = {}
-        live = list(streams)
-        while live:
-            for stream in list(live):
-                try:
-                    suffix, tensor = next(stream)
-                except StopIteration:
-                    live.remove(stream)
-                    continue
-                pending.setdefault(suffix, []).append(tensor.float())
-                if len(pending[suffix]) == len(others):
-                    pairs = pending.pop(suffix)
-                    total = pairs[0].mul(2.0)
-                    for p in pairs[1:]:
-                        total.add_(p, alpha=2.0)
-                    anchor_t = anchor.get(suffix).to(total.device, total.dtype)
-                    yield suffix, total.sub_(anchor_t, alpha=k - 2).div_(k)
-                    del pairs, total, anchor_t
-        ctx.stats["variant"] = contexts[0].stats.get("variant")
+        if self.scratch is None:
+            raise RuntimeError("OTMergeBuilder.build: prepare() gives the scratch folder first")
+        folder = self.scratch / f"ot-merge-{ctx.output_index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            suffixes: list[str] = []
+            modules: dict[str, Any] = {}
+            for j, a in enumerate(others):
+                pair_ctx = dataclasses.replace(ctx, stats={})
+                for suffix, tensor in self.pair_builder.build([a, anchor], pair_ctx):
+                    torch.save(tensor.detach().to("cpu", torch.float32), folder / f"{j}-{suffix}.pt")
+                    del tensor
+                    if j == 0:
+                        suffixes.append(suffix)
+                ctx.stats["variant"] = pair_ctx.stats.get("variant")
+                for module, info in (pair_ctx.stats.get("modules") or {}).items():
+                    modules[f"{a.index}->{anchor.index} {module}"] = info
+            k = len(parents)
+            for suffix in suffixes:
+                total: torch.Tensor | None = None
+                for j in range(len(others)):
+                    pair = torch.load(folder / f"{j}-{suffix}.pt", weights_only=True)
+                    (folder / f"{j}-{suffix}.pt").unlink()
+                    total = pair.mul_(2.0) if total is None else total.add_(pair, alpha=2.0)
+                    del pair
+                assert total is not None
+                yield suffix, total.sub_(anchor.get(suffix).to(torch.float32), alpha=k - 2).div_(k)
+                del total
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
         ctx.stats["parents"] = [p.index for p in ordered]
-        ctx.stats["modules"] = {
-            f"{a.index}->{anchor.index} {module}": info
-            for a, c in zip(others, contexts, strict=True)
-            for module, info in (c.stats.get("modules") or {}).items()
-        }
+        ctx.stats["modules"] = modules
 
 
 DROP = Method("drop", "the removed layers are left out (ShortGPT, Gromov et al.)", "shrink", builder="base")
