@@ -10,6 +10,7 @@ atomically, with the same manifest, card, --json and torchrun/srun support.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from otdus_cli import __version__
 from otdus_cli.arch.config_rules import rewrite_config
-from otdus_cli.distributed import World
+from otdus_cli.distributed import World, current_world
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import (
     ExpandResult,
@@ -121,10 +122,11 @@ class ShrinkPlan(ExpansionPlan):
 
 
 def make_shrink_plan(
-    source: SourceModel, options: ShrinkOptions, scorer: Callable[..., LayerScores] | None = None
+    source: SourceModel, options: ShrinkOptions, scores: LayerScores | None = None
 ) -> ShrinkPlan:
     """The shrink of ``source`` that ``options`` ask for; every bad request fails here (OtdusError),
-    before anything is written. Scored selections stream the source over the calibration text."""
+    before anything is written. Scored selections use ``scores``, or stream the source over the
+    calibration text for them."""
     method = SHRINK_METHODS[options.method]
     family = source.family
     depth = source.depth
@@ -149,11 +151,8 @@ def make_shrink_plan(
         removed = select_removed(depth, options.layers, options.selection, options.remove)
     else:
         count = removal_count(depth, options.layers, options.ratio)
-        if scorer is None:
-            from otdus_cli.plan.layer_scores import layer_scores as scorer  # noqa: PLC0415 - torch
-
-        folder = source.resolved.folder
-        scores = scorer(folder, options.calib, options.calib_tokens, count, device=_score_device(options))
+        if scores is None:
+            scores = measure_scores(source, options)
         removed = select_removed(depth, count, options.selection, scores=scores)
     layer_map = shrink_layers(depth, removed, method.builder)
     for group in merge_groups(depth, removed) if method.make_builder is not None else []:
@@ -173,10 +172,14 @@ def make_shrink_plan(
     return ShrinkPlan(source, method, options, layer_map, config, tensors, removed, scores)
 
 
-def _score_device(options: ShrinkOptions):
+def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | None = None) -> LayerScores:
+    """The selection scores of ``source`` on the calibration text (blocks up to the removal count)."""
     from otdus_cli.device import resolve_device  # noqa: PLC0415
+    from otdus_cli.plan.layer_scores import layer_scores  # noqa: PLC0415 - torch
 
-    return resolve_device(options.device)
+    count = removal_count(source.depth, options.layers, options.ratio)
+    device = resolve_device(options.device, world)
+    return layer_scores(source.resolved.folder, options.calib, options.calib_tokens, count, device=device)
 
 
 def shrink_manifest(
@@ -234,17 +237,32 @@ def shrink(
     on_note: Callable[[str], None] | None = None,
     world: World | None = None,
 ) -> ExpandResult:
-    """Shrink `model` (folder or hub id) into `out` atomically; returns what was written."""
+    """Shrink `model` (folder or hub id) into `out` atomically; returns what was written.
+
+    Under torchrun/srun the scores are measured once, by rank 0, and every rank plans with them (a
+    selection measured on each rank's own device could differ in the last bits and split the plan)."""
+    options = options or ShrinkOptions()
+    world = current_world() if world is None else world
+    scores = None
+    if options.selection != "explicit" and not options.remove:
+
+        def measure() -> LayerScores | None:
+            if not world.is_main:
+                return None
+            source = open_source(model, options.revision, options.allow_unknown_arch)
+            return measure_scores(source, options, world)
+
+        scores = world.exchange(measure)[0]
     return expand(
         model,
         out,
-        options or ShrinkOptions(),
+        options,
         force=force,
         progress=progress,
         on_plan=on_plan,
         on_note=on_note,
         world=world,
-        planner=make_shrink_plan,
+        planner=functools.partial(make_shrink_plan, scores=scores),
         manifest_of=shrink_manifest,
     )
 

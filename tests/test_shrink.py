@@ -366,3 +366,19 @@ def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
     manifest = json.loads((tmp_path / "small" / "otdus.json").read_text())
     assert manifest["layers"] == summary["layers"] and manifest["shrink"]["merged"] == summary["merged"]
     assert CheckpointReader(tmp_path / "small").config["num_hidden_layers"] == 18
+
+
+@pytest.mark.distributed
+def test_shrink_on_two_ranks_writes_the_bytes_of_one_process(tmp_path):
+    """Rank 0 measures the scores once; both ranks plan with them and build a merged layer each."""
+    from test_distributed import one_process, same_output, two_ranks
+
+    args = ["--method", "ot", "--ot-variant", "structured", "--remove", "1,3", "--max-shard-size", "300KB"]
+    scored = ["--method", "laco", "--layers", "2", "--select", "bi", "--calib-tokens", "1024", "--json"]
+    for name, flags in (("explicit", [*args, "--json"]), ("scored", scored)):
+        (tmp_path / name).mkdir()
+        single = one_process(["shrink", "bundled:stories260k", "--out", str(tmp_path / name / "one"), *flags])
+        double = two_ranks(["shrink", "bundled:stories260k", "--out", str(tmp_path / name / "two"), *flags])
+        assert single.returncode == 0 and double.returncode == 0, double.stderr[-12000:]
+        assert json.loads(double.stdout)["removed"] == json.loads(single.stdout)["removed"]
+        same_output(tmp_path / name / "one", tmp_path / name / "two")
