@@ -82,6 +82,33 @@ def cell(losses: list[float]) -> str:
     return f"{ppl:.2f} [{low:.2f}, {high:.2f}]"
 
 
+def compare(a: list[float], b: list[float]) -> str:
+    """How perplexity interval ``a`` stands against ``b``: lower, higher, or overlapping."""
+    _, a_low, a_high = interval(a)
+    _, b_low, b_high = interval(b)
+    if a_high < b_low:
+        return "lower"
+    if a_low > b_high:
+        return "higher"
+    return "overlapping"
+
+
+def verdicts(results: dict[tuple[str, str, int], list[list[float]]], names: list[str]) -> list[str]:
+    """Per selection and count: the better OT variant (by WikiText) against drop and LaCo, text by text."""
+    lines = []
+    for select, removed in sorted({(k[1], k[2]) for k in results}, key=lambda x: (x[1], x[0])):
+        ot = min(("ot paper", "ot structured"), key=lambda m: interval(results[m, select, removed][0])[0])
+        parts = []
+        for other in ("drop", "laco"):
+            said = [
+                f"{compare(results[ot, select, removed][t], results[other, select, removed][t])} on {name}"
+                for t, name in enumerate(names)
+            ]
+            parts.append(f"against {other}: {', '.join(said)}")
+        lines.append(f"- {select}, {removed} removed: {ot}'s perplexity is " + "; ".join(parts) + ".")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "shrink-ppl.md")
@@ -91,6 +118,8 @@ def main() -> None:
     start = time.time()
     evals = plans(args.wikitext_tokens)
     rows = [("none (source)", "", "", [cell(window_losses(STORIES260K, p)) for p in evals.values()])]
+    results: dict[tuple[str, str, int], list[list[float]]] = {}
+    chosen: dict[tuple[str, int], list[int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for removed in (1, 2):
             for select in ("bi", "angular"):
@@ -100,7 +129,9 @@ def main() -> None:
                     result = shrink(str(STORIES260K), out, options)
                     record = result.manifest["shrink"]
                     which = ", ".join(map(str, record["removed"]))
-                    cells = [cell(window_losses(out, p)) for p in evals.values()]
+                    chosen[select, removed] = record["removed"]
+                    results[label, select, removed] = [window_losses(out, p) for p in evals.values()]
+                    cells = [cell(losses) for losses in results[label, select, removed]]
                     rows.append((label, f"{select} ({removed})", which, cells))
                     print(rows[-1], flush=True)
     load = os.getloadavg()[0]
@@ -125,9 +156,23 @@ def main() -> None:
         "|---|---|---|" + "---:|" * len(names),
     ]
     lines += [f"| {label} | {sel} | {which} | {' | '.join(cells)} |" for label, sel, which, cells in rows]
+    same = [n for n in (1, 2) if chosen["bi", n] == chosen["angular", n]]
     lines += [
         "",
-        "No healing run follows the shrink here (the study's new arms are still to be added), so these are "
+        "Verdict (generated: an interval entirely below the other's is lower, entirely above higher):",
+        "",
+        *verdicts(results, names),
+    ]
+    if same:
+        lines += [
+            "",
+            "Block Influence and angular distance chose the same layers when removing "
+            + " and ".join(map(str, same))
+            + ", so those rows repeat each other.",
+        ]
+    lines += [
+        "",
+        "No healing run follows the shrink here (`otdus study` has no shrink arms yet), so these are "
         "the shrunk models as written; a 5-layer model is a toy for this: each layer is a fifth of the "
         "depth. Commit: `" + _commit() + "`.",
         "",
