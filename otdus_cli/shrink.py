@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -104,7 +104,7 @@ def ignored_options(options: ShrinkOptions) -> dict[str, str]:
 class ShrinkPlan(ExpansionPlan):
     """A shrink's layer map, config and tensors, with what chose the removed layers."""
 
-    removed: list[int] = None  # type: ignore[assignment]
+    removed: list[int] = field(default_factory=list)
     scores: LayerScores | None = None
 
     @property
@@ -243,6 +243,7 @@ def shrink(
     selection measured on each rank's own device could differ in the last bits and split the plan)."""
     options = options or ShrinkOptions()
     world = current_world() if world is None else world
+    start = time.perf_counter()
     scores = None
     if options.selection != "explicit" and not options.remove:
 
@@ -253,7 +254,8 @@ def shrink(
             return measure_scores(source, options, world)
 
         scores = world.exchange(measure)[0]
-    return expand(
+    scored_s = time.perf_counter() - start
+    result = expand(
         model,
         out,
         options,
@@ -265,6 +267,9 @@ def shrink(
         planner=functools.partial(make_shrink_plan, scores=scores),
         manifest_of=shrink_manifest,
     )
+    result.seconds += scored_s  # the whole run, the scoring pass included
+    result.timings["score_s"] = scored_s
+    return result
 
 
 class ShrinkRecipe(BaseModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -300,6 +301,16 @@ def test_a_recipe_shrinks_as_its_flags_would(tmp_path):
     assert manifest["transport"]["2"]["variant"] == "structured"
 
 
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).parent.parent / "recipes").glob("shrink-*.yaml")))
+def test_the_shipped_shrink_recipes_plan(recipe):
+    """Every shipped shrink recipe is valid and plans on its model (bundled: offline)."""
+    from otdus_cli.shrink import load_shrink_recipe, plan_shrink
+
+    loaded = load_shrink_recipe(recipe)
+    plan = plan_shrink(loaded.model, loaded.shrink)
+    assert len(plan.layer_map) == plan.source.depth - len(plan.removed) and plan.removed
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -316,6 +327,14 @@ def test_bad_requests_are_one_line_and_exit_two_with_nothing_written(tmp_path, a
     result = runner.invoke(app, ["shrink", "bundled:stories260k", "--out", str(tmp_path / "out"), *args])
     one_error_line(result, 2, message)
     no_output_left(tmp_path)
+
+
+def test_a_calibration_text_too_short_to_score_is_refused(tmp_path):
+    (tmp_path / "short.txt").write_text("Once upon a time there was a cat.\n")
+    args = ["--out", str(tmp_path / "out"), "--calib", str(tmp_path / "short.txt")]
+    result = runner.invoke(app, ["shrink", "bundled:stories260k", *args])
+    one_error_line(result, 2, "fewer than the 512 scoring the layers needs; give a longer text")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
 
 
 def test_merging_layers_of_different_kinds_is_refused_on_the_command_line(tiny_models, tmp_path):

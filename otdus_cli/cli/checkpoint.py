@@ -441,7 +441,7 @@ def _plan_shrink(
     model, flags: LayoutFlags, method_flags, method, select, remove, calib, calib_tokens, json_out
 ):
     """`plan --shrink METHOD`: the shrink's selection and layer map (cli/shrinking.py)."""
-    from otdus_cli.cli.shrinking import show_shrink_plan, shrink_json, shrink_options
+    from otdus_cli.cli.shrinking import quiet_if_scoring, show_shrink_plan, shrink_json, shrink_options
     from otdus_cli.shrink import plan_shrink
 
     expanding = {"--method": flags.method, "--position": flags.position, "--after": flags.after}
@@ -462,6 +462,7 @@ def _plan_shrink(
         revision=flags.revision,
         allow_unknown_arch=flags.allow_unknown_arch,
     )
+    quiet_if_scoring(options)
     the_plan = plan_shrink(model, options)
     if json_out:
         emit_json(shrink_json(the_plan))

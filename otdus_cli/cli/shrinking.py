@@ -19,6 +19,7 @@ from otdus_cli.cli.console import (
     err_console,
     human_bytes,
     out_console,
+    quiet_transformers,
     replacing_note,
     show_progress,
     user_errors,
@@ -98,6 +99,13 @@ def shrink_options(
         flag = names.get(loc[:2], "--" + loc[-1].replace("_", "-"))
         raise OtdusError(f"{flag} {err['input']!r}: {message}") from None
     return model, merged, base
+
+
+def quiet_if_scoring(options) -> None:
+    """The scores and OT's calibration run transformers' tokenizer and classes: without their
+    advisories (a drop of named layers never imports transformers)."""
+    if options.selection != "explicit" or options.method == "ot":
+        quiet_transformers()
 
 
 def shrink_table(plan) -> Table:
@@ -246,6 +254,7 @@ def shrink(
         out = out or (Path(recipe_obj.out) if recipe_obj and recipe_obj.out else None)
         if out is None:
             raise OtdusError("give --out (the output folder)")
+        quiet_if_scoring(options)
         with byte_progress(show_progress(json_out) and world.is_main, "shrinking") as (set_total, advance):
             result = run_shrink(
                 model,

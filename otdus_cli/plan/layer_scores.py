@@ -42,7 +42,8 @@ def layer_scores(
     from otdus_cli.verify.streaming import StreamedModel  # noqa: PLC0415
 
     reader = CheckpointReader(folder)
-    windows = calibration_windows(folder, calib, calib_tokens, model_max_positions(reader.config))
+    max_positions = model_max_positions(reader.config)
+    windows = calibration_windows(folder, calib, calib_tokens, max_positions, "scoring the layers")
     model = StreamedModel(reader, device=device, dtype=torch.float32, batch_size=8)
     acts = model.start([w.tolist() for w in windows])
     depth = model.num_layers
