@@ -11,7 +11,7 @@ COMPAT_PY := $(COMPAT_VENV)/bin/python
 OLDEST_TRANSFORMERS ?= transformers==4.57.6
 
 .PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint evidence bench bench-copy bench-8b-copy faults coverage \
-	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl synthetic mergekit-outputs \
+	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl shrink-ppl synthetic mergekit-outputs \
 	output-hashes device-wheels device-check device-check-dry-run clean
 
 setup: $(VENV)/.installed
@@ -134,6 +134,10 @@ ot-plan-scale: setup
 # perplexity change of widen on each MoE family's tiny model (docs/widen-ppl.md)
 widen-ppl: setup
 	$(PY) -m scripts.widen_tiny_ppl
+
+# perplexity of each shrink method and selection on the bundled model (docs/shrink-ppl.md; minutes)
+shrink-ppl: setup
+	$(PY) -m scripts.shrink_ppl
 
 # a random-weight checkpoint shaped like a real model: make synthetic SHAPE=llama-3.2-1b SYNTHETIC_OUT=out/l1b
 # (python -m scripts.make_synthetic --list names the shapes)

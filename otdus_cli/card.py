@@ -85,7 +85,7 @@ def card_data(manifest: dict, source_folder: Path | None):
     source = manifest["source"]
     source_card = _source_card(source_folder, source)
     methods = [r.get("method") for r in manifest.get("history") or [] if isinstance(r, dict)]
-    tags = ["otdus", "depth-up-scaling"]
+    tags = ["otdus", "depth-pruning" if manifest.get("operation") == "shrink" else "depth-up-scaling"]
     tags += [m for m in [*methods, manifest["method"]] if isinstance(m, str) and m not in tags]
     extra = {}
     license_ = BUNDLED_LICENSES.get(source["id"]) if source.get("kind") == "bundled" else None
@@ -106,7 +106,7 @@ def card_data(manifest: dict, source_folder: Path | None):
 def _command(manifest: dict) -> str:
     if _invocation is not None:
         return shlex.join(_invocation)
-    module = "widen" if manifest["method"] == "widen" else "expand"
+    module = "widen" if manifest["method"] == "widen" else manifest.get("operation", "expand")
     return (
         f"# made through the Python API (otdus_cli.{module}); its options, as otdus.json records them: "
         f"{manifest.get('options', {})}"
@@ -199,6 +199,7 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
     depth = len(manifest["layers"])
     base_depth = source.get("num_hidden_layers", depth)
     preserving = manifest.get("function_preserving")
+    shrunk = manifest.get("shrink") if manifest.get("operation") == "shrink" else None
     body = [
         f"# {Path(folder).name.split('.otdus-tmp-')[0].lstrip('.') or 'otdus output'}",
         "",
@@ -219,10 +220,13 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
             if manifest.get("history")
             else ""
         ),
+        *_shrink_lines(shrunk),
         "- function-preserving: "
         + (
             "yes: the new model computes the base model's function (`otdus verify` checks it)"
             if preserving
+            else "no: layers were removed or merged (`otdus verify` reports the perplexity change)"
+            if shrunk
             else "no: the new parameters change what the base model computes (continued training is "
             "expected to recover and improve it)"
         ),
@@ -232,6 +236,14 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
         "",
         *_layer_table(manifest),
         "",
+        *([] if shrunk and not manifest.get("new_parameters") else _training(manifest, folder)),
+    ]
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"))
+
+
+def _training(manifest: dict, folder: Path) -> list[str]:
+    """The card's sections on the new parameters and how to train them alone."""
+    return [
         "## New parameters",
         "",
         *_new_parameters(manifest, folder),
@@ -254,7 +266,18 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
         'apply(model, "path/to/this/model")  # requires_grad only on the new parameters',
         "```",
     ]
-    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"))
+
+
+def _shrink_lines(shrunk: dict | None) -> list[str]:
+    """What a shrink removed and merged (`otdus shrink`'s record in the manifest)."""
+    if not shrunk:
+        return []
+    lines = [
+        f"- removed: source layers {', '.join(map(str, shrunk.get('removed', [])))} ({shrunk.get('select')})"
+    ]
+    for group in shrunk.get("merged") or []:
+        lines.append(f"- merged into one layer: source layers {', '.join(map(str, sorted(group)))}")
+    return lines
 
 
 def _replace_atomically(path: Path, data: bytes) -> None:

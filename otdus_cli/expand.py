@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from otdus_cli.arch.config_rules import (
     check_depth_rules,
@@ -69,6 +69,14 @@ class ExpansionPlan:
         if self.options.zero_init is not None:
             return self.options.zero_init
         return self.method.zero_init_for(self.options.method_variant())
+
+    def ignored_options(self) -> dict[str, str]:
+        """Options without effect on this plan -> why (recorded in the manifest)."""
+        return ignored_options(self.options)
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """Manifest fields beyond an expansion's (a shrink's: its operation and what it removed)."""
+        return {}
 
     @property
     def new_parameter_names(self) -> list[str]:
@@ -294,7 +302,7 @@ class _Engine:
 
     def _build_layer(self, lay: OutputLayer, builder, device: torch.device) -> None:
         parents = [self.src.layers[i] for i in lay.parents]
-        if len(parents) != builder.parents_needed:
+        if builder.parents_needed is not None and len(parents) != builder.parents_needed:  # None: any
             raise OtdusError(f"layer {lay.index}: {lay.builder} needs {builder.parents_needed} parent layers")
         ctx = self._context(lay.zero_init, device, lay.index)
         expected = set(parents[0].suffixes())
@@ -324,7 +332,7 @@ def build_manifest(
         source=source_record(plan.source),
         method=plan.method.name,
         options=plan.options.model_dump(),
-        ignored_options=ignored_options(plan.options),  # option -> why it had no effect
+        ignored_options=plan.ignored_options(),  # option -> why it had no effect
         num_hidden_layers=len(plan.layer_map),
         function_preserving=plan.function_preserving,
         layers=[ManifestLayer(**lay.to_json()) for lay in plan.layer_map],
@@ -335,6 +343,7 @@ def build_manifest(
         config_checked_by_transformers=check.by == "transformers" and check.skipped is None,
         config_check=check.by,
         warnings=[check.skipped] if check.skipped else [],
+        **plan.manifest_fields(),
     )
 
 
@@ -369,9 +378,12 @@ def expand(
     on_plan: Callable[[ExpansionPlan], None] | None = None,
     on_note: Callable[[str], None] | None = None,
     world: World | None = None,
+    planner: Callable[[SourceModel, Any], ExpansionPlan] = make_plan,
 ) -> ExpandResult:
     """Expand `model` (folder or hub id) into `out` atomically; returns what was written.
 
+    ``planner`` makes the layer map from the source and ``options``; `otdus shrink` (shrink.py) writes
+    through this same path with its own.
     ``world`` (default: this process's, see distributed.py): its ranks share the work (module
     docstring); every rank returns the result, and a failure on any rank fails every rank with
     nothing left behind."""
@@ -386,7 +398,7 @@ def expand(
         if options.device not in ("auto", "cpu"):
             resolve_device(options.device, world)
         source = open_source(model, options.revision, options.allow_unknown_arch)
-        the_plan = make_plan(source, options)
+        the_plan = planner(source, options)
         if on_plan:
             on_plan(the_plan)
         timings["plan_s"] = time.perf_counter() - start

@@ -92,6 +92,7 @@ class Manifest(BaseModel):
     created: str | None = None
     source: ManifestSource
     method: str
+    operation: str | None = None  # "shrink" for `otdus shrink`; absent for an expansion
     options: dict[str, Any] | None = None
     ignored_options: dict[str, str] | None = None  # option -> why it had no effect
     num_hidden_layers: int
@@ -100,6 +101,7 @@ class Manifest(BaseModel):
     widen: WidenRecord | None = None
     layers: list[ManifestLayer]
     new_parameters: list[str] = []
+    shrink: dict[str, Any] | None = None  # what `otdus shrink` removed or merged, and the scores that chose
     transport: dict[str, Any] | None = None  # output layer -> its transport statistics
     # what the method adds (Method.manifest_extras; a builder's pre-pass report under its name),
     # each key written after ``transport``; read back, every key not declared here is one

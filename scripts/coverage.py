@@ -211,7 +211,8 @@ def _depth(model, folder: Path) -> int:
 
 def _plans(src: Path, method: str) -> bool:
     """Whether otdus accepts the method for this model at plan time (before any tensor is built)."""
-    from otdus_cli.expand import make_plan, open_source
+    from otdus_cli.expand import make_plan
+    from otdus_cli.source import open_source
 
     try:
         make_plan(open_source(str(src)), ExpandOptions(method=method, layers=2))

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from otdus_cli.cli import app
 
-COMMANDS = ["expand", "plan", "inspect", "verify", "ppl", "demo", "study", "diagnose"]
+COMMANDS = ["expand", "plan", "inspect", "verify", "ppl", "demo", "study", "diagnose", "shrink"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -10,9 +10,12 @@ from otdus_cli.methods.registry import get_method
 from otdus_cli.options import load_recipe
 from otdus_cli.plan.layer_map import plan_layers
 
-# expand recipes (study-*.yaml recipes list study runs; tests/test_study.py covers them)
+# expand recipes (study-*.yaml recipes list study runs, tests/test_study.py covers them; shrink-*.yaml
+# recipes are `otdus shrink`'s, tests/test_shrink.py)
 RECIPES = sorted(
-    p for p in (Path(__file__).parent.parent / "recipes").glob("*.yaml") if not p.name.startswith("study-")
+    p
+    for p in (Path(__file__).parent.parent / "recipes").glob("*.yaml")
+    if not p.name.startswith(("study-", "shrink-"))
 )
 # base depth -> expected output depth for the hub models the recipes name
 EXPECTED = {

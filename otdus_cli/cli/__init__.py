@@ -1,7 +1,7 @@
 """The `otdus` command line: a thin Typer + rich layer over the library.
 
-One module per group of commands (checkpoint: expand, plan, inspect; evaluation: verify, ppl;
-research: study, diagnose; widening: widen; about: demo, version); console.py holds what they
+One module per group of commands (checkpoint: expand, plan, inspect; shrinking: shrink; evaluation:
+verify, ppl; research: study, diagnose; widening: widen; about: demo, version); console.py holds what they
 share. Errors in the user's input, the parser's included, are one line on stderr and exit code 2;
 broken parity in `verify` is exit code 1.
 """
@@ -24,6 +24,7 @@ from otdus_cli.cli.evaluation import ppl, verify
 from otdus_cli.cli.handoff import trainable
 from otdus_cli.cli.help import Command, HelpContext
 from otdus_cli.cli.research import diagnose, study
+from otdus_cli.cli.shrinking import shrink
 from otdus_cli.cli.widening import widen
 from otdus_cli.signals import exit_on_signals
 
@@ -99,7 +100,7 @@ def _root(
     """Depth up-scaling checkpoint surgery for Hugging Face LLMs: OT-DUS and its baselines, streamed."""
 
 
-for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version, widen, trainable):
+for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version, widen, shrink, trainable):
     app.command(cls=Command)(command)
 
 

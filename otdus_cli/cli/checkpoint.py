@@ -25,11 +25,13 @@ from otdus_cli.cli.console import (
     user_errors,
 )
 from otdus_cli.cli.flags import method_flags, with_flags, with_method_flags
+from otdus_cli.cli.shrinking import Calib, CalibTokens, Remove, Select
 from otdus_cli.cli.values import MethodName, device_parser, model_name
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.registry import METHODS
 from otdus_cli.options import OutputDtype
 from otdus_cli.options import Position as PositionName
+from otdus_cli.plan.shrink_map import ShrinkMethod
 
 Model = Annotated[
     str | None,
@@ -428,13 +430,32 @@ def plan(
     model: Model = None,
     flags: LayoutFlags = None,
     method_flags: dict[str, Any] | None = None,  # those that change the layer map (--ot-variant...)
+    shrink: Annotated[
+        ShrinkMethod | None,
+        typer.Option(
+            "--shrink",
+            help="Plan `otdus shrink` with this method instead of an expansion: the layers removed or merged "
+            "(--layers/--ratio count them), with their scores.",
+        ),
+    ] = None,
+    select: Select = None,
+    remove: Remove = None,
+    calib: Calib = None,
+    calib_tokens: CalibTokens = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Show the layer map an expansion would produce; nothing is written."""
+    """Show the layer map an expansion (or, with --shrink, a shrink) would produce; nothing is written."""
     from otdus_cli.expand import make_plan
     from otdus_cli.source import open_source
 
+    shrinking = {"--select": select, "--remove": remove, "--calib": calib, "--calib-tokens": calib_tokens}
     with user_errors():
+        if shrink is not None:
+            _plan_shrink(model, flags, method_flags, shrink, select, remove, calib, calib_tokens, json_out)
+            return
+        given = next((flag for flag, value in shrinking.items() if value is not None), None)
+        if given:
+            raise OtdusError(f"{given} plans a shrink: give --shrink METHOD too")
         model, options, _ = _options(model, flags, method_flags)
         the_plan = make_plan(open_source(model, options.revision, options.allow_unknown_arch), options)
     if json_out:
@@ -449,6 +470,39 @@ def plan(
     mixed = _mixed_kinds_line(the_plan)
     if mixed:
         out_console.print(mixed)
+
+
+def _plan_shrink(
+    model, flags: LayoutFlags, method_flags, method, select, remove, calib, calib_tokens, json_out
+):
+    """`plan --shrink METHOD`: the shrink's selection and layer map (cli/shrinking.py)."""
+    from otdus_cli.cli.shrinking import quiet_if_scoring, show_shrink_plan, shrink_json, shrink_options
+    from otdus_cli.shrink import plan_shrink
+
+    expanding = {"--method": flags.method, "--position": flags.position, "--after": flags.after}
+    given = next((flag for flag, value in expanding.items() if value is not None), None)
+    if given or flags.zero_init is not None:
+        raise OtdusError(f"{given or '--zero-init'} places new layers; a shrink (--shrink) adds none")
+    model, options, _ = shrink_options(
+        model,
+        flags.recipe,
+        method_flags,
+        method=method,
+        layers=flags.layers,
+        ratio=flags.ratio,
+        select=select,
+        remove=remove,
+        calib=calib,
+        calib_tokens=calib_tokens,
+        revision=flags.revision,
+        allow_unknown_arch=flags.allow_unknown_arch,
+    )
+    quiet_if_scoring(options)
+    the_plan = plan_shrink(model, options)
+    if json_out:
+        emit_json(shrink_json(the_plan))
+    else:
+        show_shrink_plan(the_plan)
 
 
 def inspect(

@@ -298,21 +298,26 @@ def _evaluate(
     if card:
         with user_errors():
             written = add_verification(Path(model), report.to_dict())
+    shrunk = _shrink_record(model_dir)  # `otdus shrink`'s output: what it removed, not a parity proof
     if json_out:
-        emit_json(report.to_dict())
+        emit_json(report.to_dict() | ({"shrink": shrunk} if shrunk else {}))
     else:
         table = Table(
             title=f"{report.base.corpus}: {_protocol_name(report.base)}, {report.base.n_tokens:,} tokens, "
             f"{report.device} {report.dtype}"
         )
-        for col in ("metric (* headline)", "base", "expanded", "delta"):
+        for col in ("metric (* headline)", "base", "shrunk" if shrunk else "expanded", "delta"):
             table.add_column(col)
         _metrics_rows(table, report.base, report.expanded)
         out_console.print(table)
+        if shrunk:
+            from otdus_cli.plan.shrink_map import describe_removal
+
+            out_console.print(describe_removal(shrunk), highlight=False)
         if report.first_divergence is not None:
             d = report.first_divergence
             out_console.print(f"first divergence: {d.name} (max |diff| {d.max_abs_diff:.3g})")
-        if report.proof is not None:
+        if report.proof is not None and not shrunk:
             from otdus_cli.verify.proof import summary
 
             out_console.print(summary(report.proof), highlight=False)
@@ -326,6 +331,16 @@ def _evaluate(
             )
     if report.exit_code:
         raise typer.Exit(report.exit_code)
+
+
+def _shrink_record(model_dir: Path) -> dict | None:
+    """The ``shrink`` record of an `otdus shrink` output's manifest (None: not a shrink)."""
+    from otdus_cli.manifest import read_manifest
+
+    manifest = read_manifest(model_dir)
+    if manifest and manifest.get("operation") == "shrink" and isinstance(manifest.get("shrink"), dict):
+        return manifest["shrink"]
+    return None
 
 
 def _note_token_count(metrics, flags: EvalFlags, json_out: bool) -> None:

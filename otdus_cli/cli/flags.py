@@ -92,10 +92,14 @@ def method_flags(for_plan: bool = False) -> list[MethodFlag]:
     return flags
 
 
-def with_method_flags(for_plan: bool = False) -> Callable[[Command], Command]:
-    """Shows Typer the methods' flags in place of the parameter ``method_flags`` and hands the
-    command ``method_flags={"ot.variant": value or None, ...}``."""
-    return functools.partial(_with_method_flags, method_flags(for_plan))
+def with_method_flags(
+    for_plan: bool = False, keep: Callable[[MethodFlag], bool] | None = None
+) -> Callable[[Command], Command]:
+    """Shows Typer the methods' flags (those ``keep`` keeps) in place of the parameter ``method_flags``
+    and hands the command ``method_flags={"ot.variant": value or None, ...}``."""
+    return functools.partial(
+        _with_method_flags, [f for f in method_flags(for_plan) if keep is None or keep(f)]
+    )
 
 
 def _with_method_flags(generated: list[MethodFlag], fn: Command) -> Command:

@@ -207,8 +207,15 @@ def head_correlation(
     return (inner / norms(wa, o_auto_a)[:, None] / norms(wb, o_auto_b)[None, :]).clamp_(-1.0, 1.0)
 
 
-def calibration_windows(folder: str | os.PathLike[str], calib: str, tokens: int, max_positions: int | None):
-    """Token windows of the calibration text (whole windows, at most ``tokens`` tokens)."""
+def calibration_windows(
+    folder: str | os.PathLike[str],
+    calib: str,
+    tokens: int,
+    max_positions: int | None,
+    purpose: str = "the activation variant",
+):
+    """Token windows of the calibration text (whole windows, at most ``tokens`` tokens); ``purpose``:
+    what needs them, as a refusal names it."""
     from otdus_cli.study.data import load_documents, tokenize_windows
     from otdus_cli.verify.metrics import load_tokenizer
 
@@ -226,7 +233,7 @@ def calibration_windows(folder: str | os.PathLike[str], calib: str, tokens: int,
     if windows.numel() < MIN_CALIB_TOKENS:
         raise OtdusError(
             f"--calib {calib}: {windows.numel()} tokens in whole windows of {seq_len}, fewer than the "
-            f"{MIN_CALIB_TOKENS} the activation variant needs; give a longer text"
+            f"{MIN_CALIB_TOKENS} {purpose} needs; give a longer text"
         )
     return windows
 

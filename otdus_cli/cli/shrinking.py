@@ -1,0 +1,293 @@
+"""`otdus shrink`: remove or merge decoder layers (and what `otdus plan --shrink` shows of it).
+
+Its own verb, as widen is: expand's placement options mean nothing for a removal, and a user cutting a
+model looks for a verb that says so. The output is written by expand's path (otdus_cli/shrink.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from otdus_cli.cli.console import (
+    JsonFlag,
+    byte_progress,
+    emit_json,
+    err_console,
+    human_bytes,
+    out_console,
+    quiet_transformers,
+    replacing_note,
+    show_progress,
+    user_errors,
+)
+from otdus_cli.cli.flags import method_flags as all_method_flags
+from otdus_cli.cli.flags import with_method_flags
+from otdus_cli.cli.values import device_parser, int_list, ints, model_name, text_spec
+from otdus_cli.errors import OtdusError
+from otdus_cli.options import OutputDtype
+from otdus_cli.plan.shrink_map import Selection, ShrinkMethod
+
+# the shrink's own --calib/--calib-tokens stand for OT's (one text scores the layers and calibrates OT)
+_SHRINK_OWNS = ("calib", "calib_tokens")
+
+Select = Annotated[
+    Selection | None,
+    typer.Option(
+        help="How the removed layers are chosen. bi: lowest Block Influence (ShortGPT); angular: the block "
+        "of --layers consecutive layers whose input and output are closest (Gromov et al.); explicit: "
+        "--remove. Scores are measured on --calib text. [default: bi; explicit with --remove]"
+    ),
+]
+Remove = Annotated[
+    str | None,
+    typer.Option(help="The source layers to remove, e.g. '3,4' (--select explicit).", parser=int_list),
+]
+Calib = Annotated[
+    str | None,
+    typer.Option(
+        help="Text the layers are scored on (and --ot-variant activation calibrates on): a UTF-8 file or "
+        "bundled:NAME. [default: bundled:tinystories-sample]",
+        parser=text_spec,
+    ),
+]
+CalibTokens = Annotated[
+    int | None,
+    typer.Option(help="At most this many calibration tokens (whole windows of 256). [default: 4096]"),
+]
+ShrinkLayers = Annotated[int | None, typer.Option(help="Number of layers removed. [default: 1]")]
+ShrinkRatio = Annotated[
+    float | None, typer.Option(help="Layers removed, as a fraction of the depth (instead of --layers).")
+]
+
+
+def shrink_options(
+    model: str | None,
+    recipe: Path | None,
+    ot_flags: dict[str, Any] | None,
+    **flags: Any,
+):
+    """Recipe and flags (flags win) merged into validated ShrinkOptions: (model, options, recipe)."""
+    from pydantic import ValidationError
+
+    from otdus_cli.options import merge_options
+    from otdus_cli.shrink import ShrinkOptions, load_shrink_recipe
+
+    base = load_shrink_recipe(recipe) if recipe else None
+    model = model or (base.model if base else None)
+    if not model:
+        raise OtdusError("give a model (folder or hub id) or --recipe")
+    options = base.shrink if base else ShrinkOptions()
+    remove = flags.pop("remove", None)
+    flags["allow_unknown_arch"] = flags.get("allow_unknown_arch") or None
+    updates = {k: v for k, v in flags.items() if v is not None}
+    if remove is not None:
+        updates["remove"] = ints(remove)
+    ot = {key.split(".")[1]: v for key, v in (ot_flags or {}).items() if v is not None}
+    try:
+        merged = ShrinkOptions.model_validate(merge_options(options.model_dump(), updates, {"ot": ot}))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        message = err["msg"].removeprefix("Value error, ")
+        loc = tuple(map(str, err["loc"]))
+        if not loc or loc == ("ot",):
+            raise OtdusError(message) from None
+        names = {(f.group, f.field): f.flag.name for f in all_method_flags()}
+        flag = names.get(loc[:2], "--" + loc[-1].replace("_", "-"))
+        raise OtdusError(f"{flag} {err['input']!r}: {message}") from None
+    return model, merged, base
+
+
+def quiet_if_scoring(options) -> None:
+    """The scores and OT's calibration run transformers' tokenizer and classes: without their
+    advisories (a drop of named layers never imports transformers)."""
+    if options.selection != "explicit" or options.method == "ot":
+        quiet_transformers()
+
+
+def shrink_table(plan) -> Table:
+    """The shrink's layer map: each output layer and the source layer(s) it comes from."""
+    table = Table(title=f"shrink by {plan.method.name}: {plan.source.depth} -> {len(plan.layer_map)} layers")
+    for col in ("out", "from source", "built by"):
+        table.add_column(col)
+    for lay in plan.layer_map:
+        merged = lay.new
+        table.add_row(
+            str(lay.index),
+            f"{','.join(map(str, sorted(lay.parents)))} into {lay.source}" if merged else str(lay.source),
+            f"[green]{lay.builder}[/]" if merged else "copy",
+        )
+    return table
+
+
+def scores_table(plan) -> Table | None:
+    """Each source layer's scores and whether the shrink removes it (None: explicit selection)."""
+    scores = plan.scores
+    if scores is None:
+        return None
+    count = len(plan.removed)
+    table = Table(title=f"scores on {scores.tokens} tokens of {scores.text}")
+    for col in (
+        "layer",
+        "block influence",
+        f"angular, layers i..i+{count - 1}" if count > 1 else "angular",
+        "",
+    ):
+        table.add_column(col)
+    removed = set(plan.removed)
+    for i, bi in enumerate(scores.block_influence):
+        angular = scores.angular[count]
+        table.add_row(
+            str(i),
+            f"{bi:.4f}",
+            f"{angular[i]:.4f}" if i < len(angular) else "",
+            "[red]removed[/]" if i in removed else "",
+        )
+    return table
+
+
+def shrink_json(plan) -> dict:
+    """What `plan --shrink --json` and `shrink --json` say of the plan."""
+    return {
+        "source": plan.source.resolved.id,
+        "family": plan.source.family.name,
+        "method": plan.method.name,
+        "base_layers": plan.source.depth,
+        "num_hidden_layers": len(plan.layer_map),
+        "removed": plan.removed,
+        "merged": plan.merged,
+        "select": plan.options.selection,
+        "scores": None if plan.scores is None else plan.scores.to_json(),
+        "layers": [lay.to_json() for lay in plan.layer_map],
+        "options": plan.options.model_dump(),
+        "output_bytes": sum(t.nbytes for t in plan.tensors),
+    }
+
+
+def show_shrink_plan(plan) -> None:
+    out_console.print(shrink_table(plan))
+    scores = scores_table(plan)
+    if scores is not None:
+        out_console.print(scores)
+    out_console.print(f"removes layers {', '.join(map(str, plan.removed))} (perplexity will move)")
+
+
+@with_method_flags(keep=lambda f: f.group == "ot" and f.field not in _SHRINK_OWNS)
+def shrink(
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help="Source model: a local folder, a Hugging Face hub id or bundled:stories260k.",
+            parser=model_name,
+        ),
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")] = None,
+    recipe: Annotated[
+        Path | None,
+        typer.Option("--recipe", help="YAML recipe with the model and shrink options (flags override it)."),
+    ] = None,
+    method: Annotated[
+        ShrinkMethod | None,
+        typer.Option(
+            help="What becomes of the removed layers. drop: left out; average: merged with the kept layer "
+            "before them by a plain mean; laco: LaCo's merge (the kept layer plus their differences from "
+            "it); ot: aligned by OT-DUS's transport flow, then averaged. [default: drop]"
+        ),
+    ] = None,
+    layers: ShrinkLayers = None,
+    ratio: ShrinkRatio = None,
+    select: Select = None,
+    remove: Remove = None,
+    calib: Calib = None,
+    calib_tokens: CalibTokens = None,
+    method_flags: dict[str, Any] | None = None,  # OT's flags (--ot-variant, --reg ...)
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="Device for the scores and OT: auto, cpu, cuda, cuda:N. [default: auto]",
+            parser=device_parser(True),
+        ),
+    ] = None,
+    dtype: Annotated[
+        OutputDtype | None, typer.Option(help="Output dtype; auto keeps the source's. [default: auto]")
+    ] = None,
+    max_shard_size: Annotated[
+        str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")
+    ] = None,
+    revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
+    allow_unknown_arch: Annotated[
+        bool, typer.Option(help="Drop layers of an unknown architecture (--method drop only).")
+    ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(help="Replace an existing --out, only if it is an unchanged earlier otdus output."),
+    ] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Remove decoder layers, or merge them into their neighbours, and write the shallower checkpoint
+    (streamed, atomic)."""
+    from otdus_cli.distributed import current_world
+    from otdus_cli.shrink import shrink as run_shrink
+
+    with user_errors():
+        world = current_world()
+        model, options, recipe_obj = shrink_options(
+            model,
+            recipe,
+            method_flags,
+            method=method,
+            layers=layers,
+            ratio=ratio,
+            select=select,
+            remove=remove,
+            calib=calib,
+            calib_tokens=calib_tokens,
+            device=device,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            revision=revision,
+            allow_unknown_arch=allow_unknown_arch,
+        )
+        out = out or (Path(recipe_obj.out) if recipe_obj and recipe_obj.out else None)
+        if out is None:
+            raise OtdusError("give --out (the output folder)")
+        quiet_if_scoring(options)
+        with byte_progress(show_progress(json_out) and world.is_main, "shrinking") as (set_total, advance):
+            result = run_shrink(
+                model,
+                out,
+                options,
+                force=force,
+                progress=advance,
+                on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
+                on_note=lambda line: err_console.print(f"warning: {line}", highlight=False, soft_wrap=True),
+            )
+    if not world.is_main:
+        return
+    plan = result.plan
+    method_warnings = plan.method.report_warnings(result.manifest) if plan.method.report_warnings else []
+    for line in [*result.warnings, *method_warnings]:
+        err_console.print(f"warning: {line}", highlight=False, soft_wrap=True)
+    summary = {
+        "out": str(result.out),
+        "replaced_earlier_output": result.replaced,
+        "warnings": result.warnings,
+        "transport_warnings": method_warnings,
+        **shrink_json(plan),
+        "bytes_written": result.bytes_written,
+        "seconds": round(result.seconds, 3),
+        "new_parameters": result.manifest["new_parameters"],
+    }
+    if json_out:
+        emit_json(summary)
+        return
+    merged = f", merged {' '.join('+'.join(map(str, g)) for g in plan.merged)}" if plan.merged else ""
+    out_console.print(
+        f"[bold green]wrote[/] {result.out}{replacing_note(result.replaced)}: "
+        f"{summary['base_layers']} -> {summary['num_hidden_layers']} layers with {plan.method.name} "
+        f"(removed {', '.join(map(str, plan.removed))}{merged}), {human_bytes(result.bytes_written)} "
+        f"in {result.seconds:.1f} s"
+    )

@@ -1,0 +1,161 @@
+"""The methods of `otdus shrink`: what becomes of the layers a shrink removes.
+
+``drop`` leaves them out (ShortGPT, Gromov et al., mergekit's passthrough slices). The others build
+one layer from each merge group (plan/shrink_map.py: a run of removed layers with the kept layer
+beside it), one tensor at a time, from any number of parents:
+
+* ``average``: the plain mean of the group's layers;
+* ``laco``: LaCo's Reserving-Differences-while-Seeking-Common merge (Yang et al. 2024): the kept
+  layer plus every other layer's difference from it, theta_0 + sum_k (theta_k - theta_0);
+* ``ot``: OT-DUS's transport flow (methods/ot/, every variant; MoE layers through its expert
+  matching) aligns each other layer of the group to one anchor, the group's last layer, and the
+  aligned layers are averaged with it, all with equal weights. The OT builder makes the pair
+  average p_j = 1/2 (aligned_j + anchor); for a group of k layers the equal-weight mean is
+  (aligned_1 + ... + aligned_{k-1} + anchor) / k = (2 sum_j p_j - (k - 2) anchor) / k.
+  Merged layers are never zero-initialised (a merged layer must compute, not be an identity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from otdus_cli.methods.base import BuildContext, Method, ParentLayer
+from otdus_cli.methods.ot import OT, OTOptions
+
+if TYPE_CHECKING:
+    import torch
+
+    from otdus_cli.plan.layer_map import OutputLayer
+
+
+class MeanBuilder:
+    """The plain mean of every parent's tensor."""
+
+    parents_needed = None  # any number from two on
+
+    def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
+        for suffix in parents[0].suffixes():
+            total = parents[0].get(suffix).float()
+            for p in parents[1:]:
+                total += p.get(suffix).float()
+            yield suffix, total.div_(len(parents))
+
+
+class LacoBuilder:
+    """LaCo's merge: the first parent (the kept layer) plus the others' differences from it."""
+
+    parents_needed = None
+
+    def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
+        for suffix in parents[0].suffixes():
+            base = parents[0].get(suffix).float()
+            merged = base.clone()
+            for p in parents[1:]:
+                merged += p.get(suffix).float() - base
+            yield suffix, merged
+
+
+class OTMergeBuilder:
+    """Each other layer of a group aligned to the group's last layer by the OT-DUS flow, then all
+    averaged with equal weights (module docstring).
+
+    Memory is that of one pair's build: for a group of three or more, the pairs are built one after
+    the other, each pair's tensors spilled to the scratch folder (float32), then combined one tensor
+    at a time."""
+
+    parents_needed = None
+
+    def __init__(self) -> None:
+        from otdus_cli.methods.ot.builder import OTBuilder
+
+        self.pair_builder = OTBuilder()
+        self.scratch: Path | None = None
+
+    def prepare(
+        self,
+        layers: Sequence[ParentLayer],
+        new_layers: Sequence[OutputLayer],
+        ctx: BuildContext,
+        scratch: Path,
+    ) -> dict[str, Any] | None:
+        """Keep the scratch folder; the activation variant's pre-pass over every (other, anchor) pair."""
+        self.scratch = scratch
+        pairs = [
+            dataclasses.replace(lay, parents=(j, max(lay.parents)))
+            for lay in new_layers
+            for j in sorted(lay.parents)[:-1]
+        ]
+        return self.pair_builder.prepare(layers, pairs, ctx, scratch)
+
+    def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
+        import torch
+
+        ordered = sorted(parents, key=lambda p: p.index)
+        anchor, others = ordered[-1], ordered[:-1]
+        if len(others) == 1:  # a pair: the OT builder's own output and statistics
+            yield from self.pair_builder.build([others[0], anchor], ctx)
+            return
+        if self.scratch is None:
+            raise RuntimeError("OTMergeBuilder.build: prepare() gives the scratch folder first")
+        folder = self.scratch / f"ot-merge-{ctx.output_index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            suffixes: list[str] = []
+            modules: dict[str, Any] = {}
+            for j, a in enumerate(others):
+                pair_ctx = dataclasses.replace(ctx, stats={})
+                for suffix, tensor in self.pair_builder.build([a, anchor], pair_ctx):
+                    torch.save(tensor.detach().to("cpu", torch.float32), folder / f"{j}-{suffix}.pt")
+                    del tensor
+                    if j == 0:
+                        suffixes.append(suffix)
+                ctx.stats["variant"] = pair_ctx.stats.get("variant")
+                for module, info in (pair_ctx.stats.get("modules") or {}).items():
+                    modules[f"{a.index}->{anchor.index} {module}"] = info
+            k = len(parents)
+            for suffix in suffixes:
+                total: torch.Tensor | None = None
+                for j in range(len(others)):
+                    pair = torch.load(folder / f"{j}-{suffix}.pt", weights_only=True)
+                    (folder / f"{j}-{suffix}.pt").unlink()
+                    total = pair.mul_(2.0) if total is None else total.add_(pair, alpha=2.0)
+                    del pair
+                assert total is not None
+                yield suffix, total.sub_(anchor.get(suffix).to(torch.float32), alpha=k - 2).div_(k)
+                del total
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        ctx.stats["parents"] = [p.index for p in ordered]
+        ctx.stats["modules"] = modules
+
+
+DROP = Method("drop", "the removed layers are left out (ShortGPT, Gromov et al.)", "shrink", builder="base")
+AVERAGE = Method(
+    "average",
+    "each merge group becomes the plain mean of its layers",
+    "shrink",
+    builder="average",
+    make_builder=MeanBuilder,
+)
+LACO = Method(
+    "laco",
+    "LaCo: the kept layer plus the removed layers' differences from it",
+    "shrink",
+    builder="laco",
+    make_builder=LacoBuilder,
+)
+OT_MERGE = dataclasses.replace(
+    OT,
+    summary="OT-DUS's transport flow aligns the group's layers to its last one, then all are averaged",
+    layout="shrink",
+    zero_init_default=False,
+    pair=False,
+    make_builder=OTMergeBuilder,
+)
+
+SHRINK_METHODS: dict[str, Method] = {m.name: m for m in (DROP, AVERAGE, LACO, OT_MERGE)}
+__all__ = ["SHRINK_METHODS", "OTOptions"]

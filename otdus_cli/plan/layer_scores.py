@@ -1,0 +1,67 @@
+"""How much each layer changes the hidden states on calibration text: the scores a shrink selects by.
+
+The source runs through verify's streamed evaluator (verify/streaming.py), one decoder layer in
+memory at a time. Besides that layer, the pass keeps the hidden states of the calibration tokens at
+``max_block + 1`` depths (tokens x hidden, float32 each): the inputs of the last ``max_block`` layers
+and the current output, so the angular distance over a block of ``max_block`` layers is measured
+without a second pass.
+
+Both scores average over every calibration token: ShortGPT's Block Influence is defined so; Gromov
+et al. measure the angular distance at each sequence's final token, which on a few thousand
+calibration tokens would leave a handful of samples, so otdus averages it over all positions too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import torch
+
+from otdus_cli.plan.shrink_map import LayerScores
+
+
+def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-token cosine similarity of two [B, T, H] hidden states (float64)."""
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    return ((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-30)).clamp(-1.0, 1.0)
+
+
+@torch.inference_mode()
+def layer_scores(
+    folder: str | os.PathLike[str],
+    calib: str,
+    calib_tokens: int,
+    max_block: int,
+    device: str | torch.device = "cpu",
+) -> LayerScores:
+    """Block Influence of every layer and angular distances over blocks of 1..``max_block`` layers."""
+    from otdus_cli.io.reader import CheckpointReader
+    from otdus_cli.methods.ot.calibration import calibration_windows
+    from otdus_cli.verify.metrics import model_max_positions
+    from otdus_cli.verify.streaming import StreamedModel
+
+    reader = CheckpointReader(folder)
+    max_positions = model_max_positions(reader.config)
+    windows = calibration_windows(folder, calib, calib_tokens, max_positions, "scoring the layers")
+    model = StreamedModel(reader, device=device, dtype=torch.float32, batch_size=8)
+    acts = model.start([w.tolist() for w in windows])
+    depth = model.num_layers
+    tokens = int(windows.numel())
+    bi: list[float] = []
+    angular = {n: [0.0] * (depth - n + 1) for n in range(1, max_block + 1)}
+    inputs: deque[list[torch.Tensor]] = deque([list(acts.hidden)], maxlen=max_block)
+    try:
+        for i in range(depth):
+            model.apply_layer(i, acts)  # replaces acts.hidden's tensors: the kept inputs stay as they were
+            out = list(acts.hidden)
+            for n in range(1, min(max_block, i + 1) + 1):
+                before = inputs[-n]  # the input of layer i - n + 1
+                cos = torch.cat([_cosines(a, b).flatten() for a, b in zip(before, out, strict=True)])
+                if n == 1:
+                    bi.append(float(1.0 - cos.mean()))
+                angular[n][i - n + 1] = float((torch.arccos(cos) / torch.pi).mean())
+            inputs.append(out)
+    finally:
+        model.weights.free_shell()
+    return LayerScores(bi, angular, tokens, calib)

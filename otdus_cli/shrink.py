@@ -1,0 +1,263 @@
+"""`otdus shrink`: remove layers, or merge them, and write the shallower checkpoint.
+
+A shrink is a layer map with fewer layers (plan/shrink_map.py): the layers to remove are chosen by
+scores streamed over calibration text (plan/layer_scores.py) or named; ``drop`` leaves them out, a
+merge method (methods/merge.py: average, laco, ot) builds one layer from each merge group. The map
+is written by expand's own path (expand.py): kept layers are byte copies, merged layers are built
+one at a time from their parents read lazily, the output is staged and swapped into place
+atomically, with the same manifest, card, --json and torchrun/srun support.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from otdus_cli.arch.config_rules import rewrite_config
+from otdus_cli.distributed import World, current_world
+from otdus_cli.errors import OtdusError
+from otdus_cli.expand import (
+    ExpandResult,
+    ExpansionPlan,
+    ProgressFn,
+    _planned_tensors,
+    expand,
+)
+from otdus_cli.methods.merge import SHRINK_METHODS
+from otdus_cli.methods.ot.calibration import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS
+from otdus_cli.methods.ot.options import OTOptions
+from otdus_cli.options import OutputDtype, invalid, read_yaml
+from otdus_cli.plan.shrink_map import (
+    LayerScores,
+    Selection,
+    ShrinkMethod,
+    merge_groups,
+    removal_count,
+    select_removed,
+    shrink_layers,
+)
+from otdus_cli.source import SourceModel, open_source
+
+
+class ShrinkOptions(BaseModel):
+    """Everything that decides what `otdus shrink` writes (recorded in the manifest)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: ShrinkMethod = "drop"
+    layers: int | None = Field(None, ge=1, description="number of layers removed (default 1)")
+    ratio: float | None = Field(None, gt=0, lt=1, description="layers removed, as a fraction of the depth")
+    select: Selection | None = None  # None: explicit when remove names layers, else bi
+    remove: list[int] | None = None  # --select explicit: the source layers removed
+    # the text the selection scores are measured on (and OT's activation variant's calibration text)
+    calib: str = DEFAULT_CALIB
+    calib_tokens: int = Field(DEFAULT_CALIB_TOKENS, ge=MIN_CALIB_TOKENS)
+    dtype: OutputDtype = "auto"
+    max_shard_size: str = "5GB"
+    device: str = "auto"
+    seed: int = 0
+    revision: str | None = None
+    allow_unknown_arch: bool = False
+    ot: OTOptions = Field(default_factory=OTOptions)
+
+    @property
+    def selection(self) -> str:
+        """The selection in force (``select``, or its default)."""
+        return self.select or ("explicit" if self.remove else "bi")
+
+    def method_options(self) -> OTOptions | None:
+        """The OT options of --method ot, with the shrink's calibration text (None: other methods)."""
+        if self.method != "ot":
+            return None
+        return self.ot.model_copy(update={"calib": self.calib, "calib_tokens": self.calib_tokens})
+
+    def method_variant(self) -> str | None:
+        return self.ot.variant if self.method == "ot" else None
+
+
+def ignored_options(options: ShrinkOptions) -> dict[str, str]:
+    """Options without effect on this shrink -> why (recorded in the manifest)."""
+    ignored: dict[str, str] = {}
+    if options.method != "ot":
+        ignored |= dict.fromkeys(
+            (f"ot.{f}" for f in OTOptions.model_fields),
+            f"only --method ot uses OT options, not {options.method}",
+        )
+    else:
+        ignored |= dict.fromkeys(("ot.calib", "ot.calib_tokens"), "the shrink's calib and calib_tokens apply")
+    if options.selection == "explicit" and not (
+        options.method == "ot" and options.ot.variant == "activation"
+    ):
+        ignored |= dict.fromkeys(("calib", "calib_tokens"), "--select explicit scores nothing")
+    return ignored
+
+
+@dataclass
+class ShrinkPlan(ExpansionPlan):
+    """A shrink's layer map, config and tensors, with what chose the removed layers."""
+
+    removed: list[int] = field(default_factory=list)
+    scores: LayerScores | None = None
+
+    @property
+    def function_preserving(self) -> bool:
+        return False
+
+    @property
+    def zero_init(self) -> bool:
+        return False
+
+    def ignored_options(self) -> dict[str, str]:
+        return ignored_options(self.options)
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """What the manifest records beyond an expansion's: what was removed or merged, and why."""
+        return {
+            "operation": "shrink",
+            "shrink": {
+                "removed": self.removed,
+                "merged": self.merged,
+                "select": self.options.selection,
+                "scores": None if self.scores is None else self.scores.to_json(),
+            },
+        }
+
+    @property
+    def merged(self) -> list[list[int]]:
+        """The source layers of each merged layer (none for drop)."""
+        return [list(lay.parents) for lay in self.layer_map if lay.new]
+
+
+def make_shrink_plan(
+    source: SourceModel, options: ShrinkOptions, scores: LayerScores | None = None
+) -> ShrinkPlan:
+    """The shrink of ``source`` that ``options`` ask for; every bad request fails here (OtdusError),
+    before anything is written. Scored selections use ``scores``, or stream the source over the
+    calibration text for them."""
+    method = SHRINK_METHODS[options.method]
+    family = source.family
+    depth = source.depth
+    if family.copy_only and method.make_builder is not None:
+        raise OtdusError(
+            f"{family.name} has no exact template (which tensors a layer holds): --method drop only, "
+            f"not {method.name}"
+        )
+    refusal = method.refusal(family)
+    if refusal:
+        raise OtdusError(
+            f"--method {method.name} cannot merge {family.name} layers ({refusal}); use drop, average or laco"
+        )
+    if method.refuses_options is not None:
+        message = method.refuses_options(family, options.method_options())
+        if message:
+            raise OtdusError(message)
+    if options.selection == "explicit" or options.remove:
+        if options.ratio is not None:
+            raise OtdusError("--remove names the layers itself; leave out --ratio")
+        scores = None
+        removed = select_removed(depth, options.layers, options.selection, options.remove)
+    else:
+        count = removal_count(depth, options.layers, options.ratio)
+        if scores is None:
+            scores = measure_scores(source, options)
+        removed = select_removed(depth, count, options.selection, scores=scores)
+    layer_map = shrink_layers(depth, removed, method.builder)
+    for group in merge_groups(depth, removed) if method.make_builder is not None else []:
+        kinds = {family.layer_kind(source.text_config, i) for i in group}
+        if len(kinds) > 1:
+            raise OtdusError(
+                f"--method {method.name}: layers {', '.join(map(str, sorted(group)))} would be merged into "
+                f"one, but they are of different kinds in {family.name} ({', '.join(sorted(kinds))}); "
+                "use --method drop or remove other layers"
+            )
+    config = rewrite_config(
+        source.config, layer_map, family.derives_layer_types, family.per_layer_fields, family.derived_fields
+    )
+    if options.dtype != "auto":
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
+    tensors = _planned_tensors(source, layer_map, options.dtype)
+    return ShrinkPlan(source, method, options, layer_map, config, tensors, removed, scores)
+
+
+def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | None = None) -> LayerScores:
+    """The selection scores of ``source`` on the calibration text (blocks up to the removal count)."""
+    from otdus_cli.device import resolve_device
+    from otdus_cli.plan.layer_scores import layer_scores  # torch
+
+    count = removal_count(source.depth, options.layers, options.ratio)
+    device = resolve_device(options.device, world)
+    return layer_scores(source.resolved.folder, options.calib, options.calib_tokens, count, device=device)
+
+
+def plan_shrink(model: str, options: ShrinkOptions) -> ShrinkPlan:
+    """The plan `otdus plan --shrink` shows: nothing is written."""
+    return make_shrink_plan(open_source(model, options.revision, options.allow_unknown_arch), options)
+
+
+def shrink(
+    model: str,
+    out: str | Path,
+    options: ShrinkOptions | None = None,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    on_plan: Callable[[ExpansionPlan], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+    world: World | None = None,
+) -> ExpandResult:
+    """Shrink `model` (folder or hub id) into `out` atomically; returns what was written.
+
+    Under torchrun/srun the scores are measured once, by rank 0, and every rank plans with them (a
+    selection measured on each rank's own device could differ in the last bits and split the plan)."""
+    options = options or ShrinkOptions()
+    world = current_world() if world is None else world
+    start = time.perf_counter()
+    scores = None
+    if options.selection != "explicit" and not options.remove:
+
+        def measure() -> LayerScores | None:
+            if not world.is_main:
+                return None
+            source = open_source(model, options.revision, options.allow_unknown_arch)
+            return measure_scores(source, options, world)
+
+        scores = world.exchange(measure)[0]
+    scored_s = time.perf_counter() - start
+    result = expand(
+        model,
+        out,
+        options,
+        force=force,
+        progress=progress,
+        on_plan=on_plan,
+        on_note=on_note,
+        world=world,
+        planner=functools.partial(make_shrink_plan, scores=scores),
+    )
+    result.seconds += scored_s  # the whole run, the scoring pass included
+    result.timings["score_s"] = scored_s
+    return result
+
+
+class ShrinkRecipe(BaseModel):
+    """A YAML recipe of a shrink: the source model, optionally the output, and the shrink options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    out: str | None = None
+    description: str | None = None
+    shrink: ShrinkOptions = Field(default_factory=ShrinkOptions)
+
+
+def load_shrink_recipe(path: Path) -> ShrinkRecipe:
+    data = read_yaml(path)
+    try:
+        return ShrinkRecipe.model_validate(data)
+    except ValidationError as exc:
+        raise OtdusError(f"recipe {path}: {invalid(exc)}") from None
