@@ -105,11 +105,11 @@ def test_llama_pro_keeps_the_logits_and_the_layer_kinds(hybrids, tmp_path, model
 
 def _random_ids_plan():
     """Token perplexity over random ids (the tiny models have no tokenizer)."""
-    from otdus_cli.verify.metrics import EvalPlan, Window
+    from otdus_cli.verify.metrics import EvalSet, Window
 
     gen = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (20, 20, 13)]
-    return EvalPlan("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
+    return EvalSet("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "gpt2"])

@@ -394,7 +394,7 @@ def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
 @pytest.mark.distributed
 def test_shrink_on_two_ranks_writes_the_bytes_of_one_process(tmp_path):
     """Rank 0 measures the scores once; both ranks plan with them and build a merged layer each."""
-    from test_distributed import one_process, same_output, two_ranks
+    from tests.test_distributed import one_process, same_output, two_ranks
 
     args = ["--method", "ot", "--ot-variant", "structured", "--remove", "1,3", "--max-shard-size", "300KB"]
     scored = ["--method", "laco", "--layers", "2", "--select", "bi", "--calib-tokens", "1024", "--json"]

@@ -149,7 +149,11 @@ def prove_plan(
         base, _ = _tiny_instance(config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            grown = AutoModelForCausalLM.from_config(_tiny_config(written)[0]).float().eval()
+            grown = (
+                AutoModelForCausalLM.from_config(_tiny_config(written)[0], trust_remote_code=False)
+                .float()
+                .eval()
+            )
     except Exception as exc:
         return f"no tiny instance of the expanded model to prove it on ({type(exc).__name__})"
     prefix = layer_list + "."
@@ -192,7 +196,10 @@ def _tiny_config(config: dict) -> tuple[object, bool]:
         warnings.simplefilter("ignore")
         loaded = transformers_config(config)
         with torch.device("meta"):
-            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(loaded).parameters())
+            size = sum(
+                p.numel()
+                for p in AutoModelForCausalLM.from_config(loaded, trust_remote_code=False).parameters()
+            )
         if size > MAX_PROOF_PARAMETERS:
             return transformers_config({k: _SHRUNK_WIDTHS.get(k, v) for k, v in config.items()}), True
     return loaded, False
@@ -207,7 +214,7 @@ def _tiny_instance(config: dict):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(loaded).float().eval()
+        model = AutoModelForCausalLM.from_config(loaded, trust_remote_code=False).float().eval()
     with torch.no_grad():  # norms start at exactly 1 or 0; perturb them so a lucky identity shows
         for p in model.parameters():
             if p.dim() == 1 and p.is_floating_point():
