@@ -115,16 +115,18 @@ def commands(docs: list[str] = DOCS) -> list[Command]:
             if body.startswith("#!"):  # a whole script (a Slurm job): one entry
                 found.append(Command(doc, first, body.splitlines()[0] + " ... (a script)"))
                 continue
-            pending, start = "", first
+            pending, start, loops = "", first, 0
             for offset, raw in enumerate(body.splitlines()):
-                line = _strip_comment(raw)
-                if not line.strip():
+                line = _strip_comment(raw).strip()
+                if not line:
                     continue
                 if not pending:
                     start = first + offset
-                pending = f"{pending} {line.strip()}" if pending else line.strip()
-                if pending.endswith("\\"):
-                    pending = pending[:-1].rstrip()
+                # a loop's lines are one command: `for ...; do`, its body and `done`, joined by `;`
+                joint = " " if not pending or pending.endswith(("\\", " do")) else "; "
+                pending = f"{pending.removesuffix(chr(92)).rstrip()}{joint}{line}" if pending else line
+                loops += bool(re.match(r"(for|while|until) .*\bdo$", line)) - (line == "done")
+                if pending.endswith("\\") or loops > 0:
                     continue
                 found.append(Command(doc, start, pending))
                 pending = ""

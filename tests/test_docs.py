@@ -83,6 +83,10 @@ def test_docs_commands_are_found_and_sorted():
     assert all(c.why for c in cmds if c.run is None)  # every skip says why
     skipped = {c.text for c in cmds if c.run is None}
     assert any("meta-llama/" in t for t in skipped) and "make check-docs" in skipped  # no recursion
+    # a shell loop is one command, not a `for ...; do` line, its body and a `done` run one by one
+    loops = [c.text for c in cmds if c.text.startswith("for ")]
+    assert loops and all(t.endswith("; done") for t in loops)
+    assert not [c for c in cmds if c.text == "done" or c.text.endswith(" do")]
     # what runs offline is run (only an optional extra may be missing)
     assert all("matplotlib" in c.why for c in cmds if c.run is None and "bundled:" in c.text)
 

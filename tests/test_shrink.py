@@ -372,7 +372,7 @@ def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
     """Scores streamed one layer at a time and a three-layer OT merge built one module at a time: the
     whole shrink fits in a memory limit the checkpoint's bytes alone exceed (as expand's and verify's
     memory test, tests/test_verify_cli.py)."""
-    from test_verify_cli import run_limited, write_random_checkpoint
+    from tests.test_verify_cli import run_limited, write_random_checkpoint
 
     size = write_random_checkpoint(tmp_path / "big", layers=20, hidden=1024, inter=4096)
     limit = 900_000_000
