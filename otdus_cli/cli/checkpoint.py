@@ -81,7 +81,7 @@ ZeroInit = Annotated[
 Device = Annotated[
     str | None,
     typer.Option(
-        help="Device for OT and LESA computations: auto, cpu, cuda, cuda:N. [default: auto]",
+        help="Device for the methods that compute new tensors: auto, cpu, cuda, cuda:N. [default: auto]",
         parser=device_parser(True),
     ),
 ]
@@ -91,7 +91,7 @@ Dtype = Annotated[
 ShardSize = Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")]
 Seed = Annotated[
     int | None,
-    typer.Option(help="Seed for random initialisation and for LESA's predictor training. [default: 0]"),
+    typer.Option(help="Seed for random initialisation and for methods that train. [default: 0]"),
 ]
 Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
 AllowUnknown = Annotated[
@@ -200,14 +200,16 @@ def _layer_table(plan) -> Table:
 
 def _mixed_kinds_line(plan) -> str | None:
     """Where a pair method (a new layer built from layers i and i + 1) would meet layers of two kinds."""
+    from otdus_cli.methods.registry import METHODS
     from otdus_cli.plan.layer_map import mixed_kind_gaps
 
     gaps = mixed_kind_gaps(plan.source.family, plan.source.text_config, plan.source.depth)
     if not gaps:
         return None
+    pair_methods = ", ".join(m.name for m in METHODS.values() if m.pair)
     return (
         f"layers of different kinds meet after base layers {', '.join(map(str, gaps))}: a pair method "
-        "(average, ot, lesa) cannot place a new layer there; a copy-type method copies one layer's kind"
+        f"({pair_methods}) cannot place a new layer there; a copy-type method copies one layer's kind"
     )
 
 

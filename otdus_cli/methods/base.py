@@ -74,7 +74,7 @@ class LayerBuilder(Protocol):
     returns a report recorded in the manifest under the builder's name (None: nothing to report).
     """
 
-    parents_needed: int  # 1 (copy-type) or 2 (pair)
+    parents_needed: int | None  # 1 (copy-type), 2 (pair), None: any number (a shrink's merge)
 
     def build(
         self, parents: Sequence[ParentLayer], ctx: BuildContext

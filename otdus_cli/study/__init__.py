@@ -7,7 +7,7 @@ without importing torch), arms (method specs and expansions), train (one run's t
 stop rule), runner (data, the runs of each arm, learning-rate sweeps), results (summaries and
 paired comparisons), recipe (YAML recipes), report and evidence (tables and docs)."""
 
-from otdus_cli.study.arms import DEFAULT_METHODS, TABLE6_METHODS, RunSpec, parse_method
+from otdus_cli.study.arms import DEFAULT_METHODS, RunSpec, parse_method
 from otdus_cli.study.diagnose import DiagnoseResult, PairDiagnosis, diagnose, diagnose_tables, norm_bars
 from otdus_cli.study.recipe import PrimaryFamily, StudyRecipe, load_study_recipe, run_recipe
 from otdus_cli.study.report import plot_curves, study_markdown, study_table
@@ -17,7 +17,6 @@ from otdus_cli.study_settings import PlateauRule, StudySettings
 
 __all__ = [
     "DEFAULT_METHODS",
-    "TABLE6_METHODS",
     "DiagnoseResult",
     "MethodSummary",
     "PairDiagnosis",

@@ -1,11 +1,11 @@
 """The arms of a study: method specs, their expand options, and the expansions they build.
 
-Method specs (strings): ``method[:variant][+zero|+nozero]``, e.g. ``ot`` (OT-DUS, paper variant,
-zero-init), ``ot+nozero``, ``ot:structured``, ``ot:official``, ``average`` (Avg-DeUS, no
-zero-init), ``average+zero``, ``copy``, ``random``, ``llama-pro``, ``solar``, ``lesa`` (LESA, pair
-variant, zero-init), ``lesa:published`` (LESA as its notebook builds it, nothing zeroed), ``interpose``
-(every chosen layer duplicated in place), ``stack`` (the whole stack repeated). Full expand options
-can be given instead with :class:`RunSpec` or in a YAML recipe (study.recipe).
+Method specs (strings): ``method[:variant][+zero|+nozero]``: any registered method's name
+(methods/registry.py), with a variant of its options and zero-init forced on or off, e.g. ``ot``
+(OT-DUS, paper variant, zero-init), ``ot+nozero``, ``ot:structured``, ``average`` (Avg-DeUS, no
+zero-init), ``average+zero``, ``copy``, ``interpose`` (every chosen layer duplicated in place),
+``stack`` (the whole stack repeated). Full expand options can be given instead with
+:class:`RunSpec` or in a YAML recipe (study.recipe).
 """
 
 from __future__ import annotations
@@ -19,26 +19,7 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.options import ExpandOptions, method_spec_options
 from otdus_cli.study_settings import DEFAULT_METHODS
 
-__all__ = ["DEFAULT_METHODS", "TABLE6_METHODS", "ExpansionCache", "RunSpec", "parse_method", "resolve_runs"]
-
-# Paper Table 6 ablation plus the review's 2x2 (OT / Average x zero-init), the OT variants, sharper
-# plans (exact assignment; Sinkhorn at reg 0.01), and LESA (the paper's remaining baseline), with
-# zero-init and as published. Labels are names (recipes/study-table6.yaml), not method specs.
-TABLE6_METHODS = (
-    "ot",
-    "ot+nozero",
-    "average+zero",
-    "average",
-    "ot:structured",
-    "ot:official",
-    "ot/emd",
-    "ot/reg0.01",
-    "ot:activation/emd",
-    "copy",
-    "random",
-    "lesa",
-    "lesa:published",
-)
+__all__ = ["DEFAULT_METHODS", "ExpansionCache", "RunSpec", "parse_method", "resolve_runs"]
 
 
 @dataclass(frozen=True)
