@@ -48,7 +48,7 @@ test:
 test-main: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow"
 
-# the slow tests (docs commands from a fresh copy, the device-check dry run, thread identity, verify under
+# the slow tests (the device-check dry run, thread identity, verify under
 # a memory limit, two-rank runs, piped and pinned CLI runs, each seam module imported alone): CI runs
 # them after `make test`
 test-long: setup
@@ -61,7 +61,7 @@ test-compat: setup-compat
 
 # every command block of README.md and docs/*.md, run from a fresh clone of HEAD, offline, long ones
 # with quick options (scripts/check_docs.py --list shows what runs, what is shortened or skipped and
-# why); `make test-long` runs the quick part (tests/test_docs.py, marked slow)
+# why); `make test` runs the quick part (tests/test_docs.py)
 check-docs: setup
 	$(PY) -m scripts.check_docs
 

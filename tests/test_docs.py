@@ -91,7 +91,6 @@ def test_docs_commands_are_found_and_sorted():
     assert all("matplotlib" in c.why for c in cmds if c.run is None and "bundled:" in c.text)
 
 
-@pytest.mark.slow
 def test_quick_docs_commands_run_from_a_fresh_copy():
     """`python -m scripts.check_docs --quick`: README's first hour, offline widening, ppl, diagnose...
     exit 0."""
