@@ -76,7 +76,8 @@ evidence: setup
 
 # the 1B-shaped table (every method, memory, OT, verify), the paired warm/cold copy runs against
 # `cp -r && sync` (scripts.bench_copy) and mergekit side by side (scripts.bench_mergekit); then the copy runs at Llama-3.1-8B width (8 layers: ~15 GB
-# of disk at the peak). Each prints its figures with their targets; docs/benchmarks.md gets them.
+# of disk at the peak). Each prints its figures with their targets and the load around them
+# (scripts.measuring); docs/benchmarks.md gets them.
 bench: setup
 	$(PY) -m scripts.bench --against mergekit
 	$(MAKE) bench-8b-copy

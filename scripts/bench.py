@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from scripts import bench_copy, bench_mergekit, make_synthetic
+from scripts import bench_copy, bench_mergekit, make_synthetic, measuring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -436,14 +436,7 @@ def gpu_names() -> str:
 
 
 def machine_info(workdir: str, gpu: bool = False) -> dict:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in _read("/proc/cpuinfo").splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor() or "unknown",
-    )
+    cpu = measuring.cpu_model()
     mem_kb = next(
         (int(ln.split()[1]) for ln in _read("/proc/meminfo").splitlines() if ln.startswith("MemTotal")), 0
     )
@@ -505,7 +498,7 @@ def conditions(otdus: list[str] | None, workdir: str) -> dict:
         "date": dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "machine": machine_info(workdir),
         "versions": versions(otdus),
-        "load_at_start": [round(x, 2) for x in os.getloadavg()],
+        "load_at_start": list(measuring.load_average()),
     }
 
 

@@ -16,12 +16,10 @@ import os
 import statistics
 from collections.abc import Callable
 
+from scripts import measuring
+
 TARGET = 1.5  # at most this many times cp's time per output byte
 STARTUP_TARGET_S = 1.0
-
-
-def _load() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 def run_copy_bench(
@@ -47,7 +45,7 @@ def run_copy_bench(
                 out = os.path.join(workdir, f"copy-bench-{method}")
                 rmtree(out)
                 prepare_cache(mode, src)
-                load_before = _load()
+                load_before = measuring.load_average()[0]
                 argv = [a.replace("{out}", out) for a in argv_t]
                 kind = "cp" if method == "cp" else "expand"
                 r = run_measured(label, kind, method, argv, timeout, poll_s, out)
@@ -68,7 +66,7 @@ def run_copy_bench(
                     "stime_s": r.stime_s,
                     "peak_tree_rss_bytes": r.peak_tree_rss_bytes,
                     "others_cpu_s": r.other_cpu_s,
-                    "load": [load_before, _load()],
+                    "load": [load_before, measuring.load_average()[0]],
                     "timings": (r.otdus_json or {}).get("timings"),
                 }
                 runs.append(row)

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from scripts import measuring
+
 EXPRESSIBLE = ("solar", "stack", "interpose", "llama-pro", "copy")
 MERGEKIT_REQUIREMENT = "mergekit==0.1.5"
 TORCH_REQUIREMENT = "torch==2.13.0"  # the wheel the Makefile installs: no second download
@@ -266,7 +268,7 @@ def run_mergekit_bench(
                     "peak_tree_rss_bytes": r.peak_tree_rss_bytes,
                     "cpu_s": None if r.utime_s is None else r.utime_s + r.stime_s,
                     "output_bytes": r.output_bytes,
-                    "load": round(os.getloadavg()[0], 2),
+                    "load": measuring.load_average()[0],
                 }
             if row["otdus"]["status"] == "ok" and row["mergekit"]["status"] == "ok":
                 row["compare"] = compare_outputs(ours, theirs)

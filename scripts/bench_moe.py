@@ -23,18 +23,13 @@ import subprocess
 import sys
 import time
 
-from scripts import bench
+from scripts import bench, measuring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def loadavg() -> list[float]:
-    with open("/proc/loadavg") as f:
-        return [float(x) for x in f.read().split()[:3]]
-
-
 def measure(label: str, argv: list[str], out: str, timeout: float) -> dict:
-    before = loadavg()
+    before = list(measuring.load_average())
     r = bench.run_measured(label, "expand", None, argv, timeout, 0.5, out_dir=out)
     row = {
         "label": label,
@@ -50,7 +45,7 @@ def measure(label: str, argv: list[str], out: str, timeout: float) -> dict:
         "output_gb": (r.output_bytes or 0) / 1e9,
         "other_cpu_s": r.other_cpu_s,
         "load_before": before,
-        "load_after": loadavg(),
+        "load_after": list(measuring.load_average()),
         "stderr_tail": r.stderr_tail,
         "otdus_json": r.otdus_json,
     }
