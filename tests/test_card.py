@@ -21,8 +21,8 @@ from otdus_cli.io.output_dir import earlier_output_files
 from otdus_cli.options import ExpandOptions
 from otdus_cli.widen import WidenOptions, widen
 from tests.support.cli_checks import one_error_line
+from tests.support.hub_cache import make_hub_cache, otdus
 from tests.support.tiny_models import build_tiny
-from tests.test_source import make_hub_cache, otdus
 
 runner = CliRunner()
 SOURCE_BODY = "This card describes the SOURCE model, not any expansion of it."

@@ -7,7 +7,6 @@ that is not reported or swept; the source is never touched.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -21,33 +20,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from otdus_cli.cli import app
 from otdus_cli.errors import Interrupted, OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.io import output_dir
 from otdus_cli.io.output_dir import TMP_TAG, OutputLock
 from otdus_cli.options import ExpandOptions
 from tests.support.cli_checks import one_error_line
+from tests.support.file_checks import OTDUS, leftovers, run_cli, tree_digest
 
 runner = CliRunner()
-OTDUS = str(Path(sys.executable).parent / "otdus")
-
-
-def run_cli(*args: str):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def tree_digest(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` (relative path -> sha256): proof that nothing was touched."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
-def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if "otdus-" in p.name)
 
 
 @pytest.fixture()

@@ -28,8 +28,8 @@ from otdus_cli.io import file_hashes
 from otdus_cli.io.output_dir import DEEPER_TAG, TMP_TAG, OutputLock
 from otdus_cli.options import ExpandOptions
 from tests.support.cli_checks import one_error_line
+from tests.support.file_checks import OTDUS, leftovers, run_cli, tree_digest
 from tests.support.tiny_models import load_causal_lm
-from tests.test_safety import OTDUS, leftovers, run_cli, tree_digest
 
 
 @pytest.fixture()

@@ -8,29 +8,18 @@ newest 5.x.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from otdus_cli.expand import expand
 from otdus_cli.methods.lesa import LesaOptions
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
-from otdus_cli.verify.metrics import EvalSet, Window
+from tests.support.eval_sets import random_eval_set
 from tests.support.tiny_models import DENSE_TYPES, MOE_TYPES
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
+
 # longer than the tiny models' sliding windows (16); two equal lengths batch together
-LENGTHS = (40, 40, 23)
-
-
-def random_plan(vocab: int = 96, seed: int = 0) -> EvalSet:
-    """Token perplexity over random token ids (the tiny models have no tokenizer)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
-    windows = [Window(w, w[1:], 0, 0) for w in ids]
-    return EvalSet("token", "random ids", windows, [0], [0], max(LENGTHS))
-
-
 def zero_init_expansions(model_type: str) -> list[ExpandOptions]:
     """Every way otdus expands a model function-preservingly: each method with zero-init, at the
     placements the methods use (LESA: dense families only; it refuses MoE)."""
@@ -51,7 +40,7 @@ def zero_init_expansions(model_type: str) -> list[ExpandOptions]:
 
 @pytest.mark.parametrize("model_type", DENSE_TYPES + MOE_TYPES)
 def test_every_zero_init_expansion_holds_parity(tiny_models, tmp_path, model_type):
-    plan = random_plan()
+    plan = random_eval_set()
     for i, options in enumerate(zero_init_expansions(model_type)):
         out = tmp_path / f"{i}-{options.method}"
         expand(str(tiny_models[model_type]), out, options)
@@ -68,7 +57,7 @@ def test_verify_gives_the_same_report_every_time(tiny_models, tmp_path, model_ty
     depth = 6 if model_type == "gemma3_text" else 4
     out = tmp_path / "llama-pro"
     expand(str(tiny_models[model_type]), out, ExpandOptions(method="llama-pro", layers=depth // 2))
-    plan = random_plan(seed=1)
+    plan = random_eval_set(seed=1)
     reports = [verify_expansion(tiny_models[model_type], out, plan).to_dict() for _ in range(3)]
     for report in reports:  # seconds per phase differ from run to run; everything else may not
         assert report.pop("timings")["total_s"] > 0

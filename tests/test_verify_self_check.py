@@ -20,7 +20,7 @@ from otdus_cli.verify import hf_compat, self_check
 from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.perplexity import perplexity
 from otdus_cli.verify.streaming import StreamedModel
-from tests.test_verify_families import random_plan
+from tests.support.eval_sets import random_eval_set
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
@@ -74,7 +74,7 @@ def test_verify_refuses_when_the_evaluator_is_wrong(tiny_models, tmp_path, wrong
     out = tmp_path / "deeper"
     expand(str(tiny_models["qwen3"]), out, ExpandOptions(method="llama-pro", layers=2))
     with pytest.raises(OtdusError, match="self-check failed"):
-        verify_expansion(tiny_models["qwen3"], out, random_plan())
+        verify_expansion(tiny_models["qwen3"], out, random_eval_set())
 
 
 def test_large_models_check_against_the_forward_with_layers_loaded_in_turn(
@@ -82,13 +82,13 @@ def test_large_models_check_against_the_forward_with_layers_loaded_in_turn(
 ):
     monkeypatch.setattr(self_check, "WHOLE_MODEL_MAX_BYTES", 0)  # as if too large to load whole
     with pytest.raises(OtdusError, match="self-check failed.*each decoder layer loaded in turn"):
-        perplexity(tiny_models["gemma2"], random_plan())
+        perplexity(tiny_models["gemma2"], random_eval_set())
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "qwen2_moe"])
 def test_large_model_check_passes_on_a_sound_evaluator(tiny_models, monkeypatch, model_type):
     monkeypatch.setattr(self_check, "WHOLE_MODEL_MAX_BYTES", 0)
-    plan = random_plan()
+    plan = random_eval_set()
     report = perplexity(tiny_models[model_type], plan)
     assert report.metrics.n_tokens == plan.n_tokens
     monkeypatch.setattr(self_check, "WHOLE_MODEL_MAX_BYTES", 2**40)

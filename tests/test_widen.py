@@ -29,8 +29,8 @@ from otdus_cli.verify.compare import verify_expansion
 from otdus_cli.verify.proof import static_check
 from otdus_cli.widen import WidenOptions, make_widen_plan, widen
 from tests.support.cli_checks import no_output_left, one_error_line
+from tests.support.eval_sets import random_eval_set
 from tests.support.tiny_models import MOE_TYPES, build_tiny, load_causal_lm, logits
-from tests.test_verify_families import random_plan
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
@@ -137,7 +137,7 @@ def test_verify_expects_parity_only_without_noise(tiny_models, tmp_path):
     src = tiny_models["qwen3_moe"]
     widen(str(src), tmp_path / "w0", WidenOptions(noise=0))
     widen(str(src), tmp_path / "w1")
-    plan = random_plan()
+    plan = random_eval_set()
     exact = verify_expansion(src, tmp_path / "w0", plan)
     assert exact.expect_parity and exact.exit_code == 0 and exact.verdict.startswith("PARITY"), exact.verdict
     assert "widened experts" in exact.tolerance and exact.proof.preserving
@@ -166,7 +166,7 @@ def test_expand_then_widen_verifies_against_the_original_base(tiny_models, tmp_p
     src = tiny_models["mixtral"]
     deeper = tmp_path / "deeper"
     expand(str(src), deeper, ExpandOptions(method="ot", layers=2))
-    plan = random_plan()
+    plan = random_eval_set()
     for noise in (0.0, 0.01):
         out = tmp_path / f"wide-{noise}"
         widen(str(deeper), out, WidenOptions(noise=noise))
@@ -205,7 +205,7 @@ def test_expand_experts_grows_depth_and_width_in_one_command(tiny_models, tmp_pa
     assert [e["new"] for e in manifest["layers"]].count(True) == 2
     assert all(e.get("widened") for e in manifest["layers"] if not e["new"])
     assert (logits(load_causal_lm(out)) - logits(load_causal_lm(src))).abs().max() <= ATOL
-    report = verify_expansion(src, out, random_plan())
+    report = verify_expansion(src, out, random_eval_set())
     assert report.verdict.startswith("PARITY") and report.proof.preserving, report.verdict
     assert "layer map composed" not in " ".join(report.proof.base_checks)  # recorded against src itself
     noisy = runner.invoke(app, [*args[:3], str(tmp_path / "noisy"), *args[4:], "--json"])

@@ -160,7 +160,7 @@ def test_verify_scores_the_text_model_of_a_wrapper(wrappers, tmp_path, model_typ
     """verify streams a wrapper's text model (the vision tower left aside by the text-only forward): a
     zero-init expansion holds bitwise PARITY and the static proof shows it, from the library."""
     from otdus_cli.verify.compare import verify_expansion
-    from tests.test_verify_families import random_plan
+    from tests.support.eval_sets import random_eval_set
 
     if model_type == "gemma3-v5-names":
         src = to_transformers5_names(wrappers["gemma3"], tmp_path / "src")
@@ -168,7 +168,7 @@ def test_verify_scores_the_text_model_of_a_wrapper(wrappers, tmp_path, model_typ
         src = wrappers[model_type]
     out = tmp_path / "out"
     expand(str(src), out, ExpandOptions(method="copy", layers=2, zero_init=True))
-    report = verify_expansion(src, out, random_plan())
+    report = verify_expansion(src, out, random_eval_set())
     assert report.expect_parity and report.proof.preserving, report.proof.reason
     assert report.verdict.startswith("PARITY") and "bitwise" in report.verdict
     assert report.logits_equal and report.first_divergence is None and report.exit_code == 0
