@@ -16,8 +16,8 @@ from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.options import ExpandOptions
 from tests.support.cli_checks import one_error_line
+from tests.support.expansion_checks import assert_layers_match_sources, base_reference, check_expansion
 from tests.support.tiny_models import BREADTH_DENSE_TYPES, BREADTH_MOE_TYPES, load_causal_lm, logits
-from tests.test_expand import assert_layers_match_sources, base_reference, check_expansion
 
 pytestmark = [pytest.mark.compat]
 

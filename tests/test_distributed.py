@@ -8,10 +8,8 @@ ranks (the variables torchrun sets) where one rank must differ from the other.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,43 +20,21 @@ from otdus_cli.distributed import Launch, World, launch_from_env, shard
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
+from tests.support.ranks import (
+    OTDUS,
+    TORCHRUN,
+    env_for,
+    free_port,
+    one_process,
+    same_output,
+    two_ranks,
+)
 
 pytestmark = [pytest.mark.distributed]
 
-OTDUS = [sys.executable, "-m", "otdus_cli.cli"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
 QUICK = ["--max-tokens", "1500", "--device", "cpu", "--json"]
 # figures that vary run to run or with the number of processes, by design
 VARYING = ("timings", "compute")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env_for(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    # faulthandler: a rank that dies of a signal (one SIGABRT was seen once under load 15) leaves its
-    # threads' Python stacks in stderr, which the assertions print
-    env.update(OMP_NUM_THREADS="1", OTDUS_DIST_TIMEOUT="120", PYTHONFAULTHANDLER="1", **extra)
-    return env
-
-
-def one_process(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([*OTDUS, *args], capture_output=True, text=True, env=env_for(), timeout=600)
-
-
-def two_ranks(args: list[str]) -> subprocess.CompletedProcess:
-    port = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    return subprocess.run(
-        [*TORCHRUN, *port, "-m", "otdus_cli.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env_for(),
-        timeout=600,
-    )
 
 
 def hand_launched(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
@@ -190,40 +166,6 @@ def test_a_dead_rank_does_not_leave_the_other_waiting(tmp_path):
     assert rank0.returncode == 2 and rank0.stdout == "", rank0.stderr[-12000:]
     lines = [line for line in rank0.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: lost the other ranks"), lines
-
-
-# -- expand on two ranks -----------------------------------------------------------------------------
-def files_of(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-
-def without_times(value):
-    """A manifest less what varies run to run: its creation time and the solvers' seconds."""
-    if isinstance(value, dict):
-        return {k: without_times(v) for k, v in value.items() if k not in ("created", "seconds")}
-    if isinstance(value, list):
-        return [without_times(v) for v in value]
-    return value
-
-
-def same_output(one: Path, two: Path) -> None:
-    a, b = files_of(one), files_of(two)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        if name == "otdus.json":
-            # the card's record: its hash is of each output's own card (compared below)
-            (ma, ca, fa), (mb, cb, fb) = [
-                (m, m.pop("card"), m["files"].pop("README.md"))
-                for m in (json.loads(a[name]), json.loads(b[name]))
-            ]
-            assert without_times(ma) == without_times(mb)
-            for card, files, data in ((ca, fa, a["README.md"]), (cb, fb, b["README.md"])):
-                assert card["sha256"] == files["sha256"] == hashlib.sha256(data).hexdigest()
-        elif name == "README.md":  # the model card names its folder and the command (its --out)
-            same = a[name].replace(str(one).encode(), str(two).encode()).replace(b"# one\n", b"# two\n")
-            assert same == b[name]
-        else:
-            assert a[name] == b[name], name
 
 
 def test_expand_on_two_ranks_writes_the_bytes_of_one_process(tmp_path):

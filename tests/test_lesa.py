@@ -18,8 +18,8 @@ from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.methods.lesa import LesaOptions
 from otdus_cli.methods.lesa.builder import generator_seed, gram_matrix
 from otdus_cli.options import ExpandOptions
+from tests.support.expansion_checks import assert_layers_match_sources, base_reference
 from tests.support.tiny_models import DENSE_TYPES, load_causal_lm, logits
-from tests.test_expand import assert_layers_match_sources, base_reference
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

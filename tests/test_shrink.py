@@ -372,7 +372,7 @@ def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
     """Scores streamed one layer at a time and a three-layer OT merge built one module at a time: the
     whole shrink fits in a memory limit the checkpoint's bytes alone exceed (as expand's and verify's
     memory test, tests/test_verify_cli.py)."""
-    from tests.test_verify_cli import run_limited, write_random_checkpoint
+    from tests.support.memory_limits import run_limited, write_random_checkpoint
 
     size = write_random_checkpoint(tmp_path / "big", layers=20, hidden=1024, inter=4096)
     limit = 900_000_000
@@ -394,7 +394,7 @@ def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
 @pytest.mark.distributed
 def test_shrink_on_two_ranks_writes_the_bytes_of_one_process(tmp_path):
     """Rank 0 measures the scores once; both ranks plan with them and build a merged layer each."""
-    from tests.test_distributed import one_process, same_output, two_ranks
+    from tests.support.ranks import one_process, same_output, two_ranks
 
     args = ["--method", "ot", "--ot-variant", "structured", "--remove", "1,3", "--max-shard-size", "300KB"]
     scored = ["--method", "laco", "--layers", "2", "--select", "bi", "--calib-tokens", "1024", "--json"]
