@@ -42,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -170,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     make_source(sources["moe"], "tiny-mixtral", None)
     digests = {k: tree_digest(p) for k, p in sources.items()}
     sizes = {k: sum((p / name).stat().st_size for name in digests[k]) for k, p in sources.items()}
-    out_parent = work / "outs"
-    shutil.rmtree(out_parent, ignore_errors=True)
-    out_parent.mkdir()
+    out_parent = Path(tempfile.mkdtemp(prefix="outs-", dir=work))  # its own: only it is removed after
     out = out_parent / "deeper"
     print(
         f"sources: {', '.join(f'{k} {sizes[k] / 1e6:.1f} MB' for k in sources)}; {args.runs} runs", flush=True

@@ -58,6 +58,9 @@ CASES: list[tuple[str, str, list[str]]] = [
 ]
 _VOLATILE_MANIFEST = {"created", "timings", "seconds"}
 _VOLATILE_REPORT = {"seconds", "timings"}
+# manifests and cards name their source's path, inside the run's temporary work folder: hashed under
+# this one name (the fixed folder earlier recordings were made in), so two runs compare equal
+WORK_NAME = str(Path(tempfile.gettempdir()) / "otdus-output-hashes")
 
 
 def _scrub(value: object, volatile: set[str]) -> object:
@@ -72,7 +75,7 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _output_hashes(out: Path) -> dict[str, str]:
+def _output_hashes(out: Path, work: Path) -> dict[str, str]:
     hashes = {}
     for path in sorted(out.rglob("*")):
         if not path.is_file():
@@ -85,6 +88,8 @@ def _output_hashes(out: Path) -> dict[str, str]:
                 # checkouts (a worktree of the old code, one of the new) compare equal
                 del manifest["source"]["path"]
             data = json.dumps(manifest, indent=2).encode()  # the keys' order is part of the bytes
+        if path.suffix in (".json", ".md"):  # a source's path names the run's work folder: one name
+            data = data.replace(str(work).encode(), WORK_NAME.encode())
         hashes[str(path.relative_to(out))] = _digest(data)
     return hashes
 
@@ -115,7 +120,7 @@ def run_cases(
             results[name] = {
                 "exit": 0,
                 "report": _digest(report.encode()),
-                "files": _output_hashes(work / name),
+                "files": _output_hashes(work / name, work),
             }
         print(f"{name}: exit {done.returncode}", file=sys.stderr, flush=True)
     return results
@@ -151,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     only = args.only.split(",") if args.only else None
-    # one fixed folder: manifests record their source's path
-    work = Path(tempfile.gettempdir()) / "otdus-output-hashes"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    work = Path(tempfile.mkdtemp(prefix="otdus-output-hashes-"))  # its own: only it is removed after
     try:
         results = run_cases(work, only, frozenset(filter(None, args.added_keys.split(","))))
     finally:
