@@ -351,3 +351,20 @@ def test_expand_experts_says_each_sweep_once(tiny_models, tmp_path):
     assert result.exit_code == 0, result.output
     assert result.stderr.count(f"removed {stale}, left by an otdus run that died") == 1, result.stderr
     assert not stale.exists() and leftovers(tmp_path) == []
+
+
+def test_widen_says_the_manifest_warnings_and_each_sweep_once(tiny_models, tmp_path, monkeypatch):
+    """`otdus widen` prints what its manifest warns of (here a config check transformers could not
+    make), as expand does, and a stale folder it swept once."""
+    from otdus_cli import widen
+
+    skipped = "transformers 9.9 does not know model_type 'qwen3_moe'; checked by otdus's depth rules"
+    monkeypatch.setattr(widen, "validate_with_transformers", lambda folder, depth: skipped)
+    stale = tmp_path / f".out.{TMP_TAG}{_dead_pid()}@{socket.gethostname()}.zzzz"
+    stale.mkdir()
+    result = run_cli("widen", tiny_models["qwen3_moe"], "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count(f"warning: {skipped}") == 1, result.stderr
+    assert result.stderr.count(f"removed {stale}, left by an otdus run that died") == 1, result.stderr
+    manifest = json.loads((tmp_path / "out" / "otdus.json").read_text())
+    assert manifest["warnings"] == [skipped] and not manifest["config_checked_by_transformers"]

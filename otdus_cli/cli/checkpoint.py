@@ -11,13 +11,12 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
-from rich.text import Text
 
 from otdus_cli.cli.console import (
     JsonFlag,
+    WarningLines,
     byte_progress,
     emit_json,
-    err_console,
     human_bytes,
     out_console,
     replacing_note,
@@ -285,14 +284,7 @@ def expand(
         out = out or (Path(recipe_obj.out) if recipe_obj and recipe_obj.out else None)
         if out is None:
             raise OtdusError("give --out (the output folder)")
-        printed: set[str] = set()
-
-        def say(line: str) -> None:
-            """Each warning once: a note said as it happened comes back with the result's warnings."""
-            if line not in printed:
-                printed.add(line)
-                _warn(line)
-
+        say = WarningLines()
         if experts is None and expert_noise is not None:
             raise OtdusError("--expert-noise is the noise of --experts; give --experts too")
         if experts is not None:
@@ -420,10 +412,6 @@ def _timings_json(timings: dict) -> dict:
     started, first = _process_started_at(), timings.get("first_byte_at")
     out["startup_s"] = round(first - started, 2) if started and first else None
     return out
-
-
-def _warn(line: str) -> None:
-    err_console.print(Text.assemble(("warning:", "yellow"), " ", line), highlight=False, soft_wrap=True)
 
 
 @with_flags(LayoutFlags)

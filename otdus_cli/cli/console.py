@@ -111,6 +111,21 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+class WarningLines:
+    """Warnings on stderr, each said once: a note said as it happened (a stale temporary folder
+    removed) comes back among the result's warnings, and is not said twice."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+
+    def __call__(self, line: str) -> None:
+        if line not in self._said:
+            self._said.add(line)
+            err_console.print(
+                Text.assemble(("warning:", "yellow"), " ", line), highlight=False, soft_wrap=True
+            )
+
+
 def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 

@@ -16,9 +16,9 @@ import typer
 
 from otdus_cli.cli.console import (
     JsonFlag,
+    WarningLines,
     byte_progress,
     emit_json,
-    err_console,
     human_bytes,
     out_console,
     replacing_note,
@@ -58,6 +58,7 @@ def widen(
     from otdus_cli.widen import WidenOptions
     from otdus_cli.widen import widen as run_widen
 
+    say = WarningLines()
     with user_errors():
         options = WidenOptions(
             factor=factor, noise=noise, seed=seed, max_shard_size=max_shard_size, revision=revision
@@ -70,7 +71,7 @@ def widen(
                 force=force,
                 progress=advance,
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
-                on_note=lambda line: err_console.print(f"warning: {line}", highlight=False, soft_wrap=True),
+                on_note=say,
             )
     plan = result.plan
     summary = {
@@ -91,6 +92,8 @@ def widen(
         "new_parameter_count": len(result.manifest["new_parameters"]),
         "warnings": result.warnings,
     }
+    for line in result.warnings:
+        say(line)  # the manifest's (a skipped config check); notes said as they happened are not repeated
     if json_out:
         emit_json(summary)
         return
