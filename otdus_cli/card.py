@@ -43,16 +43,13 @@ def set_invocation(argv: list[str]) -> None:
     _invocation = list(argv)
 
 
-def _source_card(source_folder: Path | None, source: dict):
+def _source_card(source_folder: Path | None):
     """The source's own card (for its licence, and the base an otdus-made source names), or None."""
     from huggingface_hub import ModelCard  # seconds of import, only when writing a card
 
+    # a hub source's card came with its side files (source.py), before any tensor was written: no
+    # network call here, at the end of a run
     path = source_folder / CARD if source_folder is not None else None
-    if (path is None or not path.is_file()) and source.get("kind") == "hub":
-        with contextlib.suppress(Exception):  # offline, gated, no card: then no licence to carry over
-            from huggingface_hub import hf_hub_download
-
-            path = Path(hf_hub_download(source["id"], CARD, revision=source.get("revision")))
     if path is None or not path.is_file():
         return None
     text = path.read_text(errors="replace")
@@ -83,7 +80,7 @@ def card_data(manifest: dict, source_folder: Path | None):
     from huggingface_hub import ModelCardData
 
     source = manifest["source"]
-    source_card = _source_card(source_folder, source)
+    source_card = _source_card(source_folder)
     methods = [r.get("method") for r in manifest.get("history") or [] if isinstance(r, dict)]
     tags = ["otdus", "depth-pruning" if manifest.get("operation") == "shrink" else "depth-up-scaling"]
     tags += [m for m in [*methods, manifest["method"]] if isinstance(m, str) and m not in tags]

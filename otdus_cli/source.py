@@ -89,7 +89,9 @@ def _download(repo_id: str, revision: str | None) -> ResolvedSource:
     except ImportError:  # pragma: no cover - huggingface_hub is a dependency
         raise OtdusError("huggingface_hub is required to download models") from None
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=SIDE_FILE_PATTERNS))
+        # the model card too: its licence and base go into the output's card (card.py); never copied
+        side = [*SIDE_FILE_PATTERNS, "README.md"]
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=side))
         shards = _weight_files(folder)
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=shards))
         if shards == ["model.safetensors"] and not (folder / "model.safetensors").is_file():
