@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -195,6 +196,21 @@ _WORLD: World | None = None
 def joined_world() -> World | None:
     """The world this process joined, if it has (never joins one, unlike current_world)."""
     return _WORLD
+
+
+def end_rank(code: int = 0) -> None:
+    """Under torchrun/srun, end this rank now with exit status ``code``: the group is closed and the
+    process exits here. gloo's threads, left to C++ static destructors at interpreter exit, abort
+    some runs ('terminate called without an active exception', SIGABRT) even after the group was
+    destroyed. Call it last, once the rank's results are written and said; in one process it does
+    nothing (the interpreter ends as usual)."""
+    world = _WORLD
+    if world is None or world.size == 1:
+        return
+    world.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def current_world() -> World:

@@ -8,7 +8,6 @@ broken parity in `verify` is exit code 1.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -121,16 +120,8 @@ def main(argv: list[str] | None = None) -> Callable | None:
 
 
 def _end_rank(code: object) -> None:
-    """Under torchrun/srun, end this rank once its command is over: its output is whole (or removed)
-    and said, and gloo's threads, left to C++ static destructors at interpreter exit, abort some runs
-    ('terminate called without an active exception', SIGABRT) even after the group was destroyed; so
-    the group is closed and the process ends here with the command's exit code. One process: nothing."""
-    from otdus_cli.distributed import joined_world
+    """Under torchrun/srun, end this rank once its command is over (its output is whole, or removed,
+    and said) with the command's exit code: see distributed.end_rank. One process: nothing."""
+    from otdus_cli.distributed import end_rank
 
-    world = joined_world()
-    if world is None or world.size == 1:
-        return
-    world.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+    end_rank(code if isinstance(code, int) else (0 if code is None else 1))
