@@ -367,12 +367,39 @@ def test_verify_reports_the_change_against_the_source_and_what_was_removed(tmp_p
     assert "shrunk" in text.stdout
 
 
+def test_verify_static_on_a_shrink_names_what_was_removed_and_expects_no_parity(tmp_path):
+    """--static runs nothing: it says which layers a shrink removed or merged, that no parity is
+    expected, and whether the kept layers are the source layers the manifest names, not that the
+    function-preservation proof failed."""
+    shrink("bundled:stories260k", tmp_path / "drop", ShrinkOptions(method="drop", remove=[2]))
+    shrink("bundled:stories260k", tmp_path / "laco", ShrinkOptions(method="laco", remove=[3, 4]))
+    dropped = runner.invoke(app, ["verify", str(tmp_path / "drop"), "--static"])
+    assert dropped.exit_code == 0, dropped.output
+    text = " ".join(dropped.stdout.split())
+    assert "shrink: source layers 2 dropped (explicit selection); no parity expected" in text
+    assert (
+        "static check of a shrink: 4 of 4 kept layers hold the source layers the layer map names, "
+        "0 merged layers built from several; embeddings, final norm and head the source's" in text
+    )
+    assert "not shown function-preserving" not in text
+    merged = runner.invoke(app, ["verify", str(tmp_path / "laco"), "--static"])
+    assert merged.exit_code == 0, merged.output
+    text = " ".join(merged.stdout.split())
+    assert "source layers 3, 4 removed (explicit selection), merged into one layer each: 2, 3, 4" in text
+    assert "2 of 2 kept layers hold the source layers the layer map names, 1 merged layer built" in text
+    as_json = runner.invoke(app, ["verify", str(tmp_path / "laco"), "--static", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    data = json.loads(as_json.stdout)
+    assert data["shrink"]["removed"] == [3, 4] and data["shrink"]["merged"] == [[2, 3, 4]]
+    assert data["claims_preserving"] is False and data["exit_code"] == 0
+
+
 @pytest.mark.slow
 def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
     """Scores streamed one layer at a time and a three-layer OT merge built one module at a time: the
     whole shrink fits in a memory limit the checkpoint's bytes alone exceed (as expand's and verify's
     memory test, tests/test_verify_cli.py)."""
-    from test_verify_cli import run_limited, write_random_checkpoint
+    from tests.test_verify_cli import run_limited, write_random_checkpoint
 
     size = write_random_checkpoint(tmp_path / "big", layers=20, hidden=1024, inter=4096)
     limit = 900_000_000
