@@ -30,8 +30,7 @@ from otdus_cli.expand import (
     expand,
 )
 from otdus_cli.methods.merge import SHRINK_METHODS
-from otdus_cli.methods.ot.calibration import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS
-from otdus_cli.methods.ot.options import OTOptions
+from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS, OTOptions
 from otdus_cli.options import OutputDtype, invalid, merge_options, read_yaml
 from otdus_cli.plan.shrink_map import (
     LayerScores,

@@ -427,6 +427,7 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
     ]
     tally = {rival: {"lower": 0, "higher": 0, "no clear difference": 0} for rival in RIVALS}
     needed: dict[str, list[float]] = {}
+    stopped = (0, 0)  # runs the plateau rule stopped, runs
     for st in healing["studies"]:
         results = {n: StudyResult.from_dict(st["results"][n]) for n in names}
         first = results[names[0]]
@@ -453,6 +454,7 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
             tokens, plateaued, runs = _stop_tokens(first, label)
             shown = f"{tokens:,.0f}" if len(set(stops)) == 1 else " / ".join(f"{t:,.0f}" for t in stops)
             needed.setdefault(label, []).append(tokens)
+            stopped = (stopped[0] + plateaued, stopped[1] + runs)
             lines.append(_row([label, *cells, shown, f"{plateaued} of {runs}"]))
         lines += [
             "",
@@ -482,11 +484,14 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
     ]
     mean_needed = {label: sum(v) / len(v) for label, v in needed.items()}
     ot_needed = sum(mean_needed[ot] for ot in OT_LABELS) / len(OT_LABELS)
+    cap = rule["max_steps"] * s["batch"] * s["seq_len"]
     verdict.append(
-        "- Text the healing needed (tokens of training text before the plateau rule stopped it, mean over "
+        "- Text the healing needed (tokens of training text until the plateau rule stopped it, mean over "
         f"seeds and shrinks): OT merging {ot_needed:,.0f}, "
         + ", ".join(f"{label} {t:,.0f}" for label, t in mean_needed.items() if label not in OT_LABELS)
-        + "."
+        + f"; {stopped[0]} of {stopped[1]} runs reached the plateau, the others ran to the cap of {cap:,} "
+        "tokens with their validation loss still falling by more than the rule's noise floor (for them the "
+        "figure is a lower bound)."
     )
     return lines, verdict
 

@@ -67,7 +67,7 @@ def ints(text: str) -> list[int]:
 
 def method_specs(value: str) -> str:
     """Comma-separated study method specs, each checked as the study will read it."""
-    from otdus_cli.study.arms import parse_method
+    from otdus_cli.study_arms import parse_method
 
     specs = [m.strip() for m in value.split(",") if m.strip()]
     if not specs:
