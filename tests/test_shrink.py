@@ -394,6 +394,23 @@ def test_verify_static_on_a_shrink_names_what_was_removed_and_expects_no_parity(
     assert data["claims_preserving"] is False and data["exit_code"] == 0
 
 
+def test_verify_static_on_a_shrink_names_a_kept_layer_that_is_not_its_source_layer(tmp_path):
+    """A kept layer edited after the shrink no longer holds the source layer the manifest names: the
+    static check says which (a shrink claims no parity, so the exit code stays 0)."""
+    from safetensors.torch import load_file, save_file
+
+    shrink("bundled:stories260k", tmp_path / "drop", ShrinkOptions(method="drop", remove=[2]))
+    weights = tmp_path / "drop" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.3.mlp.down_proj.weight"] += 1.0  # output layer 3: source layer 4
+    save_file(tensors, weights, metadata={"format": "pt"})
+    edited = runner.invoke(app, ["verify", str(tmp_path / "drop"), "--static"])
+    assert edited.exit_code == 0, edited.output
+    text = " ".join(edited.stdout.split())
+    assert "3 of 4 kept layers hold the source layers the layer map names" in text
+    assert "layers 3 differ from the source layers the map names" in text
+
+
 @pytest.mark.slow
 def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
     """Scores streamed one layer at a time and a three-layer OT merge built one module at a time: the

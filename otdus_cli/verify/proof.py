@@ -329,7 +329,7 @@ def layer_map_from_sources(sources: Sequence[int | None]) -> list[dict]:
 
 def shrink_summary(proof: StaticProof) -> str:
     """One line: what the static check found of a shrink's layer map (no parity is claimed): whether
-    each kept layer holds the source layer the map names, byte for byte (by fingerprints)."""
+    each kept layer holds the source layer the map names (by tensor fingerprints, as copies are found)."""
     if proof.claimed is None:  # no layer map to hold the layers to
         return summary(proof)
     claimed = proof.claimed
