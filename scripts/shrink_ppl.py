@@ -214,7 +214,7 @@ def run(wikitext_tokens: int, healing: dict[str, Any], workers: int) -> dict:
     from otdus_cli.study_settings import study_settings
 
     torch.set_num_threads(1)
-    start = time.time()
+    start, commit = time.time(), _commit()  # the code that computes the figures: HEAD when they start
     evals = eval_sets(wikitext_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         rows = measure_as_written(evals, Path(tmp))
@@ -226,7 +226,7 @@ def run(wikitext_tokens: int, healing: dict[str, Any], workers: int) -> dict:
             "cpus": os.cpu_count(),
             "load_average": round(os.getloadavg()[0], 2),
             "minutes": round((time.time() - start) / 60, 1),
-            "commit": _commit(),
+            "commit": commit,
             "torch": torch.__version__,
         },
         "calib": CALIB,
