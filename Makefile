@@ -136,7 +136,8 @@ ot-plan-scale: setup
 widen-ppl: setup
 	$(PY) -m scripts.widen_tiny_ppl
 
-# perplexity of each shrink method and selection on the bundled model (docs/shrink-ppl.md; minutes)
+# perplexity of each shrink method and selection on the bundled model, as written and healed by study's
+# shrink arms (docs/shrink-ppl.json and .md; minutes; `python -m scripts.shrink_ppl --render`: the .md alone)
 shrink-ppl: setup
 	$(PY) -m scripts.shrink_ppl
 

@@ -30,9 +30,8 @@ from otdus_cli.expand import (
     expand,
 )
 from otdus_cli.methods.merge import SHRINK_METHODS
-from otdus_cli.methods.ot.calibration import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS
-from otdus_cli.methods.ot.options import OTOptions
-from otdus_cli.options import OutputDtype, invalid, read_yaml
+from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS, OTOptions
+from otdus_cli.options import OutputDtype, invalid, merge_options, read_yaml
 from otdus_cli.plan.shrink_map import (
     LayerScores,
     Selection,
@@ -79,6 +78,25 @@ class ShrinkOptions(BaseModel):
 
     def method_variant(self) -> str | None:
         return self.ot.variant if self.method == "ot" else None
+
+
+def shrink_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> ShrinkOptions:
+    """The shrink options of a study arm's spec ``METHOD[:VARIANT][@SELECTION]`` (what follows
+    ``shrink:``), e.g. ``drop``, ``ot:structured``, ``laco@angular``. ``overrides`` (ShrinkOptions
+    fields, e.g. ``{"layers": 2}``) apply first; the spec's own method, variant and selection win."""
+    body, _, select = spec.strip().partition("@")
+    method, _, variant = body.partition(":")
+    data: dict[str, Any] = {"method": method}
+    if select:
+        data["select"] = select
+    if variant:
+        if method != "ot":
+            raise OtdusError(f"shrink arm {spec!r}: only ot has variants (e.g. shrink:ot:structured)")
+        data["ot"] = {"variant": variant}
+    try:
+        return ShrinkOptions.model_validate(merge_options(overrides or {}, data))
+    except ValidationError as exc:
+        raise OtdusError(f"shrink arm {spec!r}: {invalid(exc)}") from None
 
 
 def ignored_options(options: ShrinkOptions) -> dict[str, str]:

@@ -1,21 +1,34 @@
 #!/usr/bin/env python
-"""Perplexity of stories260K after `otdus shrink` removes 1 and 2 layers, by every method and selection.
+"""Perplexity of stories260K after `otdus shrink` removes 1 and 2 layers, by every method and selection,
+as written and after a short healing run with `otdus study`'s shrink arms.
 
-Writes docs/shrink-ppl.md whole (the table, the conditions and the command): each shrink is written by
-the library (otdus_cli.shrink), scored on the bundled WikiText-2 test text (token protocol, windows of
-256, the first --wikitext-tokens tokens) and the bundled TinyStories sample (all of it), float32 on the
-CPU, with a 95% interval on each perplexity from the spread of the per-window mean losses (normal
-approximation over windows; windows, not tokens, are the independent units). The selection scores are
-measured on other text than either evaluation: the first 4096 tokens of the bundled TinyStories
-training head.
+Writes docs/shrink-ppl.json (every loss the figures come from, the settings and the conditions) and
+renders docs/shrink-ppl.md from it, whole; tests/test_shrink_ppl.py checks that the document is what
+the stored JSON renders.
 
-    python -m scripts.shrink_ppl                 # ~10 minutes on 2 busy cores
-    python -m scripts.shrink_ppl --out /tmp/x.md
+As written: each shrink is made by the library (otdus_cli.shrink), scored on the bundled WikiText-2
+test text (token protocol, windows of 256, the first --wikitext-tokens tokens) and the bundled
+TinyStories sample (all of it), float32 on the CPU, with a 95% interval on each perplexity from the
+spread of the per-window mean losses (normal approximation over windows; windows, not tokens, are the
+independent units). The selection scores are measured on other text than either evaluation: the first
+4096 tokens of the bundled TinyStories training head.
+
+Healed: for each count and each distinct set of layers the selections chose, `otdus_cli.study.study`
+with one `shrink:` arm per method (the selection an arm setting) trains every parameter of each shrunk
+model on the bundled TinyStories training head until its validation loss plateaus (study_settings'
+plateau rule), over several seeds (HEALING), and scores each of the two texts before and after (its
+own windows: every window of the sample, evenly spread windows of WikiText); intervals and paired
+differences are the study's (seeds crossed with windows). The studies run in --workers processes.
+
+    python -m scripts.shrink_ppl              # everything (minutes on 2 cores), then the document
+    python -m scripts.shrink_ppl --render     # the document from the stored JSON (seconds)
+    python -m scripts.shrink_ppl --smoke --out /tmp/s.md --data /tmp/s.json   # the steps, in a minute
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -24,18 +37,15 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-
-import torch
-
-from otdus_cli.bundled import BUNDLED_TEXT_FILES, STORIES260K
-from otdus_cli.shrink import ShrinkOptions, shrink
-from otdus_cli.verify.eval_set import make_eval_set
-from otdus_cli.verify.metrics import EvalSet
-from otdus_cli.verify.streaming import StreamedModel
-from otdus_cli.verify.text import text_corpus, wikitext_corpus
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "shrink-ppl.md"
+DATA = ROOT / "docs" / "shrink-ppl.json"
 CALIB = "bundled:tinystories-train-2mib"
+CALIB_TOKENS = 4096
+COUNTS = (1, 2)
+SELECTIONS = ("bi", "angular")
 # (label, method, OT options)
 METHODS = [
     ("drop", "drop", {}),
@@ -44,10 +54,47 @@ METHODS = [
     ("ot paper", "ot", {"variant": "paper"}),
     ("ot structured", "ot", {"variant": "structured"}),
 ]
+OT_LABELS = ("ot paper", "ot structured")
+RIVALS = ("drop", "laco")  # what the verdict weighs OT merging against
+# the healing run: StudySettings fields (every parameter trained: a shrink adds no layer to train alone)
+HEALING: dict[str, Any] = {
+    "seeds": [0, 1],
+    "lr": 5e-4,
+    "until_plateau": {"eval_every": 15, "window": 3, "tolerance": 0.002, "noise": 2.0, "max_steps": 150},
+    "batch": 4,
+    "seq_len": 128,
+    "validation_fraction": 0.05,
+    "validation_windows": 32,
+    "warmup": 0.05,
+    "train_new_only": False,
+    "eval_attention": "sdpa",
+    "device": "cpu",
+    "threads": 1,
+}
+# --smoke: the same steps in seconds (what the script does, not figures)
+SMOKE: dict[str, Any] = {
+    "seeds": [0, 1],
+    "until_plateau": {"eval_every": 2, "window": 1, "max_steps": 4},
+    "validation_windows": 4,
+    "max_train_windows": 64,
+}
+HEAL_TRAIN = "bundled:tinystories-train-2mib"
+# the healed models' evaluation texts, each with its own StudySettings over HEALING
+HEAL_EVALS = {
+    "WikiText-2 test": ("bundled:wikitext-test", {"eval_windows": 128}),
+    "TinyStories sample": ("bundled:tinystories-sample", {"eval_windows": "all"}),
+}
 
 
-def window_losses(folder: Path, plan: EvalSet) -> list[float]:
+# -- measuring ---------------------------------------------------------------------------------------
+
+
+def window_losses(folder: Path, plan) -> list[float]:
     """Mean token loss of every window (natural log), the model streamed layer by layer."""
+    import torch
+
+    from otdus_cli.verify.streaming import StreamedModel
+
     model = StreamedModel(folder, device="cpu", dtype=torch.float32, batch_size=16)
     losses = []
     for window, logits in zip(plan.windows, model.logits([w.input_ids for w in plan.windows]), strict=True):
@@ -57,16 +104,11 @@ def window_losses(folder: Path, plan: EvalSet) -> list[float]:
     return losses
 
 
-def interval(losses: list[float]) -> tuple[float, float, float]:
-    """Perplexity exp(mean loss) and its 95% interval from the spread of the window losses."""
-    n = len(losses)
-    mean = sum(losses) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in losses) / (n - 1))
-    half = 1.96 * sd / math.sqrt(n)
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+def eval_sets(wikitext_tokens: int) -> dict:
+    from otdus_cli.bundled import BUNDLED_TEXT_FILES, STORIES260K
+    from otdus_cli.verify.eval_set import make_eval_set
+    from otdus_cli.verify.text import text_corpus, wikitext_corpus
 
-
-def plans(wikitext_tokens: int) -> dict[str, EvalSet]:
     sample = replace(text_corpus(BUNDLED_TEXT_FILES["bundled:tinystories-sample"]), name="tinystories-sample")
     common = {"protocol": "token", "seq_len": 256}
     return {
@@ -75,6 +117,164 @@ def plans(wikitext_tokens: int) -> dict[str, EvalSet]:
         ),
         "TinyStories sample": make_eval_set(STORIES260K, corpus=sample, **common),
     }
+
+
+def shrink_options(method: str, removed: int, select: str, ot: dict):
+    from otdus_cli.shrink import ShrinkOptions
+
+    return ShrinkOptions(
+        method=method, layers=removed, select=select, calib=CALIB, calib_tokens=CALIB_TOKENS, ot=ot
+    )
+
+
+def measure_as_written(evals: dict, tmp: Path) -> list[dict]:
+    """The source and every shrink (method x selection x count): removed layers, window losses."""
+    from otdus_cli.bundled import STORIES260K
+    from otdus_cli.shrink import shrink
+
+    rows = [{"label": "none (source)", "select": "", "count": 0, "removed": [], "losses": {}}]
+    rows[0]["losses"] = {name: window_losses(STORIES260K, p) for name, p in evals.items()}
+    for count in COUNTS:
+        for select in SELECTIONS:
+            for label, method, ot in METHODS:
+                out = tmp / f"{label}-{select}-{count}".replace(" ", "-")
+                result = shrink(str(STORIES260K), out, shrink_options(method, count, select, ot))
+                removed = result.manifest["shrink"]["removed"]
+                losses = {name: window_losses(out, p) for name, p in evals.items()}
+                rows.append(
+                    {"label": label, "select": select, "count": count, "removed": removed, "losses": losses}
+                )
+                print(f"as written: {label}, {select}, {count} removed: layers {removed}", flush=True)
+    return rows
+
+
+def heal_one(count: int, select: str, name: str, healing: dict[str, Any]) -> dict:
+    """The study of one count's shrinks (selected by ``select``) scored on evaluation text ``name``:
+    every method's shrink healed on the same batches, scored before and after."""
+    import torch
+
+    from otdus_cli.study import RunSpec, study
+
+    torch.set_num_threads(1)
+    text, settings = HEAL_EVALS[name]
+
+    def progress(event) -> None:
+        if event.kind == "run":
+            where = f"{count} removed, {name}"
+            print(
+                f"  {where}: {event.run}/{event.runs} {event.label} seed {event.seed}: step {event.step}",
+                flush=True,
+            )
+
+    arms = [RunSpec(label, shrink_options(m, count, select, ot)) for label, m, ot in METHODS]
+    result = study(
+        "bundled:stories260k",
+        HEAL_TRAIN,
+        text,
+        methods=arms,
+        reference=OT_LABELS[0],
+        progress=progress,
+        **(healing | settings),
+    ).to_dict()
+    for r in result["runs"]:
+        r["train_loss"] = []  # per-step training losses: not rendered, and long
+    return result
+
+
+def heal(rows: list[dict], healing: dict[str, Any], workers: int) -> list[dict]:
+    """One study per count, distinct set of removed layers (selections that chose the same layers
+    share it) and evaluation text, ``workers`` processes at a time (the runs are single-threaded)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    groups = []
+    for count in COUNTS:
+        chosen: dict[tuple[int, ...], list[str]] = {}
+        for select in SELECTIONS:
+            removed = next(r["removed"] for r in rows if r["count"] == count and r["select"] == select)
+            chosen.setdefault(tuple(removed), []).append(select)
+        groups += [(count, list(removed), selects) for removed, selects in chosen.items()]
+    jobs = [(count, selects[0], name, healing) for count, _, selects in groups for name in HEAL_EVALS]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        done = list(pool.map(heal_one, *zip(*jobs, strict=True)))
+    results = dict(zip(((j[0], j[1], j[2]) for j in jobs), done, strict=True))
+    return [
+        {
+            "count": count,
+            "removed": removed,
+            "selections": selects,
+            "results": {name: results[count, selects[0], name] for name in HEAL_EVALS},
+        }
+        for count, removed, selects in groups
+    ]
+
+
+def run(wikitext_tokens: int, healing: dict[str, Any], workers: int) -> dict:
+    import torch
+
+    from otdus_cli.study_settings import study_settings
+
+    torch.set_num_threads(1)
+    start, commit = time.time(), _commit()  # the code that computes the figures: HEAD when they start
+    evals = eval_sets(wikitext_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = measure_as_written(evals, Path(tmp))
+    healed = heal(rows, healing, workers)
+    return {
+        "conditions": {
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "load_average": round(os.getloadavg()[0], 2),
+            "minutes": round((time.time() - start) / 60, 1),
+            "commit": commit,
+            "torch": torch.__version__,
+        },
+        "calib": CALIB,
+        "calib_tokens": CALIB_TOKENS,
+        "source_layers": _depth(),
+        "evals": {
+            name: {
+                "tokens": sum(len(w.targets) for w in p.windows),
+                "windows": len(p.windows),
+                "seq_len": 256,
+            }
+            for name, p in evals.items()
+        },
+        "as_written": rows,
+        "healing": {
+            "train": HEAL_TRAIN,
+            "settings": study_settings(healing).model_dump(),  # every setting, defaults included
+            "evals": HEAL_EVALS,
+            "studies": healed,
+        },
+    }
+
+
+def _depth() -> int:
+    from otdus_cli.bundled import STORIES260K
+
+    return int(json.loads((Path(STORIES260K) / "config.json").read_text())["num_hidden_layers"])
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# -- rendering (from the stored JSON alone) ------------------------------------------------------------
+
+
+def interval(losses: list[float]) -> tuple[float, float, float]:
+    """Perplexity exp(mean loss) and its 95% interval from the spread of the window losses."""
+    n = len(losses)
+    mean = sum(losses) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in losses) / (n - 1))
+    half = 1.96 * sd / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def cell(losses: list[float]) -> str:
@@ -93,76 +293,67 @@ def compare(a: list[float], b: list[float]) -> str:
     return "overlapping"
 
 
-def verdicts(results: dict[tuple[str, str, int], list[list[float]]], names: list[str]) -> list[str]:
-    """Per selection and count: the better OT variant (by WikiText) against drop and LaCo, text by text."""
-    lines = []
-    for select, removed in sorted({(k[1], k[2]) for k in results}, key=lambda x: (x[1], x[0])):
-        ot = min(("ot paper", "ot structured"), key=lambda m: interval(results[m, select, removed][0])[0])
-        parts = []
-        for other in ("drop", "laco"):
-            said = [
-                f"{compare(results[ot, select, removed][t], results[other, select, removed][t])} on {name}"
-                for t, name in enumerate(names)
-            ]
-            parts.append(f"against {other}: {', '.join(said)}")
-        lines.append(f"- {select}, {removed} removed: {ot}'s perplexity is " + "; ".join(parts) + ".")
-    return lines
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "shrink-ppl.md")
-    ap.add_argument("--wikitext-tokens", type=int, default=32768)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    start = time.time()
-    evals = plans(args.wikitext_tokens)
-    rows = [("none (source)", "", "", [cell(window_losses(STORIES260K, p)) for p in evals.values()])]
-    results: dict[tuple[str, str, int], list[list[float]]] = {}
-    chosen: dict[tuple[str, int], list[int]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for removed in (1, 2):
-            for select in ("bi", "angular"):
-                for label, method, ot in METHODS:
-                    out = Path(tmp) / f"{label}-{select}-{removed}".replace(" ", "-")
-                    options = ShrinkOptions(method=method, layers=removed, select=select, calib=CALIB, ot=ot)
-                    result = shrink(str(STORIES260K), out, options)
-                    record = result.manifest["shrink"]
-                    which = ", ".join(map(str, record["removed"]))
-                    chosen[select, removed] = record["removed"]
-                    results[label, select, removed] = [window_losses(out, p) for p in evals.values()]
-                    cells = [cell(losses) for losses in results[label, select, removed]]
-                    rows.append((label, f"{select} ({removed})", which, cells))
-                    print(rows[-1], flush=True)
-    load = os.getloadavg()[0]
-    minutes = (time.time() - start) / 60
-    names = list(evals)
-    tokens = {name: sum(len(w.targets) for w in p.windows) for name, p in evals.items()}
-    windows = {name: len(p.windows) for name, p in evals.items()}
+def _layers(removed: list[int]) -> str:
+    return ", ".join(map(str, removed))
+
+
+def written_tally(data: dict) -> dict[str, dict[str, int]]:
+    """Every OT variant against each rival as written, per distinct shrink and text: how often its
+    perplexity interval lies entirely below the rival's, entirely above, or overlaps it."""
+    names = list(data["evals"])
+    rows = [r for r in data["as_written"] if r["count"]]
+    by = {(r["label"], r["select"], r["count"]): r for r in rows}
+    distinct = {(r["count"], tuple(r["removed"])): (r["select"], r["count"]) for r in rows}
+    tally = {rival: {"lower": 0, "higher": 0, "overlapping": 0} for rival in RIVALS}
+    for select, count in distinct.values():
+        for ot in OT_LABELS:
+            for rival in RIVALS:
+                for n in names:
+                    tally[rival][
+                        compare(by[ot, select, count]["losses"][n], by[rival, select, count]["losses"][n])
+                    ] += 1
+    return tally
+
+
+def written_lines(data: dict) -> list[str]:
+    """The as-written table and its verdict lines."""
+    names = list(data["evals"])
+    rows = data["as_written"]
+    by = {(r["label"], r["select"], r["count"]): r["losses"] for r in rows}
+    ev = data["evals"]
     lines = [
-        "# Shrinking stories260K: perplexity after removing layers",
-        "",
-        "Generated by `python -m scripts.shrink_ppl` (do not edit by hand) on "
-        f"{time.strftime('%Y-%m-%d', time.gmtime())}, {platform.machine()} CPU, float32, load average "
-        f"{load:.1f} when it finished ({minutes:.0f} min; the figures do not depend on the load).",
-        "",
-        "The bundled stories260K (5 layers) shrunk by `otdus shrink` with each method and selection, "
-        f"scores measured on the first 4096 tokens of `{CALIB}`; token perplexity with a 95% interval "
-        "(normal approximation over the windows' mean losses), windows of 256 tokens: "
-        + "; ".join(f"{name}: {tokens[name]:,} tokens in {windows[name]} windows" for name in names)
+        f"The bundled stories260K ({data['source_layers']} layers) shrunk by `otdus shrink` with each method "
+        f"and selection, scores measured on the first {data['calib_tokens']} tokens of `{data['calib']}`; "
+        "token perplexity with a 95% interval (normal approximation over the windows' mean losses), "
+        f"windows of {ev[names[0]]['seq_len']} tokens: "
+        + "; ".join(f"{n}: {ev[n]['tokens']:,} tokens in {ev[n]['windows']} windows" for n in names)
         + ". The ot rows use `--ot-variant paper` (the default) and `structured`.",
         "",
         f"| method | selection (layers removed) | removed | {' | '.join(names)} |",
         "|---|---|---|" + "---:|" * len(names),
     ]
-    lines += [f"| {label} | {sel} | {which} | {' | '.join(cells)} |" for label, sel, which, cells in rows]
-    same = [n for n in (1, 2) if chosen["bi", n] == chosen["angular", n]]
+    for r in rows:
+        sel = f"{r['select']} ({r['count']})" if r["count"] else ""
+        cells = " | ".join(cell(r["losses"][n]) for n in names)
+        lines.append(f"| {r['label']} | {sel} | {_layers(r['removed'])} | {cells} |")
     lines += [
         "",
         "Verdict (generated: an interval entirely below the other's is lower, entirely above higher):",
         "",
-        *verdicts(results, names),
     ]
+    groups = sorted({(r["select"], r["count"]) for r in rows if r["count"]}, key=lambda x: (x[1], x[0]))
+    for select, count in groups:
+        ot = min(OT_LABELS, key=lambda m: interval(by[m, select, count][names[0]])[0])
+        parts = []
+        for other in RIVALS:
+            said = [f"{compare(by[ot, select, count][n], by[other, select, count][n])} on {n}" for n in names]
+            parts.append(f"against {other}: {', '.join(said)}")
+        lines.append(f"- {select}, {count} removed: {ot}'s perplexity is " + "; ".join(parts) + ".")
+    same = [c for c in COUNTS if len({tuple(r["removed"]) for r in rows if r["count"] == c}) == 1]
     if same:
         lines += [
             "",
@@ -170,24 +361,221 @@ def main() -> None:
             + " and ".join(map(str, same))
             + ", so those rows repeat each other.",
         ]
-    lines += [
+    return lines
+
+
+def _healed_interval(result, label: str) -> tuple[float, float, float]:
+    """Healed perplexity of an arm and its 95% interval (seeds crossed with windows, study.stats)."""
+    from otdus_cli.study.stats import crossed_mean_ci
+
+    table = [r.final_window_loss for r in result.runs if r.label == label]
+    ci = crossed_mean_ci(table)
+    return math.exp(ci["mean"]), math.exp(ci["low"]), math.exp(ci["high"])
+
+
+def _stop_tokens(result, label: str) -> tuple[float, int, int]:
+    """Mean tokens of healing text an arm's runs saw before they stopped, how many reached the plateau
+    rule, and how many runs."""
+    runs = [r for r in result.runs if r.label == label]
+    per_step = result.config["batch"] * result.config["seq_len"]
+    tokens = sum(r.eval_steps[-1] * per_step for r in runs) / len(runs)
+    return tokens, sum(bool(r.plateaued) for r in runs), len(runs)
+
+
+def _contrasts(result) -> dict[tuple[str, str], dict]:
+    """Each OT variant's final loss minus each rival's, paired by seed and window, Holm-adjusted over
+    these comparisons (the family the verdict reads)."""
+    from otdus_cli.study.stats import holm
+
+    pairs = [(ot, rival) for ot in OT_LABELS for rival in RIVALS]
+    found = {pair: result.contrast(*pair) for pair in pairs}
+    for pair, q in zip(pairs, holm([found[p]["p"] for p in pairs]), strict=True):
+        found[pair]["p_holm"] = q
+    return found
+
+
+def _word(contrast: dict, alpha: float = 0.05) -> str:
+    if contrast["p_holm"] is not None and contrast["p_holm"] < alpha:
+        return "lower" if contrast["mean"] < 0 else "higher"
+    return "no clear difference"
+
+
+def healed_lines(data: dict) -> tuple[list[str], list[str]]:
+    """The healing tables and the verdict lines they support."""
+    from otdus_cli.study.results import StudyResult
+
+    healing = data["healing"]
+    s = healing["settings"]
+    rule = s["until_plateau"]
+    names = list(healing["evals"])
+    arms = ", ".join(f"`shrink:{m}`" for m in dict.fromkeys(m for _, m, _ in METHODS))
+    lines = [
+        f"Each shrink above, healed by `otdus study` with shrink arms ({arms}; the ot arms with the paper "
+        "and structured variants, the selection an arm setting): every parameter trained with AdamW at "
+        f"learning rate {s['lr']:g} on `{healing['train']}` (windows of {s['seq_len']} tokens, batches of "
+        f"{s['batch']}, the same batches for every arm), until the validation loss (the last "
+        f"{s['validation_fraction']:.0%} of the training stories, {s['validation_windows']} windows) "
+        f"plateaus: evaluated every {rule['eval_every']} steps, stopped when the last {rule['window']} "
+        f"evaluations improved on the one before them by less than max({rule['tolerance']:g} nats, "
+        f"{rule['noise']:g} paired standard errors), at most {rule['max_steps']} steps; seeds "
+        f"{', '.join(map(str, s['seeds']))}. Each text is scored before and after healing in windows of "
+        f"{s['seq_len']} tokens of its own ("
+        + "; ".join(f"{n}: {_study(healing, 0, n).data['eval_windows']} windows" for n in names)
+        + "), so the before column differs from the table above, which scores windows of a different length. "
+        "Perplexity after healing with a 95% interval over seeds crossed with windows; the source's "
+        "perplexity on the same windows for scale.",
+    ]
+    tally = {rival: {"lower": 0, "higher": 0, "no clear difference": 0} for rival in RIVALS}
+    needed: dict[str, list[float]] = {}
+    stopped = (0, 0)  # runs the plateau rule stopped, runs
+    for st in healing["studies"]:
+        results = {n: StudyResult.from_dict(st["results"][n]) for n in names}
+        first = results[names[0]]
+        lines += [
+            "",
+            f"### {st['count']} removed: layers {_layers(st['removed'])} "
+            f"({' and '.join(st['selections'])} selection)",
+            "",
+            "| arm | "
+            + " | ".join(f"{n} before | {n} healed" for n in names)
+            + " | healing text (tokens, mean over seeds) | runs stopped by the plateau rule |",
+            "|---|" + "---:|---:|" * len(names) + "---:|---:|",
+            _row(
+                ["source", *(c for n in names for c in (f"{math.exp(results[n].base_loss):.2f}", "")), "", ""]
+            ),
+        ]
+        for label, _, _ in METHODS:
+            cells = []
+            for n in names:
+                before = math.exp(results[n].summary(label).initial_loss)
+                ppl, low, high = _healed_interval(results[n], label)
+                cells += [f"{before:.2f}", f"{ppl:.2f} [{low:.2f}, {high:.2f}]"]
+            stops = [_stop_tokens(results[n], label)[0] for n in names]  # the same runs, scored twice
+            tokens, plateaued, runs = _stop_tokens(first, label)
+            shown = f"{tokens:,.0f}" if len(set(stops)) == 1 else " / ".join(f"{t:,.0f}" for t in stops)
+            needed.setdefault(label, []).append(tokens)
+            stopped = (stopped[0] + plateaued, stopped[1] + runs)
+            lines.append(_row([label, *cells, shown, f"{plateaued} of {runs}"]))
+        lines += [
+            "",
+            "Healed loss of OT merging minus its rivals' (nats; negative: OT lower), paired by seed and "
+            f"window, 95% interval, p Holm-adjusted over these {len(OT_LABELS) * len(RIVALS)} comparisons:",
+            "",
+            "| comparison | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names) + "",
+        ]
+        contrasts = {n: _contrasts(results[n]) for n in names}
+        for ot in OT_LABELS:
+            for rival in RIVALS:
+                cells = []
+                for n in names:
+                    c = contrasts[n][ot, rival]
+                    word = _word(c)
+                    tally[rival][word] += 1
+                    p_holm = "n/a" if c["p_holm"] is None else f"{c['p_holm']:.3g}"
+                    cells.append(f"{c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}], p {p_holm}: {word}")
+                lines.append(f"| {ot} − {rival} | {' | '.join(cells)} |")
+    verdict = [
+        f"- After healing, OT merging against {rival}: {_outcome(rival, words['lower'], words['higher'])} "
+        f"(OT's loss lower in {words['lower']} of {sum(words.values())} comparisons, higher in "
+        f"{words['higher']}, no clear difference in {words['no clear difference']}; p < 0.05 after Holm's "
+        "adjustment within each table)."
+        for rival, words in tally.items()
+    ]
+    mean_needed = {label: sum(v) / len(v) for label, v in needed.items()}
+    ot_needed = sum(mean_needed[ot] for ot in OT_LABELS) / len(OT_LABELS)
+    cap = rule["max_steps"] * s["batch"] * s["seq_len"]
+    verdict.append(
+        "- Text the healing needed (tokens of training text until the plateau rule stopped it, mean over "
+        f"seeds and shrinks): OT merging {ot_needed:,.0f}, "
+        + ", ".join(f"{label} {t:,.0f}" for label, t in mean_needed.items() if label not in OT_LABELS)
+        + f"; {stopped[0]} of {stopped[1]} runs reached the plateau, the others ran to the cap of {cap:,} "
+        "tokens with their validation loss still falling by more than the rule's noise floor (for them the "
+        "figure is a lower bound)."
+    )
+    return lines, verdict
+
+
+def _outcome(rival: str, lower: int, higher: int) -> str:
+    """What a tally of OT-against-rival comparisons says."""
+    if lower and not higher:
+        return f"OT merging beats {rival}"
+    if higher and not lower:
+        return f"{rival} beats OT merging"
+    if lower and higher:
+        return "mixed: OT merging is better in some comparisons and worse in others"
+    return "no clear difference"
+
+
+def _study(healing: dict, k: int, name: str):
+    from otdus_cli.study.results import StudyResult
+
+    return StudyResult.from_dict(healing["studies"][k]["results"][name])
+
+
+def render(data: dict) -> str:
+    """docs/shrink-ppl.md from the stored JSON."""
+    c = data["conditions"]
+    healed, verdict = healed_lines(data)
+    lines = [
+        "# Shrinking stories260K: perplexity after removing layers, as written and healed",
         "",
-        "No healing run follows the shrink here (`otdus study` has no shrink arms yet), so these are "
-        "the shrunk models as written; a 5-layer model is a toy for this: each layer is a fifth of the "
-        "depth. Commit: `" + _commit() + "`.",
+        "Generated by `python -m scripts.shrink_ppl` (do not edit by hand; `python -m scripts.shrink_ppl "
+        f"--render` rewrites it from `docs/shrink-ppl.json`) on {c['date']}, {c['machine']} CPU "
+        f"({c['cpus']} cores), float32, torch {c['torch']}, load average {c['load_average']:.1f} when it "
+        f"finished ({c['minutes']:.0f} min; the figures do not depend on the load), code at commit "
+        f"`{c['commit']}`.",
+        "",
+        "## As written",
+        "",
+        *written_lines(data),
+        "",
+        "## After healing",
+        "",
+        *healed,
+        "",
+        "## Verdict",
+        "",
+        "Generated from the tables above, over both OT variants, both texts and every distinct shrink "
+        "(selections that chose the same layers counted once):",
+        "",
+        *(
+            f"- As written, OT merging against {rival}: {_outcome(rival, w['lower'], w['higher'])} "
+            f"(OT's perplexity interval lower in {w['lower']} of {sum(w.values())} comparisons, higher in "
+            f"{w['higher']}, overlapping in {w['overlapping']})."
+            for rival, w in written_tally(data).items()
+        ),
+        *verdict,
+        "",
+        f"A {data['source_layers']}-layer model is a toy for this: each layer is a sizeable share of the "
+        "depth, and the healing text is the model's own training distribution.",
         "",
     ]
-    args.out.write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--render", action="store_true", help="only render the document from the stored JSON")
+    ap.add_argument("--out", type=Path, default=DOC)
+    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--wikitext-tokens", type=int, default=32768)
+    ap.add_argument("--workers", type=int, default=2, help="healing studies run at once (one core each)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every step with tiny settings, to check the script (meaningless figures; give --out, --data)",
+    )
+    args = ap.parse_args()
+    if args.smoke and (args.out == DOC or args.data == DATA):
+        ap.error("--smoke writes elsewhere: give --out and --data")
+    if not args.render:
+        healing = HEALING | SMOKE if args.smoke else HEALING
+        data = run(2048 if args.smoke else args.wikitext_tokens, healing, args.workers)
+        args.data.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.data}")
+    args.out.write_text(render(json.loads(args.data.read_text())))
     print(f"wrote {args.out}")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -249,3 +249,25 @@ def test_zero_init_of_tensors_stored_under_other_names_is_refused(tmp_path):
     expand(
         str(tmp_path / "src"), tmp_path / "copy", ExpandOptions(method="llama-pro", layers=2, zero_init=False)
     )
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_shrink_drops_a_layer_and_the_layer_kinds_follow(hybrids, tmp_path, model_type):
+    """`otdus shrink --method drop` on every hybrid stack: the per-layer kind fields lose the removed
+    layer, transformers builds the layers the kept ones were, and a merge is written only where the
+    stack has an exact template and the merged layers are of one kind (else one refusal)."""
+    from otdus_cli.shrink import ShrinkOptions, shrink
+
+    source = hybrids[model_type][0]
+    kinds = _kinds_of(_reload(source))
+    shrink(str(source), tmp_path / "drop", ShrinkOptions(method="drop", remove=[1]))
+    assert _kinds_of(_reload(tmp_path / "drop")) == [kinds[i] for i in (0, 2, 3)]
+    try:
+        shrink(str(source), tmp_path / "avg", ShrinkOptions(method="average", remove=[1]))
+    except OtdusError as exc:  # layers 0 and 1 are merged: refused when it cannot be done exactly
+        assert "no exact template" in str(exc) or "of different kinds" in str(exc), exc
+        assert kinds[0] != kinds[1] or "no exact template" in str(exc)
+        assert not (tmp_path / "avg").exists()
+    else:
+        assert kinds[0] == kinds[1]
+        assert _kinds_of(_reload(tmp_path / "avg")) == [kinds[i] for i in (0, 2, 3)]

@@ -368,3 +368,12 @@ def test_widen_says_the_manifest_warnings_and_each_sweep_once(tiny_models, tmp_p
     assert result.stderr.count(f"removed {stale}, left by an otdus run that died") == 1, result.stderr
     manifest = json.loads((tmp_path / "out" / "otdus.json").read_text())
     assert manifest["warnings"] == [skipped] and not manifest["config_checked_by_transformers"]
+
+
+def test_shrink_says_a_stale_folder_it_swept_once(stories, tmp_path):
+    stale = tmp_path / f".out.{TMP_TAG}{_dead_pid()}@{socket.gethostname()}.zzzz"
+    stale.mkdir()
+    result = run_cli("shrink", stories, "--out", tmp_path / "out", "--method", "drop", "--remove", "2")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count(f"removed {stale}, left by an otdus run that died") == 1, result.stderr
+    assert not stale.exists() and leftovers(tmp_path) == []

@@ -20,6 +20,7 @@ TESTS_OF_SCRIPTS = {
     "test_docs": {"check_docs", "coverage"},
     "test_fault_inject": {"fault_inject"},
     "test_make_synthetic": {"make_synthetic"},
+    "test_shrink_ppl": {"shrink_ppl"},
 }
 
 

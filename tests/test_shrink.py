@@ -367,6 +367,50 @@ def test_verify_reports_the_change_against_the_source_and_what_was_removed(tmp_p
     assert "shrunk" in text.stdout
 
 
+def test_verify_static_on_a_shrink_names_what_was_removed_and_expects_no_parity(tmp_path):
+    """--static runs nothing: it says which layers a shrink removed or merged, that no parity is
+    expected, and whether the kept layers are the source layers the manifest names, not that the
+    function-preservation proof failed."""
+    shrink("bundled:stories260k", tmp_path / "drop", ShrinkOptions(method="drop", remove=[2]))
+    shrink("bundled:stories260k", tmp_path / "laco", ShrinkOptions(method="laco", remove=[3, 4]))
+    dropped = runner.invoke(app, ["verify", str(tmp_path / "drop"), "--static"])
+    assert dropped.exit_code == 0, dropped.output
+    text = " ".join(dropped.stdout.split())
+    assert "shrink: source layers 2 dropped (explicit selection); no parity expected" in text
+    assert (
+        "static check of a shrink: 4 of 4 kept layers hold the source layers the layer map names, "
+        "0 merged layers built from several; embeddings, final norm and head the source's" in text
+    )
+    assert "not shown function-preserving" not in text
+    merged = runner.invoke(app, ["verify", str(tmp_path / "laco"), "--static"])
+    assert merged.exit_code == 0, merged.output
+    text = " ".join(merged.stdout.split())
+    assert "source layers 3, 4 removed (explicit selection), merged into one layer each: 2, 3, 4" in text
+    assert "2 of 2 kept layers hold the source layers the layer map names, 1 merged layer built" in text
+    as_json = runner.invoke(app, ["verify", str(tmp_path / "laco"), "--static", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    data = json.loads(as_json.stdout)
+    assert data["shrink"]["removed"] == [3, 4] and data["shrink"]["merged"] == [[2, 3, 4]]
+    assert data["claims_preserving"] is False and data["exit_code"] == 0
+
+
+def test_verify_static_on_a_shrink_names_a_kept_layer_that_is_not_its_source_layer(tmp_path):
+    """A kept layer edited after the shrink no longer holds the source layer the manifest names: the
+    static check says which (a shrink claims no parity, so the exit code stays 0)."""
+    from safetensors.torch import load_file, save_file
+
+    shrink("bundled:stories260k", tmp_path / "drop", ShrinkOptions(method="drop", remove=[2]))
+    weights = tmp_path / "drop" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.3.mlp.down_proj.weight"] += 1.0  # output layer 3: source layer 4
+    save_file(tensors, weights, metadata={"format": "pt"})
+    edited = runner.invoke(app, ["verify", str(tmp_path / "drop"), "--static"])
+    assert edited.exit_code == 0, edited.output
+    text = " ".join(edited.stdout.split())
+    assert "3 of 4 kept layers hold the source layers the layer map names" in text
+    assert "layers 3 differ from the source layers the map names" in text
+
+
 @pytest.mark.slow
 def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
     """Scores streamed one layer at a time and a three-layer OT merge built one module at a time: the

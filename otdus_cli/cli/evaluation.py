@@ -270,7 +270,7 @@ def _evaluate(
 
             proof = static_check(base_dir, model_dir, claimed)
             if world.is_main:
-                _print_static(proof, json_out)
+                _print_static(proof, json_out, _shrink_record(Path(model_dir)))
             return
         # "auto"/"cuda" under several ranks: this rank's GPU; a GPU that is not there fails here (after
         # the checks above, which need no torch)
@@ -317,10 +317,10 @@ def _evaluate(
         if report.first_divergence is not None:
             d = report.first_divergence
             out_console.print(f"first divergence: {d.name} (max |diff| {d.max_abs_diff:.3g})")
-        if report.proof is not None and not shrunk:
-            from otdus_cli.verify.proof import summary
+        if report.proof is not None:
+            from otdus_cli.verify.proof import shrink_summary, summary
 
-            out_console.print(summary(report.proof), highlight=False)
+            out_console.print((shrink_summary if shrunk else summary)(report.proof), highlight=False)
         colour = "green" if report.exit_code == 0 else "red"
         # as plain text: rich markup would eat "[wikitext figures of lm-eval X]", leaving a trailing space
         out_console.print(Text(report.verdict, style=f"bold {colour}"))
@@ -357,13 +357,15 @@ def _note_token_count(metrics, flags: EvalFlags, json_out: bool) -> None:
     out_console.print(f"--max-tokens {asked:,}: scored {metrics.n_tokens:,} tokens ({why})", highlight=False)
 
 
-def _print_static(proof, json_out: bool) -> None:
-    """--static: the proof alone; exit 1 when the layer map claims preservation the proof refutes."""
-    from otdus_cli.verify.proof import summary
+def _print_static(proof, json_out: bool, shrunk: dict | None = None) -> None:
+    """--static: the proof alone; exit 1 when the layer map claims preservation the proof refutes.
+    ``shrunk``: the manifest's shrink record (`otdus shrink`'s output: no preservation claimed; the
+    report says what was removed and whether the kept layers are the source's)."""
+    from otdus_cli.verify.proof import shrink_summary, summary
 
     exit_code = 1 if proof.claims_preserving and not proof.preserving else 0
     if json_out:
-        emit_json({**proof.to_dict(), "exit_code": exit_code})
+        emit_json({**proof.to_dict(), "exit_code": exit_code} | ({"shrink": shrunk} if shrunk else {}))
     else:
         table = Table(title="static check (no forward pass)")
         for col in ("layer", "found", "identity", "claimed"):
@@ -374,7 +376,13 @@ def _print_static(proof, json_out: bool) -> None:
             claim = f.claim + (f" ({f.note})" if f.note else "")
             table.add_row(str(f.index), found, "yes" if f.identity else "", claim)
         out_console.print(table)
-        out_console.print(summary(proof), highlight=False)
+        if shrunk:
+            from otdus_cli.plan.shrink_map import describe_removal
+
+            out_console.print(describe_removal(shrunk, measured=False), highlight=False)
+            out_console.print(shrink_summary(proof), highlight=False)
+        else:
+            out_console.print(summary(proof), highlight=False)
     if exit_code:
         raise typer.Exit(exit_code)
 

@@ -108,7 +108,10 @@ def study(
         str,
         typer.Option(
             help="Comma-separated method specs method[:variant][+zero|+nozero], "
-            "e.g. ot,ot:structured,average+zero, or interpose,stack (with --layers the base depth).",
+            "e.g. ot,ot:structured,average+zero, or interpose,stack (with --layers the base depth); "
+            "or arms that shrink the base and heal it (with --train-all), "
+            "shrink:METHOD[:VARIANT][@SELECTION], e.g. shrink:drop,shrink:laco,shrink:ot@angular "
+            "(--layers: the layers removed).",
             parser=method_specs,
         ),
     ] = ",".join(DEFAULT_METHODS),
@@ -190,6 +193,7 @@ def study(
         "threads": ("threads", threads),
     }
     expand_options = {k: v for k, v in {"layers": layers, "position": position}.items() if v is not None}
+    shrink_options = {"layers": layers} if layers is not None else {}  # shrink arms: the layers removed
     quiet_transformers()
     with user_errors(), task_progress(show_progress(json_out), "study", "runs") as update:
 
@@ -207,6 +211,7 @@ def study(
                 overrides={key: value for key, (flag, value) in settings.items() if flag in given},
                 reference=reference if "reference" in given else None,
                 expand_overrides={k: v for k, v in expand_options.items() if k in given} or None,
+                shrink_overrides={k: v for k, v in shrink_options.items() if k in given} or None,
                 progress=on_event,
             )
         else:
@@ -218,6 +223,7 @@ def study(
                     methods=[m.strip() for m in methods.split(",") if m.strip()],
                     reference=reference,
                     expand_options=expand_options or None,
+                    shrink_options=shrink_options or None,
                     out_dir=out,
                     progress=on_event,
                     **{key: value for key, (_, value) in settings.items()},
@@ -237,7 +243,7 @@ def study_progress_line(event, every_eval: bool) -> str | None:
     if event.kind == "data":
         return f"study: {event.message}"
     if event.kind == "expand":
-        return f"{where}: expanding, then training"
+        return f"{where}: {event.message or 'expanding, then training'}"
     if event.kind == "eval" and every_eval:
         return f"{where}: step {event.step}, {event.message or 'held-out'} loss {event.loss:.4f}"
     if event.kind == "run":

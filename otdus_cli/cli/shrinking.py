@@ -14,9 +14,9 @@ from rich.table import Table
 
 from otdus_cli.cli.console import (
     JsonFlag,
+    WarningLines,
     byte_progress,
     emit_json,
-    err_console,
     human_bytes,
     out_console,
     quiet_transformers,
@@ -255,6 +255,7 @@ def shrink(
         if out is None:
             raise OtdusError("give --out (the output folder)")
         quiet_if_scoring(options)
+        say = WarningLines()
         with byte_progress(show_progress(json_out) and world.is_main, "shrinking") as (set_total, advance):
             result = run_shrink(
                 model,
@@ -263,14 +264,14 @@ def shrink(
                 force=force,
                 progress=advance,
                 on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
-                on_note=lambda line: err_console.print(f"warning: {line}", highlight=False, soft_wrap=True),
+                on_note=say,
             )
     if not world.is_main:
         return
     plan = result.plan
     method_warnings = plan.method.report_warnings(result.manifest) if plan.method.report_warnings else []
     for line in [*result.warnings, *method_warnings]:
-        err_console.print(f"warning: {line}", highlight=False, soft_wrap=True)
+        say(line)  # the notes said as they happened are not said twice
     summary = {
         "out": str(result.out),
         "replaced_earlier_output": result.replaced,

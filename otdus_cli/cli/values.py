@@ -67,14 +67,14 @@ def ints(text: str) -> list[int]:
 
 def method_specs(value: str) -> str:
     """Comma-separated study method specs, each checked as the study will read it."""
-    from otdus_cli.options import method_spec_options
+    from otdus_cli.study_arms import parse_method
 
     specs = [m.strip() for m in value.split(",") if m.strip()]
     if not specs:
         raise typer.BadParameter("give at least one method spec")
     for spec in specs:
         try:
-            method_spec_options(spec)
+            parse_method(spec)
         except OtdusError as exc:
             raise typer.BadParameter(str(exc)) from None
     return value

@@ -150,12 +150,17 @@ def removed_of(layer_map: Sequence[OutputLayer], depth: int) -> list[int]:
     return [i for i in range(depth) if i not in kept]
 
 
-def describe_removal(record: dict) -> str:
-    """One line on what a shrink did, from its manifest's ``shrink`` record (verify's report)."""
+def describe_removal(record: dict, measured: bool = True) -> str:
+    """One line on what a shrink did, from its manifest's ``shrink`` record (verify's report);
+    ``measured``: the report shows the change against the source (False: verify --static, which
+    runs nothing)."""
     removed = ", ".join(map(str, record.get("removed") or []))
-    line = f"shrink: source layers {removed} removed ({record.get('select')} selection)"
     merged = record.get("merged") or []
+    how = "removed" if merged else "dropped"
+    line = f"shrink: source layers {removed} {how} ({record.get('select')} selection)"
     if merged:
         groups = "; ".join(", ".join(map(str, sorted(g))) for g in merged)
         line += f", merged into one layer each: {groups}"
-    return line + "; no parity expected, the delta is the change against the source"
+    if measured:
+        return line + "; no parity expected, the delta is the change against the source"
+    return line + "; no parity expected (verify without --static measures the change against the source)"

@@ -1,6 +1,7 @@
 """Study recipes: a YAML file with a base, shared settings, expand options, the runs (arms), the
 studies (domains: a training and a held-out text each) and, optionally, the primary family of
-comparisons declared before the data."""
+comparisons declared before the data. A run is an expansion (``expand:``, the default) or a shrink
+(``shrink:``, ShrinkOptions fields over the recipe's own ``shrink:`` block)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.options import ExpandOptions, invalid, merge_options, read_yaml
-from otdus_cli.study.arms import RunSpec
+from otdus_cli.options import invalid, merge_options, read_yaml
+from otdus_cli.study.arms import ARM_KINDS, DEFAULT_KIND, RunSpec
 from otdus_cli.study.results import StudyResult
 from otdus_cli.study.runner import StudyEvent, study
 from otdus_cli.study_settings import StudySettings, study_settings
@@ -25,7 +26,15 @@ class _RecipeRun(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    expand: dict[str, Any] = Field(default_factory=dict)
+    expand: dict[str, Any] | None = None  # an expansion's options (the default kind of run)
+    shrink: dict[str, Any] | None = None  # a shrink's options (then the model is healed, not grown)
+
+    def kind(self) -> tuple[str, dict[str, Any]]:
+        """The kind of arm (study.arms.ARM_KINDS) and its options block."""
+        given = {name: block for name in ARM_KINDS if (block := getattr(self, name, None)) is not None}
+        if len(given) > 1:
+            raise OtdusError(f"run {self.name!r}: give one of {', '.join(given)}, not several")
+        return next(iter(given.items()), (DEFAULT_KIND, {}))
 
 
 class _RecipeStudy(BaseModel):
@@ -62,19 +71,25 @@ class StudyRecipe(BaseModel):
     description: str | None = None
     reference: str | None = "ot"
     settings: dict[str, Any] = Field(default_factory=dict)  # StudySettings fields for every study
-    expand: dict[str, Any] = Field(default_factory=dict)  # ExpandOptions fields for every run
+    expand: dict[str, Any] = Field(default_factory=dict)  # ExpandOptions fields for every expand run
+    shrink: dict[str, Any] = Field(default_factory=dict)  # ShrinkOptions fields for every shrink run
     runs: list[_RecipeRun]
     studies: list[_RecipeStudy]
     primary: PrimaryFamily | None = None
 
-    def run_specs(self, overrides: dict[str, Any] | None = None) -> list[RunSpec]:
-        """Each run's full expand options; ``overrides`` (ExpandOptions fields) win over the recipe's."""
+    def run_specs(
+        self, overrides: dict[str, Any] | None = None, shrink_overrides: dict[str, Any] | None = None
+    ) -> list[RunSpec]:
+        """Each run's full options; ``overrides`` (ExpandOptions fields) win over the recipe's for its
+        expansions, ``shrink_overrides`` (ShrinkOptions fields) for its shrinks."""
+        given = {"expand": overrides, "shrink": shrink_overrides}
         specs = []
         for r in self.runs:
+            name, block = r.kind()
             # option groups (ot, ...) merge key by key: a run's ot.reg keeps the recipe's ot.variant
-            data = merge_options(self.expand, r.expand, overrides or {})
+            data = merge_options(getattr(self, name), block, given[name] or {})
             try:
-                specs.append(RunSpec(r.name, ExpandOptions.model_validate(data)))
+                specs.append(RunSpec(r.name, ARM_KINDS[name].options().model_validate(data)))
             except ValidationError as exc:
                 raise OtdusError(f"run {r.name!r}: {invalid(exc)}") from None
         return specs
@@ -117,20 +132,22 @@ def run_recipe(
     runs: Sequence[str] | None = None,
     reference: str | None = None,
     expand_overrides: dict[str, Any] | None = None,
+    shrink_overrides: dict[str, Any] | None = None,
 ) -> dict[str, StudyResult]:
     """Run every study of a recipe (or those named in ``only``); results under ``out_dir/<study>/``.
 
     Relative text paths are resolved against the recipe's folder. ``overrides``: study() settings
     that win over the recipe's (e.g. ``{"steps": 10, "seeds": [0]}`` for a smoke run);
     ``reference``: instead of the recipe's; ``expand_overrides``: ExpandOptions fields that win over
-    every run's (e.g. ``{"layers": 1}``); ``runs``: only these of the recipe's runs (by name), plus
+    every expand run's (e.g. ``{"layers": 1}``), ``shrink_overrides`` ShrinkOptions fields over every
+    shrink run's; ``runs``: only these of the recipe's runs (by name), plus
     the reference, e.g. to add arms to a study already run (seeds fix the batches, so the reference
     reproduces its earlier numbers; :meth:`StudyResult.with_arms` merges the two).
     """
     path = Path(path)
     recipe = load_study_recipe(path)
     study_settings(overrides or {})  # a bad override is refused before anything runs
-    specs = recipe.run_specs(expand_overrides)
+    specs = recipe.run_specs(expand_overrides, shrink_overrides)
     ref = recipe.reference if reference is None else reference
     if runs is not None:
         unknown = sorted(set(runs) - {s.label for s in specs})

@@ -2,8 +2,11 @@
 
 Every method is expanded from the same base (into a temporary folder), then only its new layers
 (the manifest's ``new_parameters``) are trained with AdamW on the same batches (the data order
-depends on the seed only), for several seeds. For each method the result reports the final
-held-out loss and perplexity (mean and spread over seeds), the loss at step 0 (a
+depends on the seed only), for several seeds. An arm may shrink the base instead (study.arms'
+``shrink:`` arms): the shrunk model is then healed, every parameter trained (a shrink adds no layer
+to train alone), and its step-0 loss is the shrunk model's before any healing; its layers are scored
+on the training text unless the arm names its own ``calib``. For each method the
+result reports the final held-out loss and perplexity (mean and spread over seeds), the loss at step 0 (a
 function-preserving expansion must start exactly at the base's loss; this is checked), and the
 paired difference to a reference method, paired by seed and by evaluation window (study.results,
 study.stats). Only differences to the reference are tested: the other methods are not ranked
@@ -25,14 +28,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.study.arms import DEFAULT_METHODS, ExpansionCache, RunSpec, resolve_runs
+from otdus_cli.study.arms import DEFAULT_METHODS, ExpansionCache, RunSpec, arm_kind, resolve_runs
 from otdus_cli.study.data import Documents, load_documents, split_documents, window_documents
 from otdus_cli.study.results import RunResult, StudyResult, summarise
 from otdus_cli.study.train import TrainConfig, TrainCurve, attention, load_model, train, window_losses
@@ -192,7 +195,8 @@ class _Runs:
     def _train(self, spec: RunSpec, seed: int, lr: float):
         self.done += 1
         k = self.done
-        self.notify(StudyEvent("expand", spec.label, seed, run=k, runs=self.total))
+        doing = arm_kind(spec.options).doing
+        self.notify(StudyEvent("expand", spec.label, seed, run=k, runs=self.total, message=doing))
         folder, manifest = self.cache.get(spec.options, seed)
         torch.manual_seed(seed)
         model = load_model(str(folder), self.dev)
@@ -252,7 +256,7 @@ class _Runs:
 
 
 def _config(
-    s: StudySettings, labels: list[str], eval_text, dev, threads: int, expand_options
+    s: StudySettings, labels: list[str], eval_text, dev, threads: int, expand_options, shrink_options=None
 ) -> dict[str, Any]:
     """study.json's ``config``: what the numbers depend on (the keys of results stored before the
     validation settings existed are kept as they were, so that later arms can join them)."""
@@ -284,6 +288,8 @@ def _config(
         }
     if s.eval_attention != "eager":
         config["eval_attention"] = s.eval_attention
+    if shrink_options:
+        config["shrink_options"] = shrink_options
     return config
 
 
@@ -296,6 +302,7 @@ def study(
     settings: StudySettings | None = None,
     reference: str | None = "ot",
     expand_options: dict[str, Any] | None = None,
+    shrink_options: dict[str, Any] | None = None,
     out_dir: str | os.PathLike[str] | None = None,
     work_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[StudyEvent], None] | None = None,
@@ -308,7 +315,8 @@ def study(
     the training documents is held out (documents are never shared).
     ``settings``: a :class:`~otdus_cli.study_settings.StudySettings` (its defaults otherwise);
     ``overrides``: any of its fields as keyword arguments (``steps=10``, ``seeds=[0]``, ...).
-    ``expand_options``: ExpandOptions fields applied to every method (e.g. layers, position).
+    ``expand_options``: ExpandOptions fields applied to every method (e.g. layers, position);
+    ``shrink_options``: ShrinkOptions fields applied to every ``shrink:`` arm (e.g. layers, calib).
     ``reference``: label of the method the others are paired with (None: no pairing; the default
     "ot" absent from the methods: no pairing, said in ``notes``; any other absent label: an error).
     ``out_dir``: where study.json and loss_curves.png go (None: nothing written).
@@ -316,8 +324,17 @@ def study(
     t0 = time.perf_counter()
     s = study_settings(settings, **overrides)
     notify = progress or (lambda event: None)
-    specs = resolve_runs(methods, expand_options)
+    specs = [
+        replace(r, options=arm_kind(r.options).in_study(r.options, str(train_text)))
+        for r in resolve_runs(methods, expand_options, shrink_options)
+    ]
     labels = [r.label for r in specs]
+    whole = [r.label for r in specs if not arm_kind(r.options).adds_layers]
+    if whole and s.train_new_only:
+        raise OtdusError(
+            f"{', '.join(whole)} add no layers to train alone: heal the whole model "
+            "(train_new_only: false, or --train-all)"
+        )
     ref = reference if reference in labels else None
     notes = []
     if reference and ref is None:
@@ -364,7 +381,9 @@ def study(
     result = StudyResult(
         base=base,
         reference=ref or "",
-        config=_config(s, labels, eval_text, dev, s.threads or threads_before, expand_options),
+        config=_config(
+            s, labels, eval_text, dev, s.threads or threads_before, expand_options, shrink_options
+        ),
         data=data.info,
         base_loss=runs.base_loss,
         methods=summaries,

@@ -327,6 +327,26 @@ def layer_map_from_sources(sources: Sequence[int | None]) -> list[dict]:
     return out
 
 
+def shrink_summary(proof: StaticProof) -> str:
+    """One line: what the static check found of a shrink's layer map (no parity is claimed): whether
+    each kept layer holds the source layer the map names (by tensor fingerprints, as copies are found)."""
+    if proof.claimed is None:  # no layer map to hold the layers to
+        return summary(proof)
+    claimed = proof.claimed
+    kept = [(f, e.get("source")) for f, e in zip(proof.layers, claimed, strict=True) if not e.get("new")]
+    wrong = [f.index for f, source in kept if f.copy_of != source]
+    merged = len(proof.layers) - len(kept)
+    found = (
+        f"{len(kept) - len(wrong)} of {len(kept)} kept layer{'s' * (len(kept) != 1)} hold the source layers "
+        f"the layer map names, {merged} merged layer{'s' * (merged != 1)} built from several"
+    )
+    outside = "the source's" if proof.outside_equal else "not the source's"
+    line = f"static check of a shrink: {found}; embeddings, final norm and head {outside}"
+    if wrong:
+        line += f"; layers {', '.join(map(str, wrong))} differ from the source layers the map names"
+    return line
+
+
 def summary(proof: StaticProof) -> str:
     """One line: what the static check found."""
     copies = sum(f.base for f in proof.layers)

@@ -31,6 +31,9 @@ import torch
 
 from otdus_cli.errors import OtdusError
 
+# the defaults live with the options (importable without torch: the CLI and shrink's options read them)
+from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS
+
 __all__ = [
     "CALIB_SEQ_LEN",
     "DEFAULT_CALIB",
@@ -43,11 +46,6 @@ __all__ = [
     "head_correlation",
 ]
 
-# The bundled text that no study run evaluates on (study-table6: held-out TinyStories stories of
-# the 2 MiB training head, WikiText-2 test): five TinyStories stories, in-domain for stories260K.
-DEFAULT_CALIB = "bundled:tinystories-sample"
-DEFAULT_CALIB_TOKENS = 4096  # an upper bound: the text's whole windows up to this many tokens
-MIN_CALIB_TOKENS = 512  # fewer samples than this make the correlations mostly noise (sd ~ 1/sqrt(n))
 CALIB_SEQ_LEN = 256  # window length (or the model's context, if shorter)
 
 
