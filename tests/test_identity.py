@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from otdus_cli.arch.saved_names import layer_suffix_patterns
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
@@ -149,7 +148,7 @@ def test_post_norm_layers_refuse_zero_init_saying_why(tmp_path):
         word_embed_proj_dim=32, max_position_embeddings=64, do_layer_norm_before=False,
     )  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "opt")
-    post_norm = r"zero-init for derived:opt: .*\(post-norm: output = norm\(x \+ f\(x\)\)\)"
+    post_norm = r"zero-init for derived:opt: .*\(post-norm: output = norm\(x \+ f\(x\)\);"
     with pytest.raises(OtdusError, match=post_norm):
         expand(str(tmp_path / "opt"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
     assert not (tmp_path / "out").exists()
@@ -169,6 +168,8 @@ def test_layers_sharing_one_block_are_refused_naming_it(tmp_path):
 
 
 def test_saved_names_become_patterns_within_a_layer():
+    from otdus_cli.arch.saved_names import layer_suffix_patterns
+
     experts = [f"model.layers.3.block_sparse_moe.experts.{e}.w2.weight" for e in range(4)]
     assert layer_suffix_patterns(experts, 3) == [r"block_sparse_moe\.experts\.\d+\.w2\.weight"]
     assert layer_suffix_patterns(["transformer.h.1.attn.attention.out_proj.weight"], 1) == [

@@ -371,7 +371,7 @@ class _LayerRun:
             seen["in"] = _hidden_of(args, kwargs).detach().clone()
 
         def after(_module, _args, _kwargs, output):
-            seen["out"] = (output[0] if isinstance(output, tuple) else output).detach().clone()
+            seen["out"] = (output[0] if isinstance(output, tuple | list) else output).detach().clone()
 
         saved = {n: self.params[n].detach().clone() for n in zeroed}
         hooks = [
@@ -400,7 +400,7 @@ class _LayerRun:
 
         def keep(name: str, module):
             def hook(_module, _args, output) -> None:
-                out = output[0] if isinstance(output, tuple) else output
+                out = output[0] if isinstance(output, tuple | list) else output
                 if isinstance(out, torch.Tensor):
                     outputs.append((name, module, out.detach().clone()))
 
@@ -418,9 +418,9 @@ class _LayerRun:
         )
         if norm is not None:
             return (
-                f"its output is that of {norm}, a norm after the residual add (post-norm: output = "
-                "norm(x + f(x))), which no zeroing makes an identity, so a new layer of this kind changes "
-                "the model's function until trained"
+                f"its output is then that of {norm}, a norm on the residual stream itself (post-norm: "
+                "output = norm(x + f(x)); or a residual taken after a norm), which no zeroing makes an "
+                "identity, so a new layer of this kind changes the model's function until trained"
             )
         if x.shape == y.shape and x.dim() >= 2 and bool((x != 0).all()):
             scale = y[..., :1, :] / x[..., :1, :]

@@ -192,7 +192,14 @@ class CheckpointWeights:
         the checkpoint holds it; None otherwise."""
         if name not in self._saved:
             found = saved_names(self.model, {name: tensor}).get(name, []) if tensor is not None else []
-            self._saved[name] = found[0] if len(found) == 1 and found[0] in self._on_disk else None
+            # of the tensor's shape: one part of a tensor saved merged with others (q_proj of a fused
+            # query_key_value) is not it
+            same = (
+                len(found) == 1
+                and found[0] in self._on_disk
+                and tuple(self.reader.meta(found[0]).shape) == tuple(tensor.shape)
+            )
+            self._saved[name] = found[0] if same else None
         return self._saved[name]
 
     def _layer_sources(self) -> list[dict[str, tuple[str, ...]]]:

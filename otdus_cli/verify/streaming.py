@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from otdus_cli.arch.derived import NOT_TEXT
 from otdus_cli.device import resolve_device
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
@@ -150,18 +149,6 @@ class StreamedModel:
             lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m) == depth]
             if len(lists) == 1:
                 return base, lists[0]
-        # deeper (RoBERTa-PreLayerNorm's roberta_prelayernorm.encoder.layer, CPM-Ant's encoder.layers):
-        # the one module list of that depth outside vision and audio towers, as a derived template finds it
-        lists = [
-            name
-            for name, module in self.model.named_modules()
-            if isinstance(module, nn.ModuleList)
-            and len(module) == depth
-            and not any(part in name for part in NOT_TEXT)
-        ]
-        if len(lists) == 1:
-            parent, _, attr = lists[0].rpartition(".")
-            return self.model.get_submodule(parent), attr
         raise OtdusError(f"{type(self.model).__name__}: cannot find its decoder layers (.model.layers)")
 
     def _layer0_output(self, hidden_states: torch.Tensor, kwargs: dict):
