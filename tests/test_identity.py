@@ -129,6 +129,16 @@ def test_a_kind_no_zeroing_makes_an_identity_leaves_the_other_kinds_zero_init(tm
     assert [entry["layer"] for entry in proof["kinds"].values()] == [1]
 
 
+def test_a_refusal_suggests_new_layers_after_the_last_only_where_that_works(tmp_path):
+    """RWKV halves its hidden state after every sixth layer (rescale_every=6): with 4 + 2 layers the sixth
+    is new wherever it goes, so the refusal does not send the user to --after 3 (DiffLLaMA's does:
+    tests/test_hybrid.py)."""
+    _save("rwkv", tmp_path / "src", rescale_every=6)
+    with pytest.raises(OtdusError, match=r"their index enters their computation\); or add --no-zero-init"):
+        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_residual_scale_that_follows_the_depth_is_rewritten(tmp_path):
     """MiniCPM3 scales each residual branch by scale_depth / sqrt(num_hidden_layers): the rewritten
     config keeps that quotient exactly, so every layer computes as before (zero-init was refused)."""

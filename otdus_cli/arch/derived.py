@@ -254,9 +254,41 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     )
     if why:
         last = source.depth - 1
-        if any(not lay.new and lay.index != lay.source for lay in layer_map):  # base layers moved
+        moved = any(not lay.new and lay.index != lay.source for lay in layer_map)
+        if moved and _works_after_last(source, sum(lay.new for lay in layer_map)):
             why += f"; new layers after the last one (--after {last}) leave every base layer's index as it is"
         raise OtdusError(f"zero-init for {family.name}: {why}; or add --no-zero-init")
+
+
+def _works_after_last(source, count: int) -> bool:
+    """Whether ``count`` zero-init copies of the last layer, after it, keep the base's logits on the tiny
+    instance (so a refusal may suggest that placement: not where the depth itself enters the layers)."""
+    from otdus_cli.arch.config_rules import rewrite_config
+    from otdus_cli.arch.identity import prove_plan
+    from otdus_cli.plan.layer_map import OutputLayer
+
+    family, last = source.family, source.depth - 1
+    proved = family.zero_init_proof["kinds"]
+    kind = family.layer_kind(source.text_config, last)
+    if kind not in proved:
+        return False
+    layer_map = [OutputLayer(i, i, False, (i,), "base", False) for i in range(source.depth)] + [
+        OutputLayer(source.depth + k, last, True, (last,), "copy", True) for k in range(count)
+    ]
+    try:
+        written = rewrite_config(
+            source.config,
+            layer_map,
+            family.derives_layer_types,
+            family.per_layer_fields,
+            family.derived_fields,
+            family.index_fields,
+        )
+    except OtdusError:
+        return False
+    zeroed = [proved[kind]["zeroed"] if lay.new else [] for lay in layer_map]
+    layer_list = family.zero_init_proof["layer_list"]
+    return prove_plan(source.config, written, layer_list, [lay.source for lay in layer_map], zeroed) is None
 
 
 def _ranges(indices: list[int]) -> str:
