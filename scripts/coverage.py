@@ -179,8 +179,19 @@ def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     if not family.zero_init:
         columns["zero-init"] = "refused"
         return kind, family.name, f"zero-init refused: {family.zero_init_note or 'no targets'}", columns
+    placed = ""
     try:
-        expand(str(src), root / "zero", ExpandOptions(method="copy", layers=2, zero_init=True))
+        try:
+            expand(str(src), root / "zero", ExpandOptions(method="copy", layers=2, zero_init=True))
+        except OtdusError as exc:
+            # layers whose index enters their computation keep it with the new layers after the last one
+            last = result.plan.source.depth - 1
+            try:
+                top = ExpandOptions(method="copy", after=[last, last], zero_init=True)
+                expand(str(src), root / "zero", top)
+            except OtdusError:
+                raise exc from None
+            placed = f" with the new layers after the last one (in the middle: {_one_line(exc)})"
         same = torch.equal(base, logits_of(reload(root / "zero")))
     except OtdusError as exc:  # refused at plan time, saying why (names, positions)
         columns["zero-init"] = "refused"
@@ -192,7 +203,7 @@ def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     columns["zero-init"] = "bitwise"
     columns["verify"] = _verify(src, root / "zero")
     detail = "zero-init bit-identical" + (" (targets proved on the tiny model)" if family.derived else "")
-    return kind, family.name, detail, columns
+    return kind, family.name, detail + placed, columns
 
 
 COLUMNS = ("zero-init", "OT", "LESA", "verify")
@@ -224,11 +235,11 @@ def _plans(src: Path, method: str) -> bool:
 def _verify(src: Path, out: Path) -> str:
     """verify's verdict for a zero-init output on random token ids: PARITY, BROKEN or why it did not run."""
     from otdus_cli.verify.compare import verify_expansion
-    from otdus_cli.verify.metrics import EvalPlan, Window
+    from otdus_cli.verify.metrics import EvalSet, Window
 
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (20, 20, 13)]
-    plan = EvalPlan("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
+    plan = EvalSet("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
     try:
         return verify_expansion(src, out, plan).verdict.split(":")[0]
     except OtdusError as exc:
@@ -307,8 +318,10 @@ def write_table(path: Path, rows: list, counts: dict, version: str, stamp: str) 
         "  output equals its input bit for bit (arch/identity.py).",
         "- **refused**: otdus stops with one line before writing anything; the reason is given.",
         "- **not built**: this script could not build the tiny config (not a verdict on the architecture).",
-        "- **zero-init**: `bitwise` when `copy --zero-init` reloads with the base's logits bit for bit;",
-        "  `refused` when otdus refuses it at plan time (the detail says why).",
+        "- **zero-init**: `bitwise` when `copy --zero-init` reloads with the base's logits bit for bit",
+        "  (where otdus refuses the new layers in the middle of the stack, as for layers whose index enters",
+        "  their computation: with them after the last layer, and the detail says so); `refused` when otdus",
+        "  refuses it at plan time (the detail says why).",
         "- **OT**, **LESA**: `plans` when otdus accepts the method at plan time; `refused` otherwise (a",
         "  derived template: the method computes tensors from roles (q/k/v/o ...), which it does not name).",
         "- **verify**: `otdus verify`'s verdict on the zero-init output (random token ids, float32).",

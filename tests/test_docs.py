@@ -119,3 +119,15 @@ def test_coverage_table_keeps_details_whole_and_records_when(tmp_path):
     assert "| zero-init | OT | LESA | verify |" in text
     assert "| x | XForCausalLM | refused |  | refused |" in text
     assert coverage._one_line(ValueError("a\nb  c")) == "a b c"
+
+
+def test_coverage_checks_an_architecture_end_to_end(tmp_path, single_thread):
+    """One row as `make coverage` makes it: DiffLLaMA's zero-init is refused in the middle of the stack
+    (its layers' index enters their computation) and kept with the new layers after the last one, and
+    verify's verdict on it is PARITY (the script read an evaluation set that no longer existed)."""
+    from scripts import coverage
+
+    kind, family, detail, columns = coverage.check("diffllama", tmp_path)
+    assert (kind, family) == ("derived", "derived:diffllama")
+    assert columns["zero-init"] == "bitwise" and columns["verify"] == "PARITY", columns
+    assert "with the new layers after the last one (in the middle: zero-init for derived:diffllama" in detail

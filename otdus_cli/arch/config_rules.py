@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import sys
 import threading
 import warnings
@@ -139,12 +140,30 @@ def _rewrite_stack_config(
             # with explicit layer_types (what transformers reads) the threshold is kept as the
             # longest prefix it still describes, for loaders that read only the threshold
             out[name] = prefix
+        elif kind == "inverse_sqrt_depth" and isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = same_quotient(value, base_layers, len(sources))
         elif kind == "refuse" and value:
             raise OtdusError(
                 f"config {name}={value}: layers stored after the decoder stack are not supported yet"
             )
     _rewrite_sparse_step(config, out, sources)
     return out
+
+
+def same_quotient(value: float, depth: int, new_depth: int) -> float:
+    """The value v' with v' / sqrt(new_depth) == value / sqrt(depth) in floating point, exactly (a few
+    rounding steps from value * sqrt(new_depth / depth) at most)."""
+    target = value / math.sqrt(depth)
+    up = down = value * math.sqrt(new_depth) / math.sqrt(depth)
+    for _ in range(8):
+        for candidate in (up, down):
+            if candidate / math.sqrt(new_depth) == target:
+                return candidate
+        up, down = math.nextafter(up, math.inf), math.nextafter(down, -math.inf)
+    raise OtdusError(
+        f"config: no value of a depth-scaled field keeps {value} / sqrt({depth}) exactly at "
+        f"{new_depth} layers"
+    )
 
 
 def _rewrite_sparse_step(config: dict, out: dict, sources: list[int]) -> None:

@@ -50,6 +50,14 @@ def derive_template(config: dict) -> dict:
             f"{_NEEDS_TEMPLATE}"
         )
     layer_list = _layer_list(model, depth, model_type)
+    shared = _shared_weights(modules_of(model, layer_list))
+    if shared is not None:
+        name, first, other = shared
+        raise OtdusError(
+            f"model_type={model_type!r} ({type(model).__name__}): its layers {first} and {other} share one "
+            f"module's weights ({name}; a checkpoint stores them once, under layer {first}), so a layer "
+            f"cannot be copied on its own; {_NEEDS_TEMPLATE}"
+        )
     kinds = layer_kinds(modules_of(model, layer_list))
     loaded_text = loaded.get_text_config().to_dict()
     per_layer = sorted(
@@ -82,6 +90,18 @@ def derive_template(config: dict) -> dict:
         "per_layer_fields": per_layer,
         "index_fields": sorted(index_fields),
     }
+
+
+def _shared_weights(layers: list) -> tuple[str, int, int] | None:
+    """A tensor two layers hold as one (Zamba's hybrid layers all run one shared transformer block): its
+    name within a layer, and the first two layers that hold it; None when every layer owns its own."""
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            first = owner.setdefault(id(param), index)
+            if first != index:
+                return name, first, index
+    return None
 
 
 def _per_layer(name: str, value: object, depth: int) -> bool:
@@ -199,17 +219,30 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     if not any(lay.zero_init for lay in layer_map) or family.zero_init_proof is None:
         return
     proved = family.zero_init_proof["kinds"]
+    unproved = family.zero_init_proof.get("unproved", {})
     zeroed: list[list[str]] = []
     for lay in layer_map:
         kind = family.layer_kind(source.text_config, lay.source)
+        if lay.zero_init and kind not in proved:
+            kinds = [family.layer_kind(source.text_config, i) for i in range(source.depth)]
+            others = _ranges([i for i, k in enumerate(kinds) if k in proved])
+            why = unproved.get(kind, "no zeroing was proved to make that kind an identity")
+            raise OtdusError(
+                f"zero-init for {family.name}: new layer {lay.index} copies base layer {lay.source}, a "
+                f"{kind} layer, and {why}; copy layers of a kind zero-init works for (base layers "
+                f"{others}) or add --no-zero-init"
+            )
         names = proved[kind]["zeroed"] if lay.zero_init else []
+        forms = proved[kind].get("stored", {}) if lay.zero_init else {}
         stored = source.layers[lay.source].suffixes()
         for name in names:
-            if not any(re.fullmatch(form, suffix) for form in expert_forms(name) for suffix in stored):
+            patterns = forms.get(name) or expert_forms(name)
+            if not any(re.fullmatch(form, suffix) for form in patterns for suffix in stored):
                 raise OtdusError(
-                    f"zero-init for {family.name}: the checkpoint stores {name} of its {kind} layers under "
-                    "another name than transformers' class (which converts it when loading), so otdus cannot "
-                    "zero it; add --no-zero-init"
+                    f"zero-init for {family.name}: layer {lay.source} of the checkpoint holds {name} of its "
+                    f"{kind} layers under none of the names transformers holds or saves it under, so otdus "
+                    "cannot tell which tensor to zero (save the model again with this transformers); or add "
+                    "--no-zero-init"
                 )
         zeroed.append(names)
     why = prove_plan(
@@ -221,6 +254,49 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     )
     if why:
         last = source.depth - 1
-        if any(not lay.new and lay.index != lay.source for lay in layer_map):  # base layers moved
+        moved = any(not lay.new and lay.index != lay.source for lay in layer_map)
+        if moved and _works_after_last(source, sum(lay.new for lay in layer_map)):
             why += f"; new layers after the last one (--after {last}) leave every base layer's index as it is"
         raise OtdusError(f"zero-init for {family.name}: {why}; or add --no-zero-init")
+
+
+def _works_after_last(source, count: int) -> bool:
+    """Whether ``count`` zero-init copies of the last layer, after it, keep the base's logits on the tiny
+    instance (so a refusal may suggest that placement: not where the depth itself enters the layers)."""
+    from otdus_cli.arch.config_rules import rewrite_config
+    from otdus_cli.arch.identity import prove_plan
+    from otdus_cli.plan.layer_map import OutputLayer
+
+    family, last = source.family, source.depth - 1
+    proved = family.zero_init_proof["kinds"]
+    kind = family.layer_kind(source.text_config, last)
+    if kind not in proved:
+        return False
+    layer_map = [OutputLayer(i, i, False, (i,), "base", False) for i in range(source.depth)] + [
+        OutputLayer(source.depth + k, last, True, (last,), "copy", True) for k in range(count)
+    ]
+    try:
+        written = rewrite_config(
+            source.config,
+            layer_map,
+            family.derives_layer_types,
+            family.per_layer_fields,
+            family.derived_fields,
+            family.index_fields,
+        )
+    except OtdusError:
+        return False
+    zeroed = [proved[kind]["zeroed"] if lay.new else [] for lay in layer_map]
+    layer_list = family.zero_init_proof["layer_list"]
+    return prove_plan(source.config, written, layer_list, [lay.source for lay in layer_map], zeroed) is None
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    out: list[str] = []
+    for i in indices:
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out) or "none"

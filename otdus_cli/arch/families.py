@@ -396,6 +396,9 @@ def family_for(config: dict, allow_unknown: bool = False) -> Family:
 #   index_list: a list of layer indices; an output layer is listed if its source layer was.
 #   threshold: "the first t layers"; becomes the number of output layers whose source is below t.
 #   refuse: a field we cannot rewrite faithfully; refuse the expansion if present and non-trivial.
+#   inverse_sqrt_depth: a factor the model divides by sqrt(depth) (MiniCPM3's scale_depth scales each
+#     residual branch by scale_depth / sqrt(num_hidden_layers)): rewritten so that quotient, and with it
+#     every layer's computation, stays the same.
 #   trailing: the number of layers stored after the stack (DeepSeek-V3's multi-token prediction
 #     module, model.layers.{L}...): unchanged; io/stack.py keeps them after the new last layer.
 DEPTH_FIELDS: dict[str, str] = {
@@ -407,4 +410,5 @@ DEPTH_FIELDS: dict[str, str] = {
     "max_window_layers": "threshold",
     "first_k_dense_replace": "threshold",
     "num_nextn_predict_layers": "trailing",
+    "scale_depth": "inverse_sqrt_depth",
 }

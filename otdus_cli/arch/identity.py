@@ -10,6 +10,11 @@ residual-writing ones are zeroed in a new layer: they are given back in the orde
 (a gate or input projection before the output projection it feeds). The instance is the config itself
 when it is small, else the config with its widths shrunk (the layer kinds and their order are the
 config's).
+
+A kind that no zeroing makes an identity (a post-norm layer: output = norm(x + f(x)); a residual path
+that scales or mixes the hidden state) is recorded with the reason, and new layers of that kind are
+refused zero-init; the others keep it. The targets are also given under the names transformers saves them
+(arch/saved_names.py), which is how a checkpoint it converts when loading stores them.
 """
 
 from __future__ import annotations
@@ -60,9 +65,12 @@ class IdentityProof:
     """What zeroing makes each layer kind an identity, and how that was shown (None: not shown)."""
 
     zeroed: dict[str, list[str]] = field(default_factory=dict)  # kind -> tensor names inside a layer
+    # kind -> tensor name -> patterns of the names it is stored under (in memory, and as transformers saves)
+    stored: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)  # kind -> the layer the proof ran on
+    unproved: dict[str, str] = field(default_factory=dict)  # kind -> why no zeroing makes it an identity
     instance: str = ""  # "the config as given" or "the config with widths shrunk"
-    failure: str | None = None  # why no proof (then ``zeroed`` is incomplete)
+    failure: str | None = None  # why no kind is proved (then ``zeroed`` is empty)
     layer_list: str = ""  # the decoder layers' module list in transformers' class
 
     def record(self) -> dict:
@@ -72,13 +80,22 @@ class IdentityProof:
             "with these tensors zeroed",
             "instance": self.instance,
             "layer_list": self.layer_list,
-            "kinds": {k: {"layer": self.layers[k], "zeroed": v} for k, v in self.zeroed.items()},
+            "kinds": {
+                k: {"layer": self.layers[k], "zeroed": v, "stored": self.stored.get(k, {})}
+                for k, v in self.zeroed.items()
+            },
+            **({"unproved": dict(self.unproved)} if self.unproved else {}),
         }
 
     def patterns(self) -> tuple[str, ...]:
-        """The zero-init targets as tensor-name patterns within a layer (expert_forms)."""
+        """The zero-init targets as tensor-name patterns within a layer (every name they are stored under)."""
         return tuple(
-            dict.fromkeys(form for names in self.zeroed.values() for n in names for form in expert_forms(n))
+            dict.fromkeys(
+                form
+                for kind, names in self.zeroed.items()
+                for n in names
+                for form in self.stored.get(kind, {}).get(n) or expert_forms(n)
+            )
         )
 
 
@@ -105,34 +122,75 @@ def prove_identity(config: dict, layer_list: str, kinds: list[str]) -> IdentityP
         )
         return proof
     layers = _modules_of(model, layer_list)
-    hidden = model.get_input_embeddings().weight.shape[-1]
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(0))
     for kind in dict.fromkeys(kinds):
         index = kinds.index(kind)
-        layer = layers[index]
-        run = _LayerRun(model, layer, ids)
         try:
-            units = [n for _, n in sorted(_residual_writers(layer, hidden), key=lambda u: run.order(u[0]))]
-            every = [name for unit in units for name in unit]
-            if not units or not run.identity(every):
-                named = ", ".join(every) or "none"
-                proof.failure = (
-                    f"zeroing the tensors that write into its residual stream ({named}) does not make "
-                    f"layer {index} ({kind}) an identity"
-                )
-                return proof
-            kept = list(units)
-            for unit in units:  # give back what the identity does not need
-                trial = [name for u in kept if u is not unit for name in u]
-                if run.identity(trial):
-                    kept = [u for u in kept if u is not unit]
+            zeroed = _prove_kind(_LayerRun(model, layers[index], ids), index, kind)
+            proof.stored[kind] = _stored_forms(model, f"{layer_list}.{index}.", index, zeroed)
+        except _NoIdentity as exc:
+            proof.unproved[kind] = str(exc)
+            continue
         except Exception as exc:
-            proof.failure = f"layer {index} ({kind}) did not run on the tiny instance ({type(exc).__name__})"
-            return proof
-        proof.zeroed[kind] = [name for unit in kept for name in unit]
+            why = f"layer {index} ({kind}) did not run on the tiny instance ({type(exc).__name__})"
+            proof.unproved[kind] = why
+            continue
+        proof.zeroed[kind] = zeroed
         proof.layers[kind] = index
+    if not proof.zeroed:
+        proof.failure = "; ".join(dict.fromkeys(proof.unproved.values()))
     return proof
+
+
+class _NoIdentity(Exception):
+    """Why no zeroing makes a layer kind an identity (a sentence for the user)."""
+
+
+def _prove_kind(run: _LayerRun, index: int, kind: str) -> list[str]:
+    """The tensors of the layer ``run`` runs whose zeroing makes it an identity, fewest first given back."""
+    found = [n for _, n in sorted(_residual_writers(run.layer, run.width()), key=lambda u: run.order(u[0]))]
+    # a vector may be a bias into the stream, or scale the residual itself (Doge's input_residual), which
+    # zeroed breaks the identity: without the vectors too, before giving up
+    matrices = [u for u in found if not (len(u) == 1 and run.params[u[0]].dim() == 1)]
+    units = next((c for c in (found, matrices) if c and run.identity([n for u in c for n in u])), None)
+    if units is None:
+        every = [name for unit in matrices for name in unit]
+        named = ", ".join(every) or "none"
+        raise _NoIdentity(
+            f"zeroing the tensors that write into its residual stream ({named}) does not make layer "
+            f"{index} ({kind}) an identity: {run.why_not(every)}"
+        )
+    kept = list(units)
+    for unit in units:  # give back what the identity does not need
+        trial = [name for u in kept if u is not unit for name in u]
+        if run.identity(trial):
+            kept = [u for u in kept if u is not unit]
+    return [name for unit in kept for name in unit]
+
+
+def _stored_forms(model, prefix: str, index: int, zeroed: list[str]) -> dict[str, list[str]]:
+    """For each zeroed tensor of the layer at ``prefix``, the patterns (within a layer) of the names it is
+    stored under: as in memory, and as transformers saves it when it converts the name (saved_names)."""
+    from otdus_cli.arch.saved_names import SavedTogether, layer_suffix_patterns, saved_targets
+
+    state = {k: v for k, v in model.state_dict().items() if k.startswith(prefix)}
+    try:
+        saved = saved_targets(model, state, [prefix + n for n in zeroed])
+    except SavedTogether as exc:
+        raise _NoIdentity(
+            f"{exc}, so a checkpoint transformers saved holds it only within a larger tensor, which otdus "
+            "does not zero in part"
+        ) from None
+    out = {}
+    for name in zeroed:
+        patterns = layer_suffix_patterns(saved[prefix + name], index)
+        if patterns is None:
+            raise _NoIdentity(
+                f"transformers saves {name} of layer {index} as {saved[prefix + name][0]}, outside that layer"
+            )
+        out[name] = list(dict.fromkeys([*expert_forms(name), *patterns]))
+    return out
 
 
 def prove_plan(
@@ -223,15 +281,17 @@ def _tiny_instance(config: dict):
 
 
 def _residual_writers(layer, hidden: int) -> list[tuple[str, list[str]]]:
-    """Groups of tensor names (a module's weight and bias, or one fused expert tensor and its bias)
-    that map into the hidden width, each with the module that holds it."""
+    """Groups of tensor names that may write into the hidden width, each with the module that holds it:
+    a linear map into it (weight and bias), a fused expert tensor into it (and its bias), and a vector of
+    its width held by a module that is not a norm (a bias added to the residual stream outside a linear
+    map: GPT-NeoX-Japanese's dense_bias, JetMoE's MoE bias)."""
     import torch
 
     try:
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # pragma: no cover - transformers ships it
         Conv1D = ()
-    units: list[list[str]] = []
+    units: list[tuple[str, list[str]]] = []
     for prefix, module in layer.named_modules():
         own = dict(module.named_parameters(recurse=False))
         if not own:
@@ -242,12 +302,31 @@ def _residual_writers(layer, hidden: int) -> list[tuple[str, list[str]]]:
         if linear or conv:
             units.append((prefix, [dot + n for n in own]))
             continue
+        if isinstance(module, (torch.nn.Linear, Conv1D)):
+            continue
         for name, p in own.items():
-            if p.dim() == 3 and hidden in p.shape[-2:]:
+            if p.dim() == 3 and p.shape[0] > 1 and hidden in p.shape[-2:]:
                 units.append(
                     (prefix, [dot + name] + ([dot + name + "_bias"] if name + "_bias" in own else []))
                 )
+            elif p.dim() == 1 and len(p) == hidden and not _is_norm(module):
+                units.append((prefix, [dot + name]))
     return units
+
+
+def _is_norm(module) -> bool:
+    import torch
+
+    norms = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm)
+    return isinstance(module, norms) or "norm" in type(module).__name__.lower()
+
+
+def _hidden_of(args: tuple, kwargs: dict):
+    """A layer call's hidden states: its first tensor argument, else the ``hidden_states`` keyword."""
+    import torch
+
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first if first is not None else kwargs.get("hidden_states")
 
 
 class _LayerRun:
@@ -257,6 +336,7 @@ class _LayerRun:
         self.model, self.layer, self.ids = model, layer, ids
         self.params = dict(layer.named_parameters())
         self._calls: dict[str, int] = {}
+        self._seen: dict = {}
 
     def order(self, module: str) -> int:
         """When the layer first runs ``module`` (-1: never, so it cannot matter), from one hooked run."""
@@ -276,17 +356,22 @@ class _LayerRun:
                     hook.remove()
         return self._calls.get(module, -1)
 
+    def width(self) -> int:
+        """The width of the hidden states the layer reads (an embedding may be narrower: ELECTRA)."""
+        if not self._seen:
+            self.identity([])
+        return self._seen["in"].shape[-1]
+
     def identity(self, zeroed: list[str]) -> bool:
         import torch
 
-        seen: dict[str, torch.Tensor] = {}
+        seen = self._seen
 
         def before(_module, args, kwargs):
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            seen["in"] = hidden.detach().clone()
+            seen["in"] = _hidden_of(args, kwargs).detach().clone()
 
         def after(_module, _args, _kwargs, output):
-            seen["out"] = (output[0] if isinstance(output, tuple) else output).detach().clone()
+            seen["out"] = (output[0] if isinstance(output, tuple | list) else output).detach().clone()
 
         saved = {n: self.params[n].detach().clone() for n in zeroed}
         hooks = [
@@ -305,6 +390,46 @@ class _LayerRun:
                 for n, value in saved.items():
                     self.params[n].copy_(value)
         return seen["in"].shape == seen["out"].shape and torch.equal(seen["in"], seen["out"])
+
+    def why_not(self, zeroed: list[str]) -> str:
+        """Why the layer is no identity with ``zeroed`` zeroed, as one run shows it: its output comes out
+        of a norm (post-norm), or is its input scaled, or else changed otherwise."""
+        import torch
+
+        outputs: list[tuple[str, object, torch.Tensor]] = []
+
+        def keep(name: str, module):
+            def hook(_module, _args, output) -> None:
+                out = output[0] if isinstance(output, tuple | list) else output
+                if isinstance(out, torch.Tensor):
+                    outputs.append((name, module, out.detach().clone()))
+
+            return hook
+
+        hooks = [m.register_forward_hook(keep(n, m)) for n, m in self.layer.named_modules() if n]
+        try:
+            self.identity(zeroed)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        x, y = self._seen["in"], self._seen["out"]
+        norm = next(
+            (n for n, m, out in outputs if _is_norm(m) and out.shape == y.shape and torch.equal(out, y)), None
+        )
+        if norm is not None:
+            return (
+                f"its output is then that of {norm}, a norm on the residual stream itself (post-norm: "
+                "output = norm(x + f(x)); or a residual taken after a norm), which no zeroing makes an "
+                "identity, so a new layer of this kind changes the model's function until trained"
+            )
+        if x.shape == y.shape and x.dim() >= 2 and bool((x != 0).all()):
+            scale = y[..., :1, :] / x[..., :1, :]
+            if torch.allclose(y, x * scale, rtol=1e-5, atol=1e-6):
+                return (
+                    "its residual path multiplies the hidden state by factors other than 1 (output = a * x), "
+                    "which zeroing cannot undo"
+                )
+        return "its residual path itself changes the hidden state (more than the tensors that write into it)"
 
 
 def _modules_of(model, path: str) -> list:

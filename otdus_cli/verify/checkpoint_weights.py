@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from otdus_cli.arch.saved_names import saved_names
 from otdus_cli.arch.wrappers import text_model_prefix
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
@@ -126,6 +127,7 @@ class CheckpointWeights:
         self._buffer_values = buffer_values
         self._on_disk = set(reader.names)
         self._disk_names = self._disk_name_rules(decoder, layers_name)
+        self._saved: dict[str, str | None] = {}  # module tensor -> the name transformers saves it under
         untie = hf_compat.loads_stored_tied_copies()
         # tied name -> its source; a stored tied copy is its own tensor where transformers loads it so
         self._tied = {
@@ -164,7 +166,8 @@ class CheckpointWeights:
 
     def disk_name(self, name: str) -> str:
         """The checkpoint's name for module tensor (or prefix) ``name``: itself when stored so, else as
-        the wrapper layout rules give it (``_disk_name_rules``)."""
+        the wrapper layout rules give it (``_disk_name_rules``), else the one name transformers saves it
+        under where it converts names when loading (EXAONE's ``transformer.h.N``, GPT-OSS's sinks ...)."""
         if name in self._on_disk:
             return name
         for built, stored in self._disk_names:
@@ -172,20 +175,50 @@ class CheckpointWeights:
                 renamed = stored + name[len(built) :]
                 if renamed in self._on_disk or name.endswith("."):
                     return renamed
-        return name
+        saved = None if name.endswith(".") else self._saved_name(name, self._module_tensor(name))
+        return saved or name
+
+    def _module_tensor(self, name: str) -> torch.Tensor | None:
+        try:
+            return self.model.get_parameter(name)
+        except AttributeError:
+            try:
+                return self.model.get_buffer(name)
+            except AttributeError:
+                return None
+
+    def _saved_name(self, name: str, tensor: torch.Tensor | None) -> str | None:
+        """The one name transformers' own saving gives module tensor ``name`` (arch/saved_names.py), where
+        the checkpoint holds it; None otherwise."""
+        if name not in self._saved:
+            found = saved_names(self.model, {name: tensor}).get(name, []) if tensor is not None else []
+            # of the tensor's shape: one part of a tensor saved merged with others (q_proj of a fused
+            # query_key_value) is not it
+            same = (
+                len(found) == 1
+                and found[0] in self._on_disk
+                and tuple(self.reader.meta(found[0]).shape) == tuple(tensor.shape)
+            )
+            self._saved[name] = found[0] if same else None
+        return self._saved[name]
 
     def _layer_sources(self) -> list[dict[str, tuple[str, ...]]]:
         """For every layer, where each of its tensors comes from on disk; refuses unknown layouts."""
         on_disk, experts = self._on_disk, num_experts(self.text_config)
         model_name = type(self.model).__name__
+        module_names = {id(m): n for n, m in self.model.named_modules()}
         out = []
         for prefix, layer in zip(self.layer_prefixes, self.layers, strict=True):
             sources: dict[str, tuple[str, ...]] = {}
             skip = non_persistent_keys(layer)
-            for key in layer.state_dict():
+            built = module_names.get(id(layer))
+            for key, value in layer.state_dict(keep_vars=True).items():
                 if key in skip:
                     continue
                 found = _disk_sources(prefix, key, on_disk, experts)
+                if found is None and built is not None:
+                    saved = self._saved_name(f"{built}.{key}", value)
+                    found = (saved,) if saved else None
                 if found is None:
                     raise OtdusError(
                         f"{self.folder.name}: tensor {prefix + key} (as named in transformers' "

@@ -1,0 +1,188 @@
+"""Zero-init of derived templates across the causes that used to stop it (arch/identity.py).
+
+Tensors transformers saves under other names than its class holds them (it converts them when loading:
+GraniteMoE's fused experts, EXAONE 3's transformer.h.N), a bias added to the residual stream outside a
+linear map (GPT-NeoX-Japanese's last layer), one layer kind no zeroing makes an identity beside kinds it
+does (RWKV's first layer), a residual scale that follows the depth (MiniCPM3): zero-init keeps the
+logits bit for bit where it can, and verify says PARITY; where it cannot (a post-norm layer, layers that
+share one block's weights) one line says why.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from otdus_cli.errors import OtdusError
+from otdus_cli.expand import expand
+from otdus_cli.options import ExpandOptions
+from otdus_cli.verify.compare import verify_expansion
+from tests.support.tiny_models import HYBRID_BASE
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+IDS = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(0))
+FIELDS = {k: v for k, v in HYBRID_BASE.items() if "token_id" not in k}
+CONFIGS = {
+    "granitemoe": {**FIELDS, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "exaone": {**FIELDS, "num_hidden_layers": 4},
+    "gpt_neox_japanese": {**FIELDS, "num_hidden_layers": 4},
+    "rwkv": {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 4, "attention_hidden_size": 32,
+             "intermediate_size": 48, "context_length": 64, "rescale_every": 0},
+    "minicpm3": {**FIELDS, "num_hidden_layers": 4, "num_key_value_heads": 4, "q_lora_rank": 16,
+                 "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+                 "scale_depth": 1.4},
+}  # fmt: skip
+
+
+def _save(model_type: str, folder: Path, **fields) -> torch.Tensor:
+    """A tiny random model saved by transformers (norms perturbed, so an identity is not luck); its logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(model_type, **{**CONFIGS.get(model_type, {}), **fields})
+        model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1 and p.is_floating_point():
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return _logits(model)
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS, use_cache=False).logits
+
+
+def _reloaded_logits(folder: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _logits(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
+
+
+def _random_ids_plan():
+    from otdus_cli.verify.metrics import EvalSet, Window
+
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (20, 20, 13)]
+    return EvalSet("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
+
+
+def _grows_exactly(src: Path, out: Path, base: torch.Tensor, verify: bool = True, **options) -> dict:
+    """llama-pro (zero-init) keeps the base's logits bit for bit and (``verify``) verify says PARITY;
+    the manifest."""
+    expand(str(src), out, ExpandOptions(method="llama-pro", **options))
+    assert torch.equal(_reloaded_logits(out), base)
+    if verify:
+        report = verify_expansion(src, out, _random_ids_plan())
+        assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict
+    return json.loads((out / "otdus.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "saved", "verify"),
+    [
+        # experts.down_proj when loaded (verify's streamed evaluator does not reproduce GraniteMoE's
+        # experts bit for bit, and says so)
+        ("granitemoe", r"block_sparse_moe\.output_linear\.weight", False),
+        ("exaone", r"attn\.attention\.out_proj\.weight", True),  # self_attn.o_proj, under transformer.h.N
+    ],
+)
+def test_tensors_transformers_saves_under_other_names_are_zeroed(tmp_path, model_type, saved, verify):
+    """The zero-init targets are looked up under the names transformers' own saving gives them (it used
+    to refuse: "stores ... under another name"), and verify finds the tensors under those names too."""
+    base = _save(model_type, tmp_path / "src")
+    manifest = _grows_exactly(tmp_path / "src", tmp_path / "out", base, verify=verify, layers=2)
+    kinds = manifest["source"]["zero_init_proof"]["kinds"].values()
+    assert any(saved in patterns for kind in kinds for patterns in kind["stored"].values())
+
+
+def test_a_bias_added_to_the_residual_stream_is_zeroed_too(tmp_path):
+    """GPT-NeoX-Japanese's last layer adds dense_bias after its attention output: with only the linear
+    maps zeroed that layer kind was no identity, which refused zero-init for the whole model."""
+    base = _save("gpt_neox_japanese", tmp_path / "src")
+    # new layers copy layer 1: transformers gives dense_bias to whichever layer is last, so a copy of
+    # the last layer elsewhere is refused at plan time (its kind would change)
+    manifest = _grows_exactly(tmp_path / "src", tmp_path / "out", base, after=[1, 1])
+    kinds = manifest["source"]["zero_init_proof"]["kinds"]
+    assert any("attention.dense_bias" in kind["zeroed"] for kind in kinds.values())
+
+
+def test_a_kind_no_zeroing_makes_an_identity_leaves_the_other_kinds_zero_init(tmp_path):
+    """RWKV's first layer norms its input (pre_ln) before the residual stream starts: no zeroing makes it
+    an identity (that refused zero-init for the whole model), but the other layers' kind keeps it
+    (verify's streamed evaluator does not run RWKV's recurrent blocks)."""
+    base = _save("rwkv", tmp_path / "src")
+    manifest = _grows_exactly(tmp_path / "src", tmp_path / "out", base, verify=False, after=[2, 2])
+    proof = manifest["source"]["zero_init_proof"]
+    (first,) = proof["unproved"]
+    assert first.startswith("LayerNorm+LayerNorm+LayerNorm+") and first not in proof["kinds"]
+    assert [entry["layer"] for entry in proof["kinds"].values()] == [1]
+
+
+def test_a_refusal_suggests_new_layers_after_the_last_only_where_that_works(tmp_path):
+    """RWKV halves its hidden state after every sixth layer (rescale_every=6): with 4 + 2 layers the sixth
+    is new wherever it goes, so the refusal does not send the user to --after 3 (DiffLLaMA's does:
+    tests/test_hybrid.py)."""
+    _save("rwkv", tmp_path / "src", rescale_every=6)
+    with pytest.raises(OtdusError, match=r"their index enters their computation\); or add --no-zero-init"):
+        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_residual_scale_that_follows_the_depth_is_rewritten(tmp_path):
+    """MiniCPM3 scales each residual branch by scale_depth / sqrt(num_hidden_layers): the rewritten
+    config keeps that quotient exactly, so every layer computes as before (zero-init was refused)."""
+    base = _save("minicpm3", tmp_path / "src")
+    _grows_exactly(tmp_path / "src", tmp_path / "out", base, layers=2)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["scale_depth"] / 6**0.5 == 1.4 / 4**0.5
+
+
+def test_post_norm_layers_refuse_zero_init_saying_why(tmp_path):
+    """OPT with its norms after the residual add (output = norm(x + f(x))): no zeroing makes a layer an
+    identity; the refusal says so, and copies without zero-init still work."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "opt", vocab_size=96, hidden_size=32, ffn_dim=48, num_hidden_layers=4, num_attention_heads=4,
+        word_embed_proj_dim=32, max_position_embeddings=64, do_layer_norm_before=False,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "opt")
+    post_norm = r"zero-init for derived:opt: .*\(post-norm: output = norm\(x \+ f\(x\)\);"
+    with pytest.raises(OtdusError, match=post_norm):
+        expand(str(tmp_path / "opt"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    assert not (tmp_path / "out").exists()
+    expand(str(tmp_path / "opt"), tmp_path / "copy", ExpandOptions(method="copy", layers=2))
+
+
+def test_layers_sharing_one_block_are_refused_naming_it(tmp_path):
+    """Zamba's hybrid layers all run one shared attention block, stored once: the refusal says so (it
+    said the checkpoint was incomplete)."""
+    _save(
+        "zamba", tmp_path / "src", **FIELDS, num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1,
+        mamba_d_state=8, mamba_expand=2, n_mamba_heads=2,
+    )  # fmt: skip
+    with pytest.raises(OtdusError, match=r"share one module's weights .* so a layer cannot be copied"):
+        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="copy", layers=2))
+    assert not (tmp_path / "out").exists()
+
+
+def test_saved_names_become_patterns_within_a_layer():
+    from otdus_cli.arch.saved_names import layer_suffix_patterns
+
+    experts = [f"model.layers.3.block_sparse_moe.experts.{e}.w2.weight" for e in range(4)]
+    assert layer_suffix_patterns(experts, 3) == [r"block_sparse_moe\.experts\.\d+\.w2\.weight"]
+    assert layer_suffix_patterns(["transformer.h.1.attn.attention.out_proj.weight"], 1) == [
+        r"attn\.attention\.out_proj\.weight"
+    ]
+    assert layer_suffix_patterns(["model.layers.2.mlp.down_proj.weight"], 1) is None
