@@ -25,7 +25,7 @@ from otdus_cli.cli.console import (
 )
 from otdus_cli.cli.flags import method_flags, with_flags, with_method_flags
 from otdus_cli.cli.shrinking import Calib, CalibTokens, Remove, Select
-from otdus_cli.cli.values import MethodName, device_parser, model_name
+from otdus_cli.cli.values import MethodName, device_parser, model_name, output_folder
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.registry import METHODS
 from otdus_cli.options import OutputDtype
@@ -281,9 +281,7 @@ def expand(
             max_shard_size=max_shard_size,
             seed=seed,
         )
-        out = out or (Path(recipe_obj.out) if recipe_obj and recipe_obj.out else None)
-        if out is None:
-            raise OtdusError("give --out (the output folder)")
+        out = output_folder(out, recipe_obj)
         say = WarningLines()
         if experts is None and expert_noise is not None:
             raise OtdusError("--expert-noise is the noise of --experts; give --experts too")

@@ -26,7 +26,7 @@ from otdus_cli.cli.console import (
 )
 from otdus_cli.cli.flags import method_flags as all_method_flags
 from otdus_cli.cli.flags import with_method_flags
-from otdus_cli.cli.values import device_parser, int_list, ints, model_name, text_spec
+from otdus_cli.cli.values import device_parser, int_list, ints, model_name, output_folder, text_spec
 from otdus_cli.errors import OtdusError
 from otdus_cli.options import OutputDtype
 from otdus_cli.plan.shrink_map import Selection, ShrinkMethod
@@ -251,9 +251,7 @@ def shrink(
             revision=revision,
             allow_unknown_arch=allow_unknown_arch,
         )
-        out = out or (Path(recipe_obj.out) if recipe_obj and recipe_obj.out else None)
-        if out is None:
-            raise OtdusError("give --out (the output folder)")
+        out = output_folder(out, recipe_obj)
         quiet_if_scoring(options)
         say = WarningLines()
         with byte_progress(show_progress(json_out) and world.is_main, "shrinking") as (set_total, advance):

@@ -98,3 +98,11 @@ def model_name(value: str) -> str:
             f"unknown bundled model {value!r}; choose one of {', '.join(BUNDLED_MODELS)}"
         )
     return value
+
+
+def output_folder(out: Path | None, recipe) -> Path:
+    """--out, else the recipe's ``out``; one of them is required."""
+    folder = out or (Path(recipe.out) if recipe is not None and recipe.out else None)
+    if folder is None:
+        raise OtdusError("give --out (the output folder)")
+    return folder
