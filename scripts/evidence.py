@@ -114,7 +114,12 @@ def run_studies(
             if not (EVIDENCE / study_set / name / "study.json").exists():  # the first arms of a new set
                 later.save(EVIDENCE / study_set / name)
                 command += f" --runs {','.join(runs)}" + (" --alone" if alone else "")
-                _log(f"{prefix}/{name} {','.join(runs)}", time.perf_counter() - t0, load, command)
+                _log(
+                    f"{prefix}/{name} {','.join(runs)}" + (" (alone)" if alone else ""),
+                    time.perf_counter() - t0,
+                    load,
+                    command,
+                )
                 continue
             stored = StudyResult.load(EVIDENCE / study_set / name)
             wanted = {m.label for m in stored.methods} | set(runs)
@@ -124,7 +129,10 @@ def run_studies(
                 merged = merged.recompute(recipe.reference)
             merged.save(EVIDENCE / study_set / name)
             command += f" --runs {','.join(runs)}" + (" --alone" if alone else "")
-            key = f"{prefix}/{name} +{','.join(runs)}"
+            # an arm run alone is keyed the same whether it started the stored study or joined it
+            key = (
+                f"{prefix}/{name} {','.join(runs)} (alone)" if alone else f"{prefix}/{name} +{','.join(runs)}"
+            )
         _log(key, time.perf_counter() - t0, load, command)
 
 
