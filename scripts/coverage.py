@@ -303,7 +303,7 @@ def write_table(path: Path, rows: list, counts: dict, version: str, stamp: str) 
         "class, expanded with `copy` (2 new layers) and `copy --zero-init` where otdus knows or proves the",
         "zero-init targets, then reloaded with AutoModelForCausalLM (the class that built it where that",
         "cannot read the saved config: Mllama's text model). Multimodal wrappers are built with the tiny",
-        "vision towers of tests/test_wrappers.py.",
+        "vision towers of tests/support/tiny_models.py.",
         "",
         f"**{expandable} of {len(rows)} architectures expand and reload**: {counts['exact']} with an exact",
         f"template, {counts['derived']} with a template derived from transformers; zero-init gives",
