@@ -60,7 +60,7 @@ RIVALS = ("drop", "laco")  # what the verdict weighs OT merging against
 HEALING: dict[str, Any] = {
     "seeds": [0, 1],
     "lr": 5e-4,
-    "until_plateau": {"eval_every": 15, "window": 3, "tolerance": 0.002, "noise": 2.0, "max_steps": 150},
+    "until_plateau": {"eval_every": 15, "window": 3, "tolerance": 0.002, "noise": 2.0, "max_steps": 600},
     "batch": 4,
     "seq_len": 128,
     "validation_fraction": 0.05,
