@@ -476,7 +476,8 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
                     cells.append(f"{c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}], p {p_holm}: {word}")
                 lines.append(f"| {ot} − {rival} | {' | '.join(cells)} |")
     verdict = [
-        f"- After healing, OT merging against {rival}: {_outcome(rival, words['lower'], words['higher'])} "
+        f"- After healing, OT merging against {rival}: "
+        f"{_outcome(rival, words['lower'], words['higher'], sum(words.values()))} "
         f"(OT's loss lower in {words['lower']} of {sum(words.values())} comparisons, higher in "
         f"{words['higher']}, no clear difference in {words['no clear difference']}; p < 0.05 after Holm's "
         "adjustment within each table)."
@@ -496,12 +497,19 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
     return lines, verdict
 
 
-def _outcome(rival: str, lower: int, higher: int) -> str:
-    """What a tally of OT-against-rival comparisons says."""
+def _outcome(rival: str, lower: int, higher: int, total: int) -> str:
+    """What a tally of OT-against-rival comparisons says: one side "beats" the other only where it is
+    ahead in most comparisons and behind in none."""
     if lower and not higher:
-        return f"OT merging beats {rival}"
+        return (
+            f"OT merging beats {rival}"
+            if 2 * lower > total
+            else f"OT merging is never shown worse than {rival}"
+        )
     if higher and not lower:
-        return f"{rival} beats OT merging"
+        if 2 * higher > total:
+            return f"{rival} beats OT merging"
+        return f"{rival} is never shown worse than OT merging"
     if lower and higher:
         return "mixed: OT merging is better in some comparisons and worse in others"
     return "no clear difference"
@@ -540,7 +548,8 @@ def render(data: dict) -> str:
         "(selections that chose the same layers counted once):",
         "",
         *(
-            f"- As written, OT merging against {rival}: {_outcome(rival, w['lower'], w['higher'])} "
+            f"- As written, OT merging against {rival}: "
+            f"{_outcome(rival, w['lower'], w['higher'], sum(w.values()))} "
             f"(OT's perplexity interval lower in {w['lower']} of {sum(w.values())} comparisons, higher in "
             f"{w['higher']}, overlapping in {w['overlapping']})."
             for rival, w in written_tally(data).items()
