@@ -27,23 +27,12 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 from tests.support.tiny_models import COMMON as TESTED_COMMON
+from tests.support.tiny_models import HYBRID_BASE
 from tests.support.tiny_models import HYBRID_CONFIGS as TESTED_HYBRIDS  # hybrid stacks, GPT-2 and Bloom
 from tests.support.tiny_models import TINY_CONFIGS as TESTED_CONFIGS
 from tests.support.tiny_models import WRAPPERS as TESTED_WRAPPERS  # multimodal: tiny vision towers too
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    head_dim=8,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+TINY = {**TESTED_COMMON, **HYBRID_BASE}  # the tests' tiny sizes, with head_dim and token ids
 # small expert counts and latent ranks for MoE / MLA configs (tried first; dropped if a config refuses them)
 TINY_MOE = dict(
     num_experts=4,

@@ -12,7 +12,6 @@ refused in one line.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -27,42 +26,9 @@ from tests.support.cli_checks import one_error_line
 from tests.support.tiny_models import HYBRID_BASE as _BASE
 from tests.support.tiny_models import HYBRID_CONFIGS as CONFIGS
 from tests.support.tiny_models import HYBRID_LAYER_TYPES as _TYPES
-from tests.support.tiny_models import build_tiny
+from tests.support.tiny_models import build_tiny, load_causal_lm, logits, save_perturbed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-IDS = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(0))
-
-
-def _build(model_type: str, folder: Path) -> torch.Tensor:
-    """Save a tiny random model (norms perturbed, so an identity is not luck); return its logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.for_model(model_type, **CONFIGS[model_type])
-        ).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1 and p.is_floating_point():
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    return _logits(model)
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=IDS).logits
-
-
-def _reload(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 def _kinds_of(model) -> list[str]:
@@ -75,7 +41,7 @@ def _kinds_of(model) -> list[str]:
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     root = tmp_path_factory.mktemp("hybrid")
-    return {mt: (root / mt, _build(mt, root / mt)) for mt in CONFIGS}
+    return {mt: (root / mt, save_perturbed(mt, CONFIGS[mt], root / mt)) for mt in CONFIGS}
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))
@@ -94,8 +60,8 @@ def test_llama_pro_keeps_the_logits_and_the_layer_kinds(hybrids, tmp_path, model
     ]
     assert set(proof["kinds"]) == set(base_kinds)
     assert all(entry["zeroed"] for entry in proof["kinds"].values())
-    grown = _reload(tmp_path / "out")
-    assert torch.equal(_logits(grown), base)
+    grown = load_causal_lm(tmp_path / "out")
+    assert torch.equal(logits(grown), base)
     planned = [base_kinds[lay.source] for lay in result.plan.layer_map]
     assert _kinds_of(grown) == planned
     assert grown.config.get_text_config().num_hidden_layers == len(planned) == result.plan.source.depth + 2
@@ -212,7 +178,7 @@ def test_zero_init_is_proved_for_the_plan_not_only_for_the_new_layers(tmp_path):
         expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
     assert not (tmp_path / "out").exists()
     expand(str(tmp_path / "src"), tmp_path / "last", ExpandOptions(method="llama-pro", after=[3, 3]))
-    assert torch.equal(_logits(_reload(tmp_path / "last")), _logits(_reload(tmp_path / "src")))
+    assert torch.equal(logits(load_causal_lm(tmp_path / "last")), logits(load_causal_lm(tmp_path / "src")))
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))
@@ -223,9 +189,9 @@ def test_shrink_drops_a_layer_and_the_layer_kinds_follow(hybrids, tmp_path, mode
     from otdus_cli.shrink import ShrinkOptions, shrink
 
     source = hybrids[model_type][0]
-    kinds = _kinds_of(_reload(source))
+    kinds = _kinds_of(load_causal_lm(source))
     shrink(str(source), tmp_path / "drop", ShrinkOptions(method="drop", remove=[1]))
-    assert _kinds_of(_reload(tmp_path / "drop")) == [kinds[i] for i in (0, 2, 3)]
+    assert _kinds_of(load_causal_lm(tmp_path / "drop")) == [kinds[i] for i in (0, 2, 3)]
     try:
         shrink(str(source), tmp_path / "avg", ShrinkOptions(method="average", remove=[1]))
     except OtdusError as exc:  # layers 0 and 1 are merged: refused when it cannot be done exactly
@@ -234,4 +200,17 @@ def test_shrink_drops_a_layer_and_the_layer_kinds_follow(hybrids, tmp_path, mode
         assert not (tmp_path / "avg").exists()
     else:
         assert kinds[0] == kinds[1]
-        assert _kinds_of(_reload(tmp_path / "avg")) == [kinds[i] for i in (0, 2, 3)]
+        assert _kinds_of(load_causal_lm(tmp_path / "avg")) == [kinds[i] for i in (0, 2, 3)]
+
+
+def test_shrink_renumbers_the_layer_index_lists(hybrids, tmp_path):
+    """Qwen3-Next lists its dense-MLP layers by index (mlp_only_layers [0]): dropping layer 0 leaves
+    none, and the reloaded layers are the kept ones' kinds (the index list was once left as it was)."""
+    from otdus_cli.shrink import ShrinkOptions, shrink
+
+    source = hybrids["qwen3_next"][0]
+    kinds = _kinds_of(load_causal_lm(source))
+    shrink(str(source), tmp_path / "drop", ShrinkOptions(method="drop", remove=[0]))
+    config = json.loads((tmp_path / "drop" / "config.json").read_text())
+    assert config["mlp_only_layers"] == [] and config["num_hidden_layers"] == 3
+    assert _kinds_of(load_causal_lm(tmp_path / "drop")) == kinds[1:]

@@ -11,7 +11,6 @@ share one block's weights) one line says why.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,11 +20,10 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
-from tests.support.tiny_models import HYBRID_BASE
+from tests.support.tiny_models import HYBRID_BASE, load_causal_lm, logits, save_perturbed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-IDS = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(0))
 FIELDS = {k: v for k, v in HYBRID_BASE.items() if "token_id" not in k}
 CONFIGS = {
     "granitemoe": {**FIELDS, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2},
@@ -40,33 +38,11 @@ CONFIGS = {
 
 
 def _save(model_type: str, folder: Path, **fields) -> torch.Tensor:
-    """A tiny random model saved by transformers (norms perturbed, so an identity is not luck); its logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = AutoConfig.for_model(model_type, **{**CONFIGS.get(model_type, {}), **fields})
-        model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1 and p.is_floating_point():
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    return _logits(model)
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=IDS, use_cache=False).logits
+    return save_perturbed(model_type, {**CONFIGS.get(model_type, {}), **fields}, folder)
 
 
 def _reloaded_logits(folder: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _logits(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
+    return logits(load_causal_lm(folder))
 
 
 def _random_ids_plan():

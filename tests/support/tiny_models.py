@@ -238,21 +238,29 @@ def logits(model, seed: int = 0, vocab: int | None = None, length: int = 24) -> 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab or model.config.vocab_size, (2, length), generator=gen)
     with torch.no_grad():
-        return model(input_ids=ids).logits
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def save_perturbed(model_type: str, fields: dict, folder: Path) -> torch.Tensor:
+    """A tiny random ``model_type`` model of config ``fields`` saved by transformers, its vectors (norms,
+    biases) perturbed so that an identity is not luck; returns its logits (:func:`logits`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1 and p.is_floating_point():
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return logits(model)
 
 
 # hybrid stacks (linear attention, Mamba, dense and MoE layers), GPT-2 and Bloom: tests/test_hybrid.py
-HYBRID_BASE = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    head_dim=8,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
+HYBRID_BASE = {k: v for k, v in COMMON.items() if k != "num_hidden_layers"} | dict(
+    head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2
 )
 _HYBRID_MOE = dict(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
