@@ -122,21 +122,30 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
     if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
         why = source.family.zero_init_note or "it needs an exact template (which tensors to zero)"
         raise OtdusError(f"zero-init for {source.family.name}: {why}; add --no-zero-init")
+    config, tensors = output_layout(source, layer_map, options.dtype)
+    return ExpansionPlan(source, method, options, layer_map, config, tensors)
+
+
+def output_layout(
+    source: SourceModel, layer_map: list[OutputLayer], dtype: str
+) -> tuple[dict, list[PlannedTensor]]:
+    """The config.json and the tensors of an output with ``layer_map`` (an expansion's or a shrink's):
+    the family's per-layer and index fields rewritten (a derived template's checked against
+    transformers' own build), in ``dtype`` unless "auto"."""
+    family = source.family
     config = rewrite_config(
         source.config,
         layer_map,
-        source.family.derives_layer_types,
-        source.family.per_layer_fields,
-        source.family.derived_fields,
-        source.family.index_fields,
+        family.derives_layer_types,
+        family.per_layer_fields,
+        family.derived_fields,
+        family.index_fields,
     )
-    if source.family.derived:
+    if family.derived:
         check_derived_plan(source, config, layer_map)
-    if options.dtype != "auto":
-        config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
-    return ExpansionPlan(
-        source, method, options, layer_map, config, _planned_tensors(source, layer_map, options.dtype)
-    )
+    if dtype != "auto":
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
+    return config, _planned_tensors(source, layer_map, dtype)
 
 
 if TYPE_CHECKING:

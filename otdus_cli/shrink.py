@@ -19,15 +19,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from otdus_cli.arch.config_rules import rewrite_config
 from otdus_cli.distributed import World, current_world
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import (
     ExpandResult,
     ExpansionPlan,
     ProgressFn,
-    _planned_tensors,
     expand,
+    output_layout,
 )
 from otdus_cli.methods.merge import SHRINK_METHODS
 from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS, OTOptions
@@ -194,12 +193,7 @@ def make_shrink_plan(
                 f"one, but they are of different kinds in {family.name} ({', '.join(sorted(kinds))}); "
                 "use --method drop or remove other layers"
             )
-    config = rewrite_config(
-        source.config, layer_map, family.derives_layer_types, family.per_layer_fields, family.derived_fields
-    )
-    if options.dtype != "auto":
-        config["torch_dtype" if "torch_dtype" in config else "dtype"] = options.dtype
-    tensors = _planned_tensors(source, layer_map, options.dtype)
+    config, tensors = output_layout(source, layer_map, options.dtype)
     return ShrinkPlan(source, method, options, layer_map, config, tensors, removed, scores)
 
 
