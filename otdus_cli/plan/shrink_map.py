@@ -144,12 +144,6 @@ def shrink_layers(depth: int, removed: Sequence[int], builder: str) -> list[Outp
     return out
 
 
-def removed_of(layer_map: Sequence[OutputLayer], depth: int) -> list[int]:
-    """The source layers a shrinking layer map no longer holds as layers of their own."""
-    kept = {lay.source for lay in layer_map}
-    return [i for i in range(depth) if i not in kept]
-
-
 def describe_removal(record: dict, measured: bool = True) -> str:
     """One line on what a shrink did, from its manifest's ``shrink`` record (verify's report);
     ``measured``: the report shows the change against the source (False: verify --static, which

@@ -329,8 +329,10 @@ class CheckpointWeights:
         return layer
 
     def free_layer(self, index: int) -> None:
-        """Layer ``index`` back on meta; its parameters' memory is kept for the next layer to load."""
+        """Layer ``index`` back on meta; its parameters' memory is kept for the next layer to load (only
+        the last freed layer's: layers of other shapes, in stacks of mixed kinds, would pile up)."""
         layer = self.layers[index]
+        self._spare = {}
         for param in layer.parameters():
             if not param.is_meta:
                 self._spare.setdefault((tuple(param.shape), param.dtype), []).append(param.data)
