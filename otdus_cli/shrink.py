@@ -204,7 +204,7 @@ def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | N
 
     count = removal_count(source.depth, options.layers, options.ratio)
     device = resolve_device(options.device, world)
-    return layer_scores(source.resolved.folder, options.calib, options.calib_tokens, count, device=device)
+    return layer_scores(source.reader, options.calib, options.calib_tokens, count, device=device)
 
 
 def plan_shrink(model: str, options: ShrinkOptions) -> ShrinkPlan:

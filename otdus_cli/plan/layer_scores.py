@@ -18,6 +18,7 @@ from collections import deque
 
 import torch
 
+from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.plan.shrink_map import LayerScores
 
 
@@ -29,21 +30,21 @@ def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def layer_scores(
-    folder: str | os.PathLike[str],
+    model: str | os.PathLike[str] | CheckpointReader,
     calib: str,
     calib_tokens: int,
     max_block: int,
     device: str | torch.device = "cpu",
 ) -> LayerScores:
-    """Block Influence of every layer and angular distances over blocks of 1..``max_block`` layers."""
-    from otdus_cli.io.reader import CheckpointReader
+    """Block Influence of every layer and angular distances over blocks of 1..``max_block`` layers, of
+    ``model`` (a folder, or the reader a plan has open already)."""
     from otdus_cli.methods.ot.calibration import calibration_windows
     from otdus_cli.verify.metrics import model_max_positions
     from otdus_cli.verify.streaming import StreamedModel
 
-    reader = CheckpointReader(folder)
+    reader = model if isinstance(model, CheckpointReader) else CheckpointReader(model)
     max_positions = model_max_positions(reader.config)
-    windows = calibration_windows(folder, calib, calib_tokens, max_positions, "scoring the layers")
+    windows = calibration_windows(reader.folder, calib, calib_tokens, max_positions, "scoring the layers")
     model = StreamedModel(reader, device=device, dtype=torch.float32, batch_size=8)
     acts = model.start([w.tolist() for w in windows])
     depth = model.num_layers

@@ -15,6 +15,7 @@ fault per 4 KiB on its first touch, more than reading and converting the data.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -236,12 +237,15 @@ class CheckpointWeights:
         return out
 
     # -- sizes ------------------------------------------------------------------------------------
+    @functools.cached_property
     def layer_shapes(self) -> list[tuple[int, ...]]:
-        """Shapes of the decoder layers' tensors on disk (all layers: a family may vary them)."""
+        """Shapes of the decoder layers' tensors on disk (all layers: a family may vary them); read once,
+        as batching asks for every window length."""
         return [
             tuple(self.reader.meta(n).shape) for s in self._sources for names in s.values() for n in names
         ]
 
+    @functools.cached_property
     def largest_layer_numel(self) -> int:
         """Elements of the largest decoder layer's tensors (all experts of a MoE layer)."""
         return max(

@@ -164,13 +164,13 @@ class StreamedModel:
         """The explicit batch size, else the automatic one for windows of ``length`` tokens."""
         if self.batch_size is not None:
             return self.batch_size
-        shapes = self.weights.layer_shapes()
+        shapes = self.weights.layer_shapes
         return auto_windows_per_batch(length, shapes, self.dtype, self.config, self.text_config)
 
     def layer_call_flop(self, windows: int, length: int) -> float:
         """Floating-point operations of one decoder-layer call (see ``batching.layer_call_flop``)."""
         hidden = int(getattr(self.text_config, "hidden_size", 0) or 0)
-        return layer_call_flop(windows, length, self.weights.largest_layer_numel(), hidden)
+        return layer_call_flop(windows, length, self.weights.largest_layer_numel, hidden)
 
     # -- the layer-by-layer forward -------------------------------------------------------------
     @torch.inference_mode()
