@@ -281,13 +281,25 @@ class CheckpointWeights:
             else:
                 block.copy_(self.reader.get_rows(name, start, start + step))
 
-    def _fused_experts(self, sources: tuple[str, ...], key: str) -> torch.Tensor:
-        """A fused experts tensor from its per-expert matrices on disk."""
+    def _copy_fused_experts(
+        self, target: torch.Tensor, sources: tuple[str, ...], key: str, name: str
+    ) -> None:
+        """target <- a fused experts tensor ``name``, one per-expert matrix from disk at a time (never a
+        stacked copy beside it)."""
         n = num_experts(self.text_config) or 0
-        tensors = [self.reader.get(name) for name in sources]
-        if key.endswith("gate_up_proj"):  # [E, 2I, H]: expert e = cat(gate_e, up_e) along rows
-            return torch.stack([torch.cat([tensors[e], tensors[n + e]], dim=0) for e in range(n)])
-        return torch.stack(tensors)  # [E, H, I] down projections
+        gate_up = key.endswith("gate_up_proj")  # [E, 2I, H]: expert e = cat(gate_e, up_e) along rows
+        if target.dim() != 3 or target.shape[0] != n or len(sources) != n * (2 if gate_up else 1):
+            raise OtdusError(
+                f"{self.folder.name}: {name} is stored as {len(sources)} per-expert tensors, config implies "
+                f"{tuple(target.shape)}"
+            )
+        half = target.shape[1] // 2
+        for e in range(n):
+            if gate_up:
+                self._copy_from_disk(target[e, :half], sources[e])
+                self._copy_from_disk(target[e, half:], sources[n + e])
+            else:  # [E, H, I] down projections
+                self._copy_from_disk(target[e], sources[e])
 
     def _allocate(self, module: nn.Module) -> None:
         """Parameters of ``module`` (on meta) on the device, taken from freed layers' tensors where one of
@@ -317,13 +329,7 @@ class CheckpointWeights:
                 if len(names) == 1:
                     self._copy_from_disk(target, names[0])
                     continue
-                value = self._fused_experts(names, key)
-                if tuple(target.shape) != tuple(value.shape):
-                    raise OtdusError(
-                        f"{self.folder.name}: {prefix + key} has shape {tuple(value.shape)}, "
-                        f"config implies {tuple(target.shape)}"
-                    )
-                target.copy_(value)
+                self._copy_fused_experts(target, names, key, prefix + key)
 
     # -- decoder layers ---------------------------------------------------------------------------
     def load_layer(self, index: int) -> nn.Module:
