@@ -38,11 +38,11 @@ CONFIGS = {
 
 
 def _save(model_type: str, folder: Path, **fields) -> torch.Tensor:
-    return save_perturbed(model_type, {**CONFIGS.get(model_type, {}), **fields}, folder)
+    return save_perturbed(model_type, {**CONFIGS.get(model_type, {}), **fields}, folder, use_cache=False)
 
 
 def _reloaded_logits(folder: Path) -> torch.Tensor:
-    return logits(load_causal_lm(folder))
+    return logits(load_causal_lm(folder), use_cache=False)
 
 
 def _random_ids_plan():

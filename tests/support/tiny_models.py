@@ -234,14 +234,17 @@ def load_causal_lm(folder: Path, dtype: torch.dtype = torch.float32):
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
 
 
-def logits(model, seed: int = 0, vocab: int | None = None, length: int = 24) -> torch.Tensor:
+def logits(
+    model, seed: int = 0, vocab: int | None = None, length: int = 24, use_cache: bool = True
+) -> torch.Tensor:
+    """Logits on random ids; ``use_cache=False`` for classes whose cache misbehaves on a bare forward."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab or model.config.vocab_size, (2, length), generator=gen)
     with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
+        return model(input_ids=ids, **({} if use_cache else {"use_cache": False})).logits
 
 
-def save_perturbed(model_type: str, fields: dict, folder: Path) -> torch.Tensor:
+def save_perturbed(model_type: str, fields: dict, folder: Path, use_cache: bool = True) -> torch.Tensor:
     """A tiny random ``model_type`` model of config ``fields`` saved by transformers, its vectors (norms,
     biases) perturbed so that an identity is not luck; returns its logits (:func:`logits`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -255,7 +258,7 @@ def save_perturbed(model_type: str, fields: dict, folder: Path) -> torch.Tensor:
             if p.dim() == 1 and p.is_floating_point():
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
-    return logits(model)
+    return logits(model, use_cache=use_cache)
 
 
 # hybrid stacks (linear attention, Mamba, dense and MoE layers), GPT-2 and Bloom: tests/test_hybrid.py
