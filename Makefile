@@ -99,7 +99,8 @@ faults: setup
 	$(PY) -m scripts.fault_inject --runs 120
 
 # every causal LM of the installed transformers: tiny model, expand, reload; writes docs/compatibility.md
-# (minutes; tests/test_arch_breadth.py and tests/test_derived.py hold a fast subset)
+# (minutes; tests/test_arch_breadth.py and tests/test_derived.py hold a fast subset); its tiny configs
+# come from scripts.tiny_configs
 coverage: setup
 	$(PY) -m scripts.coverage
 

@@ -26,80 +26,35 @@ import torch
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
-from tests.support.tiny_models import COMMON as TESTED_COMMON
-from tests.support.tiny_models import HYBRID_BASE
-from tests.support.tiny_models import HYBRID_CONFIGS as TESTED_HYBRIDS  # hybrid stacks, GPT-2 and Bloom
-from tests.support.tiny_models import TINY_CONFIGS as TESTED_CONFIGS
-from tests.support.tiny_models import WRAPPERS as TESTED_WRAPPERS  # multimodal: tiny vision towers too
+from scripts.tiny_configs import attempts, make_config, why_not_built, wrapper_attempts
 
-TINY = {**TESTED_COMMON, **HYBRID_BASE}  # the tests' tiny sizes, with head_dim and token ids
-# small expert counts and latent ranks for MoE / MLA configs (tried first; dropped if a config refuses them)
-TINY_MOE = dict(
-    num_experts=4,
-    num_local_experts=4,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    shared_expert_intermediate_size=16,
-    n_group=1,
-    topk_group=1,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,  # = head_dim, which MLA's rotary part uses
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-)
-# encoder-decoder classes' decoder settings (BART family, Whisper, PLBart: their causal LM is the decoder)
-TINY_DECODER = dict(
-    d_model=32,
-    decoder_layers=4,
-    encoder_layers=2,
-    decoder_attention_heads=4,
-    encoder_attention_heads=4,
-    decoder_ffn_dim=48,
-    encoder_ffn_dim=48,
-)
-# multi-head latent attention (and other classes) wanting as many key-value heads as query heads
-TINY_MLA = dict(num_key_value_heads=4)
 MAX_PARAMETERS = 20_000_000  # a config whose sizes our tiny fields do not reach is reported, not built
 
 
 def build(model_type: str, folder: Path) -> torch.Tensor:
     """Save a tiny random model; return its logits on fixed ids. Each set of tiny fields is tried in
     turn until one builds a small model that runs; else the error of the first that built a config."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    no_head_dim = {k: v for k, v in TINY.items() if k != "head_dim"}  # for classes that compute it
-    any_depth = {k: v for k, v in TINY.items() if k != "num_hidden_layers"}  # configs whose kinds fix it
-    tested = [  # the test suite's tiny configs, where it has one
-        *([{**TESTED_COMMON, **TESTED_CONFIGS[model_type]}] if model_type in TESTED_CONFIGS else []),
-        *([TESTED_HYBRIDS[model_type]] if model_type in TESTED_HYBRIDS else []),
-        *([TESTED_WRAPPERS[model_type]] if model_type in TESTED_WRAPPERS else []),
-    ]
-    attempts = [
-        *tested,
-        {**TINY, **TINY_MOE},
-        {**TINY, **TINY_MOE, **TINY_MLA},
-        {**TINY, **TINY_DECODER},
-        {**no_head_dim, **TINY_MOE},
-        TINY,
-        no_head_dim,
-        {**any_depth, **TINY_MOE},
-        {k: v for k, v in any_depth.items() if k != "head_dim"},
-    ]
+    tries = [*attempts(model_type), *wrapper_attempts(model_type)]
     refused: list[Exception] = []  # configs transformers refused
     failed: list[Exception] = []  # configs that built, then failed: their errors say more
-    for fields in attempts:
+    for fields in tries:
         try:
-            config = AutoConfig.for_model(model_type, **fields)
+            config = make_config(model_type, fields)
         except Exception as exc:
             refused.append(exc)
             continue
         try:
             with torch.device("meta"):
-                size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+                shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+            size = sum(shape.numel() for shape in shapes.values())
             if size > MAX_PARAMETERS:
-                raise RuntimeError(f"the tiny config still has {size / 1e6:.0f}M parameters")
+                name = max(shapes, key=lambda n: shapes[n].numel())
+                raise RuntimeError(
+                    f"the tiny config still has {size / 1e6:.0f}M parameters (the largest: {name}, "
+                    f"{list(shapes[name])})"
+                )
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config).eval()
             with torch.no_grad():
@@ -148,11 +103,18 @@ def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     try:
         base = build(model_type, src)
     except Exception as exc:
-        return "not built", "", f"tiny model: {type(exc).__name__}: {_one_line(exc)}", columns
+        return "not built", "", f"tiny model: {why_not_built(model_type, exc)}", columns
+    placement, elsewhere = {"method": "copy", "layers": 2}, ""
     try:
-        result = expand(str(src), root / "copy", ExpandOptions(method="copy", layers=2))
+        result = expand(str(src), root / "copy", ExpandOptions(**placement))
     except OtdusError as exc:
-        return "refused", "", _one_line(exc), columns
+        if ELSEWHERE not in str(exc):
+            return "refused", "", _one_line(exc), columns
+        found = _placement_keeping_kinds(src, root / "copy")
+        if found is None:
+            return "refused", "", _one_line(exc) + NO_PLACEMENT, columns
+        placement, result = found
+        elsewhere = f"; expands with {_flags(placement)} (otdus at --layers 2: {_one_line(exc)})"
     except Exception as exc:
         return "failed", "", f"expand: {type(exc).__name__}: {_one_line(exc)}", columns
     family = result.plan.source.family
@@ -162,16 +124,18 @@ def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
         assert _depth(grown, root / "copy") == result.manifest["num_hidden_layers"]
         logits_of(grown)
     except Exception as exc:
-        return "failed", family.name, f"copy does not reload: {type(exc).__name__}: {_one_line(exc)}", columns
+        failure = f"copy does not reload: {type(exc).__name__}: {_one_line(exc)}"
+        return "failed", family.name, failure + elsewhere, columns
     for method, column in (("ot", "OT"), ("lesa", "LESA")):
         columns[column] = "plans" if _plans(src, method) else "refused"
     if not family.zero_init:
         columns["zero-init"] = "refused"
-        return kind, family.name, f"zero-init refused: {family.zero_init_note or 'no targets'}", columns
+        note = family.zero_init_note or "no targets"
+        return kind, family.name, f"zero-init refused: {note}{elsewhere}", columns
     placed = ""
     try:
         try:
-            expand(str(src), root / "zero", ExpandOptions(method="copy", layers=2, zero_init=True))
+            expand(str(src), root / "zero", ExpandOptions(**placement, zero_init=True))
         except OtdusError as exc:
             # layers whose index enters their computation keep it with the new layers after the last one
             last = result.plan.source.depth - 1
@@ -184,15 +148,62 @@ def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
         same = torch.equal(base, logits_of(reload(root / "zero")))
     except OtdusError as exc:  # refused at plan time, saying why (names, positions)
         columns["zero-init"] = "refused"
-        return kind, family.name, f"zero-init refused: {_one_line(exc)}", columns
+        return kind, family.name, f"zero-init refused: {_one_line(exc)}{elsewhere}", columns
     except Exception as exc:
-        return "failed", family.name, f"zero-init: {type(exc).__name__}: {_one_line(exc)}", columns
+        return "failed", family.name, f"zero-init: {type(exc).__name__}: {_one_line(exc)}{elsewhere}", columns
     if not same:
-        return "failed", family.name, "zero-init logits differ from the base", columns
+        return "failed", family.name, f"zero-init logits differ from the base{elsewhere}", columns
     columns["zero-init"] = "bitwise"
     columns["verify"] = _verify(src, root / "zero")
     detail = "zero-init bit-identical" + (" (targets proved on the tiny model)" if family.derived else "")
-    return kind, family.name, detail + placed, columns
+    return kind, family.name, detail + placed + elsewhere, columns
+
+
+# otdus's refusal where the new layers' kinds would not be what transformers builds from the config
+ELSEWHERE = "place the new layers elsewhere"
+NO_PLACEMENT = (
+    "; no other placement keeps each layer's kind either (coverage tried 2 copied layers after every pair"
+    " of base layers, and --method solar and stack, which copy whole runs of layers)"
+)
+MAX_PAIR_DEPTH = 8  # deeper tiny stacks: only the placements that copy whole runs of layers are tried
+
+
+def _placement_keeping_kinds(src: Path, out: Path):
+    """Where otdus refuses 2 copied layers at its default place (a new layer's kind would not be the one
+    transformers builds at its index, for kinds that follow the layer index: a period, a pattern), the
+    first placement otdus accepts: 2 copies after any pair of base layers (``--after i,j``), then SOLAR
+    and stack, which copy whole runs of layers and so keep a periodic pattern; (placement, result) or
+    None."""
+    import json
+
+    from otdus_cli.arch.depth import DEPTH, depth_field
+    from otdus_cli.arch.wrappers import text_config
+
+    config = text_config(json.loads((src / "config.json").read_text()))
+    depth = config.get(depth_field(config) or DEPTH)
+    pairs = (
+        [[i, j] for i in range(depth) for j in range(i, depth)]
+        if isinstance(depth, int) and depth <= MAX_PAIR_DEPTH
+        else []
+    )
+    candidates = [
+        *({"method": "copy", "after": pair} for pair in pairs),
+        {"method": "solar", "layers": 2},
+        *([{"method": "stack", "layers": depth}] if isinstance(depth, int) else []),
+    ]
+    for placement in candidates:
+        try:
+            return placement, expand(str(src), out, ExpandOptions(**placement))
+        except OtdusError:
+            continue
+    return None
+
+
+def _flags(placement: dict) -> str:
+    """The expand flags of a placement: ``--method copy --after 3,3``."""
+    return " ".join(
+        f"--{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in placement.items()
+    )
 
 
 COLUMNS = ("zero-init", "OT", "LESA", "verify")
