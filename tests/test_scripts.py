@@ -18,6 +18,7 @@ SHELL = sorted(p.name for p in (ROOT / "scripts").glob("*.sh"))
 # test file -> the scripts it is about (the only scripts a test may import)
 TESTS_OF_SCRIPTS = {
     "test_docs": {"check_docs", "coverage"},
+    "test_tiny_configs": {"coverage", "tiny_configs"},
     "test_fault_inject": {"fault_inject"},
     "test_make_synthetic": {"make_synthetic"},
     "test_shrink_ppl": {"shrink_ppl"},
