@@ -26,48 +26,62 @@ import torch
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
-from scripts.tiny_configs import attempts, make_config, why_not_built, wrapper_attempts
+from scripts.tiny_configs import attempts, make_config, smaller_vocabularies, why_not_built, wrapper_attempts
 
 MAX_PARAMETERS = 20_000_000  # a config whose sizes our tiny fields do not reach is reported, not built
 
 
 def build(model_type: str, folder: Path) -> torch.Tensor:
     """Save a tiny random model; return its logits on fixed ids. Each set of tiny fields is tried in
-    turn until one builds a small model that runs; else the error of the first that built a config."""
-    from transformers import AutoModelForCausalLM
-
+    turn until one builds a small model that runs and saves; else the error of the first that built a
+    config."""
     tries = [*attempts(model_type), *wrapper_attempts(model_type)]
     refused: list[Exception] = []  # configs transformers refused
     failed: list[Exception] = []  # configs that built, then failed: their errors say more
     for fields in tries:
         try:
-            config = make_config(model_type, fields)
+            configs = [make_config(model_type, fields)]
         except Exception as exc:
             refused.append(exc)
             continue
-        try:
-            with torch.device("meta"):
-                shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
-            size = sum(shape.numel() for shape in shapes.values())
-            if size > MAX_PARAMETERS:
-                name = max(shapes, key=lambda n: shapes[n].numel())
-                raise RuntimeError(
-                    f"the tiny config still has {size / 1e6:.0f}M parameters (the largest: {name}, "
-                    f"{list(shapes[name])})"
-                )
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config).eval()
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.dim() == 1 and p.is_floating_point():
-                        p.add_(torch.randn_like(p) * 0.1)
-            logits = logits_of(model)
-        except Exception as exc:
-            failed.append(exc)
-            continue
-        model.save_pretrained(folder)
-        return logits
+        # then with its other vocabularies (per-layer embeddings, an unpadded size) as small as its own
+        if (smaller := smaller_vocabularies(configs[0], fields)) is not None:
+            try:
+                configs.append(make_config(model_type, smaller))
+            except Exception as exc:
+                refused.append(exc)
+        for config in configs:
+            try:
+                return _save_tiny(config, folder)
+            except Exception as exc:
+                shutil.rmtree(folder, ignore_errors=True)
+                failed.append(exc)
     raise (failed or refused)[0]
+
+
+def _save_tiny(config, folder: Path) -> torch.Tensor:
+    """Build the model of a tiny config (its vectors perturbed so an identity is not luck), run it and
+    save it; its logits. RuntimeError where the config is not tiny."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+    size = sum(shape.numel() for shape in shapes.values())
+    if size > MAX_PARAMETERS:
+        name = max(shapes, key=lambda n: shapes[n].numel())
+        raise RuntimeError(
+            f"the tiny config still has {size / 1e6:.0f}M parameters (the largest: {name}, "
+            f"{list(shapes[name])})"
+        )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1 and p.is_floating_point():
+                p.add_(torch.randn_like(p) * 0.1)
+    logits = logits_of(model)
+    model.save_pretrained(folder)
+    return logits
 
 
 def _one_line(exc: BaseException) -> str:

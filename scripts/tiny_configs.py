@@ -279,32 +279,29 @@ SATISFY_TRIES = 3  # validator demands met per set of fields (each names one val
 
 
 def make_config(model_type: str, fields: dict):
-    """The config of these fields, changed where a validator names the one value it accepts, and with
-    its other vocabularies (per-layer embeddings, an unpadded size) as small as its vocabulary."""
+    """The config of these fields, changed where a validator names the one value it accepts."""
     from transformers import AutoConfig
 
     for _ in range(SATISFY_TRIES):
         try:
-            config = AutoConfig.for_model(model_type, **fields)
-            break
+            return AutoConfig.for_model(model_type, **fields)
         except Exception as exc:
             fields = satisfy(fields, exc)
             if fields is None:
                 raise
-    else:
-        config = AutoConfig.for_model(model_type, **fields)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def smaller_vocabularies(config, fields: dict) -> dict | None:
+    """The fields with the config's other vocabularies (Gemma 3n's per-layer embeddings, Inkling's
+    unpadded size, BLT's hash n-grams) as small as its vocabulary; None where it has none larger."""
     vocab = fields.get("vocab_size", TINY["vocab_size"])
     other = {
         k: vocab
         for k, v in config.to_dict().items()
         if "vocab" in k and k != "vocab_size" and type(v) is int and v > vocab
     }
-    if not other:
-        return config
-    try:
-        return AutoConfig.for_model(model_type, **{**fields, **other})
-    except Exception:
-        return config
+    return {**fields, **other} if other else None
 
 
 _MUST_BE = re.compile(r"(\w+) must be (-?\d+), got")
