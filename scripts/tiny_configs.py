@@ -85,6 +85,15 @@ NEEDS: dict[str, tuple[dict, str]] = {
         "its causal LM takes a decoder config only, and the axial position shape must multiply to the length",
     ),
     "xmod": (dict(default_language="en_XX"), "its model refuses input until a language adapter is chosen"),
+    "cohere_compass_text": (
+        dict(
+            rope_parameters={
+                kind: {"rope_type": "default", "rope_theta": 10000.0}
+                for kind in ("full_attention", "sliding_attention")
+            }
+        ),
+        "its config leaves rope_parameters empty, and the model reads one entry per layer type",
+    ),
     "dots1": (
         dict(n_shared_experts=1),
         "its config leaves n_shared_experts unset, and the model multiplies by it",
