@@ -2,9 +2,11 @@
 against an exact template's and proved on a tiny instance (arch/derived_roles.py); refused in one line
 where they were not, per layer kind in a hybrid stack.
 
-ERNIE 4.5 and Seed-OSS (llama-like layers under their own class names; both transformers 5 and 4.57.6 ship
-them), GLM-4.5 (glm4_moe: dense first layers with roles, MoE layers without), Qwen3.5 (linear attention;
-a gated full attention whose q_proj holds twice the heads' rows) and GPT-2 (other names).
+ERNIE 4.5, Seed-OSS and Gemma (llama-like layers under their own class names, Gemma's norms scaling by
+1 + w; transformers 5 and 4.57.6 both ship them), EXAONE 3 (llama's layers, which transformers 5 saves
+under other names: transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers
+with roles, MoE layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds
+twice the heads' rows) and GPT-2 (other names).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from tests.support.tiny_models import COMMON, HYBRID_CONFIGS, load_causal_lm, lo
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-LLAMA_LIKE = ("ernie4_5", "seed_oss")
+# llama's roles under other class names; Gemma's norms scale by 1 + w (the proof finds the offset)
+NORM_OFFSET = {"ernie4_5": 0.0, "seed_oss": 0.0, "gemma": 1.0}
+LLAMA_LIKE = tuple(NORM_OFFSET)
 # GLM-4.5 with two dense layers first (a pair OT can build from), then MoE layers
 GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense_replace": 2}
 
@@ -59,6 +63,7 @@ def test_ot_and_lesa_on_a_derived_llama_like_template(models, tmp_path, model_ty
     assert manifest["function_preserving"]
     proof = manifest["source"]["roles_proof"]
     assert proof["template"] == "llama" and "unmatched" not in proof
+    assert proof["norm_offset"] == family.norm_offset == NORM_OFFSET[model_type]
     assert set(proof["kinds"]) == set(family.role_kinds) and len(proof["kinds"]) == 1
     # the new layers are computed (not copies of a parent): their q projections differ from both parents'
     new = [lay for lay in result.plan.layer_map if lay.new]
@@ -73,6 +78,26 @@ def test_ot_and_lesa_on_a_derived_llama_like_template(models, tmp_path, model_ty
     assert torch.equal(logits(load_causal_lm(tmp_path / "out")), base)
     report = verify_expansion(src, tmp_path / "out", _random_ids_plan())
     assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict
+
+
+def test_roles_under_the_names_transformers_saves_them(tmp_path):
+    """EXAONE 3: transformers 5 builds llama's modules but saves them as transformer.h.N.attn.attention...;
+    the roles are read under the saved names, and OT's activation pre-pass hooks the modules by their
+    names in the class (the bundled stories260K tokenizer gives it calibration text)."""
+    from otdus_cli.arch.families import LLAMA_ROLES
+    from otdus_cli.bundled import STORIES260K
+    from otdus_cli.methods.ot.options import OTOptions
+
+    src = tmp_path / "exaone"
+    base = save_perturbed("exaone", {**COMMON, "vocab_size": 512, "max_position_embeddings": 256}, src)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        (src / name).write_bytes((STORIES260K / name).read_bytes())
+    options = ExpandOptions(method="ot", layers=1, ot=OTOptions(variant="activation", calib_tokens=2048))
+    result = expand(str(src), tmp_path / "out", options)
+    family = result.plan.source.family
+    assert family.roles["q"] == "attn.attention.q_proj" and family.role_modules == LLAMA_ROLES
+    assert result.manifest["source"]["roles_proof"]["modules"] == LLAMA_ROLES
+    assert torch.equal(logits(load_causal_lm(tmp_path / "out")), base)
 
 
 def test_ot_between_the_kinds_with_roles_of_a_hybrid_stack(models, tmp_path):
@@ -159,3 +184,21 @@ def test_names_and_shapes_decide_the_match():
     assert "self_attn.k_proj.weight has shape [16, 32]" in shape_error(
         fam, shapes, {**COMMON, "num_key_value_heads": 4}
     )
+
+
+def test_plan_says_whose_roles_and_refuses_a_pair_without(models, tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    src = str(models["glm4_moe"][0])
+    text = CliRunner().invoke(app, ["plan", src, "--method", "ot", "--after", "0"])
+    assert text.exit_code == 0, text.output
+    assert (
+        "roles: llama's, matched by name and proved on a tiny instance for the Glm4MoeAttention+Glm4MoeMLP"
+        in (" ".join(text.output.split()))
+    )
+    as_json = CliRunner().invoke(app, ["plan", src, "--method", "ot", "--after", "0", "--json"])
+    assert json.loads(as_json.stdout)["roles_proof"]["kinds"] == {"Glm4MoeAttention+Glm4MoeMLP": {"layer": 0}}
+    refused = CliRunner().invoke(app, ["plan", src, "--method", "ot", "--after", "3"])
+    one_error_line(refused, message="place it between layers with roles (--after with any of 0)")

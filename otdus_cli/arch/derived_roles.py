@@ -14,7 +14,8 @@ The match is proved on the tiny instance zero-init is proved on (arch/identity.p
   and down columns per neuron) leaves its output unchanged: a tensor the names do not explain (a
   per-head parameter left in place, a head split of another size) changes it. Allclose in float32, not
   bitwise: the permutation changes the order of the sums;
-* its norms behave as the template's: a zero weight gives zeros (w), or not (Gemma's 1 + w);
+* its norms scale by their weight w, or by 1 + w (Gemma's), which the kind then takes as its norm
+  offset whatever the template's;
 * a pre-norm template's norms read the residual stream in sequence: with o zeroed the MLP's norm reads
   the layer's input, and with o in place it does not (so attention and MLP do not run in parallel).
 
@@ -48,6 +49,8 @@ class RoleProof:
     layers: dict[str, int] = field(default_factory=dict)  # proved kind -> the layer the proof ran on
     unmatched: dict[str, str] = field(default_factory=dict)  # kind -> why it has no roles
     instance: str = ""
+    # the roles' module paths in transformers' class, where the template's roles (as saved) differ
+    modules: dict[str, str] | None = None
 
     def record(self) -> dict:
         """The proof as the manifest records it."""
@@ -55,11 +58,13 @@ class RoleProof:
             "check": "names: every tensor of the layer is a role's weight or bias of the template, shapes "
             "as the config gives them; proof: permuting one layer's attention heads (by KV group and "
             "within it) and MLP neurons by these roles leaves its output unchanged (float32, relative "
-            f"tolerance {PERMUTATION_TOLERANCE:g}, {_SEQUENCE} random tokens), its norms act as the "
-            "template's, a pre-norm layer's norms read the residual stream in sequence",
+            f"tolerance {PERMUTATION_TOLERANCE:g}, {_SEQUENCE} random tokens); its norms scale by w "
+            "(norm_offset 0) or 1 + w (1); a pre-norm layer's norms read the residual stream in sequence",
             "instance": self.instance,
             "template": self.template.name if self.template else None,
             "roles": dict(self.template.roles) if self.template else {},
+            "norm_offset": self.template.norm_offset if self.template else None,
+            **({"modules": dict(self.modules)} if self.modules else {}),
             "kinds": {kind: {"layer": layer} for kind, layer in self.layers.items()},
             **({"unmatched": dict(self.unmatched)} if self.unmatched else {}),
         }
@@ -195,12 +200,19 @@ def derive_roles(config: dict, found: dict) -> RoleProof:
     layers = modules_of(model, found["layer_list"])
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(2))
+    offsets: dict[str, float] = {}
     for kind in matched:
         index = found["kinds"].index(kind)
         layer = layers[index]
         tensors = {name: list(p.shape) for name, p in layer.named_parameters()}
         try:
-            why = shape_error(template, tensors, tiny_text) or _prove(model, layer, template, tiny_text, ids)
+            why = shape_error(template, tensors, tiny_text)
+            offset = None if why else _norm_offset(layer, template)
+            if isinstance(offset, str):
+                why = offset
+            elif offset is not None:
+                offsets[kind] = offset
+                why = _prove(model, layer, replace(template, norm_offset=offset), tiny_text, ids)
         except Exception as exc:
             why = f"layer {index} did not run on the tiny instance ({type(exc).__name__})"
         if why:
@@ -209,13 +221,25 @@ def derive_roles(config: dict, found: dict) -> RoleProof:
             proof.layers[kind] = index
     if not proof.layers:
         return proof
+    # norms that scale by w or by 1 + w (Gemma's): the kinds that take roles share one
+    offset = offsets[next(iter(proof.layers))]
+    for kind in [k for k in proof.layers if offsets[k] != offset]:
+        proof.unmatched[kind] = (
+            "its norms scale by another gain (w or 1 + w) than the other kinds' with roles"
+        )
+        del proof.layers[kind]
+    if offset != template.norm_offset:
+        template = replace(template, norm_offset=offset)
     first = min(proof.layers.values())
     stored = _stored_roles(model, f"{found['layer_list']}.{first}.", first, template.roles)
     if isinstance(stored, str):
         proof.unmatched |= dict.fromkeys(proof.layers, stored)
         proof.layers = {}
         return proof
-    proof.template = replace(template, roles=stored) if stored != template.roles else template
+    if stored != template.roles:
+        proof.template, proof.modules = replace(template, roles=stored), dict(template.roles)
+    else:
+        proof.template = template
     return proof
 
 
@@ -241,11 +265,7 @@ def _stored_roles(model, prefix: str, index: int, roles: dict[str, str]) -> dict
 
 def _prove(model, layer, fam: Family, config: dict, ids) -> str | None:
     """Why ``layer`` does not compute as ``fam``'s roles say (see module), or None."""
-    return (
-        _norms_error(layer, fam)
-        or _sequence_error(model, layer, fam, ids)
-        or _permutation_error(model, layer, fam, config, ids)
-    )
+    return _sequence_error(model, layer, fam, ids) or _permutation_error(model, layer, fam, config, ids)
 
 
 def _permutation_error(model, layer, fam: Family, config: dict, ids) -> str | None:
@@ -328,10 +348,13 @@ def _layer_output(model, layer, ids):
     return seen["out"]
 
 
-def _norms_error(layer, fam: Family) -> str | None:
-    """A norm of the template's (w) gives zeros with a zero weight; one of Gemma's (1 + w) does not."""
+def _norm_offset(layer, fam: Family) -> float | str:
+    """The gain of the layer's norms: 0.0 where a norm multiplies by its weight w (a zero weight gives
+    zeros), 1.0 where by 1 + w (Gemma's: a zero weight gives half what a weight of ones does); else why
+    neither. Every norm role of ``fam`` must agree."""
     import torch
 
+    found: set[float] = set()
     for role in _HIDDEN_NORMS:
         if role not in fam.roles:
             continue
@@ -343,15 +366,22 @@ def _norms_error(layer, fam: Family) -> str | None:
             with torch.no_grad():
                 for p in own.values():
                     p.zero_()
-                zero = not bool(norm(x).any())
+                at_zero = norm(x)
+                own["weight"].fill_(1.0)
+                at_one = norm(x)
         finally:
             with torch.no_grad():
                 for name, value in saved.items():
                     own[name].copy_(value)
-        if zero != (fam.norm_offset == 0):
-            got = "zeros" if zero else "a nonzero output"
-            return f"{fam.roles[role]} with a zero weight gives {got}, unlike the norms of {fam.name}"
-    return None
+        if not at_zero.any():
+            found.add(0.0)
+        elif torch.allclose(at_one, 2 * at_zero, rtol=1e-5, atol=1e-6):
+            found.add(1.0)
+        else:
+            return f"{fam.roles[role]} scales its output by neither its weight w nor 1 + w"
+    if len(found) > 1:
+        return "its norms scale some by w, some by 1 + w"
+    return found.pop() if found else fam.norm_offset
 
 
 def _sequence_error(model, layer, fam: Family, ids) -> str | None:

@@ -99,6 +99,9 @@ class Family:
     role_kinds: frozenset[str] | None = None
     # a derived template: how its roles were matched and proved, and why the other kinds have none
     roles_proof: dict | None = None
+    # a derived template whose checkpoints store its roles under other names than transformers' class
+    # holds their modules (EXAONE 3's attn.attention.q_proj for self_attn.q_proj): the modules' paths
+    role_modules: dict[str, str] | None = None
     # config fields with one entry per layer besides DEPTH_FIELDS' (found by a derived template)
     per_layer_fields: tuple[str, ...] = ()
     # DEPTH_FIELDS transformers derives from other fields when config.json lacks them (Llama 4's
@@ -357,6 +360,7 @@ def _derived_family(config_json: str) -> Family:
         traits=template.traits if template else frozenset(),
         role_kinds=frozenset(roles.layers),
         roles_proof=roles.record(),
+        role_modules=roles.modules,
         zero_init=() if proof.failure else proof.patterns(),
         derives_layer_types=found["derives_layer_types"],
         layer_prefix=found["layer_list"] + ".{i}.",  # on disk as in memory, or a wrapper's (io/stack.py)
