@@ -10,10 +10,10 @@ template's traits and norm offset, so each method's ``refuses`` table applies as
 The match is proved on the tiny instance zero-init is proved on (arch/identity.py), one layer per kind:
 
 * permuting the layer's attention heads (the KV heads, with the query heads of each GQA group, and
-  within each group) and its MLP neurons by the roles (q/k/v rows and o columns per head; gate/up rows
-  and down columns per neuron) leaves its output unchanged: a tensor the names do not explain (a
-  per-head parameter left in place, a head split of another size) changes it. Allclose in float32, not
-  bitwise: the permutation changes the order of the sums;
+  within each group), the dimensions of its value heads, and its MLP neurons by the roles (q/k/v rows
+  and o columns per head; gate/up rows and down columns per neuron) leaves its output unchanged: a
+  tensor the names do not explain (a per-head parameter left in place, a head split of another size)
+  changes it. Allclose in float32, not bitwise: the permutation changes the order of the sums;
 * its norms scale by their weight w, or by 1 + w (Gemma's), which the kind then takes as its norm
   offset whatever the template's;
 * a pre-norm template's norms read the residual stream in sequence: with o zeroed the MLP's norm reads
@@ -57,9 +57,10 @@ class RoleProof:
         return {
             "check": "names: every tensor of the layer is a role's weight or bias of the template, shapes "
             "as the config gives them; proof: permuting one layer's attention heads (by KV group and "
-            "within it) and MLP neurons by these roles leaves its output unchanged (float32, relative "
-            f"tolerance {PERMUTATION_TOLERANCE:g}, {_SEQUENCE} random tokens); its norms scale by w "
-            "(norm_offset 0) or 1 + w (1); a pre-norm layer's norms read the residual stream in sequence",
+            "within it), value-head dimensions and MLP neurons by these roles leaves its output "
+            f"unchanged (float32, relative tolerance {PERMUTATION_TOLERANCE:g}, {_SEQUENCE} random "
+            "tokens); its norms scale by w (norm_offset 0) or 1 + w (1); a pre-norm layer's norms read "
+            "the residual stream in sequence",
             "instance": self.instance,
             "template": self.template.name if self.template else None,
             "roles": dict(self.template.roles) if self.template else {},
@@ -157,7 +158,16 @@ def shape_error(fam: Family, tensors: dict[str, list[int]], config: dict) -> str
 
 def derive_roles(config: dict, found: dict) -> RoleProof:
     """Match every layer kind of the derived template ``found`` (arch/derived.py: derive_template) against
-    the exact templates' roles and prove the matches on the tiny instance (see module)."""
+    the exact templates' roles and prove the matches on the tiny instance (see module). Roles are optional
+    (copy-type methods and zero-init need none): a derivation that fails leaves every kind without."""
+    try:
+        return _derive_roles(config, found)
+    except Exception as exc:
+        why = f"deriving its roles failed ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+        return RoleProof(unmatched=dict.fromkeys(found["kinds"], why))
+
+
+def _derive_roles(config: dict, found: dict) -> RoleProof:
     from otdus_cli.arch.derived import modules_of
     from otdus_cli.arch.identity import tiny_instance
 
@@ -285,8 +295,12 @@ def _permutation_error(model, layer, fam: Family, config: dict, ids) -> str | No
     by_role = {"q": query, "k": kv, "v": kv, "gate": neurons, "up": neurons}
     size = {"q": heads.head_dim, "k": heads.head_dim, "v": heads.head_dim, "gate": 1, "up": 1}
 
+    # the dimensions of a value head, which only o's columns read (OT's structured variant aligns them)
+    value_dims = torch.arange(heads.head_dim).flip(0)
+
     def rows(role: str, t):  # whole heads (or neurons) of rows, reordered
-        return t.reshape(len(by_role[role]), size[role], *t.shape[1:])[by_role[role]].reshape(t.shape)
+        units = t.reshape(len(by_role[role]), size[role], *t.shape[1:])[by_role[role]]
+        return (units[:, value_dims] if role == "v" else units).reshape(t.shape)
 
     def permuted(role: str, kind: str, t):
         if role in fam.fused:
@@ -296,7 +310,7 @@ def _permutation_error(model, layer, fam: Family, config: dict, ids) -> str | No
         if role in by_role:
             return rows(role, t)
         if kind == "weight" and role == "o":
-            cols = t.reshape(t.shape[0], heads.n_q, heads.head_dim)[:, query]
+            cols = t.reshape(t.shape[0], heads.n_q, heads.head_dim)[:, query][:, :, value_dims]
             return cols.reshape(t.shape)
         if kind == "weight" and role == "down":
             return t[:, neurons]
