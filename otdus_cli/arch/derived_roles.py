@@ -91,8 +91,9 @@ def role_templates() -> list[Family]:
 
 
 def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
-    """The template whose roles are exactly a layer's tensors (names -> shapes), or None and why not."""
-    closest: tuple[int, Family, list[str], list[str]] | None = None
+    """The template whose roles are exactly a layer's tensors (names -> shapes), or None and why not (with
+    the template whose roles explain most of them)."""
+    closest: tuple[tuple[int, int], Family, list[str], list[str]] | None = None
     for fam in role_templates():
         paths = set(fam.roles.values())
         missing = [path for path in fam.roles.values() if f"{path}.weight" not in tensors]
@@ -103,11 +104,14 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
         ]
         if not missing and not unexplained:
             return fam, ""
-        if closest is None or len(missing) + len(unexplained) < closest[0]:
-            closest = (len(missing) + len(unexplained), fam, missing, unexplained)
+        score = (len(unexplained), len(missing))
+        if closest is None or score < closest[0]:
+            closest = (score, fam, missing, unexplained)
     assert closest is not None
     _, fam, missing, unexplained = closest
-    parts = [f"no {', '.join(missing[:3])}" if missing else "", _listed(unexplained, "not its roles")]
+    if len(unexplained) == len(tensors):
+        return None, f"its tensors ({_listed(list(tensors), '')}) are no exact template's roles"
+    parts = [f"no {_listed(missing, '')}" if missing else "", _listed(unexplained, " not its roles")]
     return (
         None,
         f"its tensors are no exact template's roles (closest, {fam.name}: "
@@ -119,7 +123,7 @@ def _listed(names: list[str], what: str) -> str:
     if not names:
         return ""
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return f"{', '.join(names[:3])}{more} {what}"
+    return f"{', '.join(names[:3])}{more}{what}"
 
 
 def shape_error(fam: Family, tensors: dict[str, list[int]], config: dict) -> str | None:
