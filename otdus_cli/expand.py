@@ -30,6 +30,7 @@ from otdus_cli.arch.config_rules import (
     validate_with_transformers,
 )
 from otdus_cli.arch.derived import check_derived_plan
+from otdus_cli.arch.derived_roles import check_role_kinds
 from otdus_cli.device import resolve_device
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError
@@ -91,14 +92,23 @@ class ExpansionPlan:
 
 def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
     method = get_method(options.method)
-    if source.family.copy_only and method.builder != "copy":
-        if source.family.name == "generic":
+    family = source.family
+    if family.copy_only and method.builder != "copy":
+        if family.name == "generic":
             raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
-        raise OtdusError(
-            f"--method {method.name} computes new tensors from the layer roles (q/k/v/o, gate/up/down) of "
-            f"an exact template; {source.family.name} was read off transformers' class, which names no "
-            "roles: use copy, interpose, llama-pro, solar or stack"
-        )
+        if not method.needs_roles:
+            also = ", ot or lesa" if family.roles else ""
+            raise OtdusError(
+                f"--method {method.name} needs an exact template; {family.name} was read off transformers' "
+                f"class: use copy, interpose, llama-pro, solar or stack{also}"
+            )
+        if not family.roles:
+            why = "; ".join(f"{k}: {v}" for k, v in (family.roles_proof or {}).get("unmatched", {}).items())
+            raise OtdusError(
+                f"--method {method.name} computes new tensors from the layer roles (q/k/v/o, gate/up/down); "
+                f"{family.name} was read off transformers' class, and no kind of its layers has an exact "
+                f"template's roles ({why or 'none'}): use copy, interpose, llama-pro, solar or stack"
+            )
     refusal = method.refusal(source.family)
     if refusal:
         raise OtdusError(
@@ -119,6 +129,8 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
         method.zero_init_for(options.method_variant()) if options.zero_init is None else options.zero_init,
     )
     check_parent_kinds(source.family, source.text_config, source.depth, layer_map, method.name)
+    if method.needs_roles:
+        check_role_kinds(source, layer_map, method.name)
     if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
         why = source.family.zero_init_note or "it needs an exact template (which tensors to zero)"
         raise OtdusError(f"zero-init for {source.family.name}: {why}; add --no-zero-init")

@@ -63,6 +63,7 @@ class ManifestSource(BaseModel):
     family: str | None = None
     num_hidden_layers: int | None = None
     zero_init_proof: dict | None = None  # a derived template's zero-init targets, proved (arch/identity.py)
+    roles_proof: dict | None = None  # a derived template's roles, matched and proved (arch/derived_roles.py)
     kind: str | None = None  # "local", "hub", "bundled" (absent in manifests of otdus <= 0.1.0 runs)
     config_sha256: str | None = None
     index_sha256: str | None = None
@@ -160,6 +161,7 @@ def source_record(src: SourceModel) -> ManifestSource:
         family=src.family.name,
         num_hidden_layers=src.depth,
         **({"zero_init_proof": src.family.zero_init_proof} if src.family.zero_init_proof else {}),
+        **({"roles_proof": src.family.roles_proof} if src.family.roles_proof else {}),
         kind=src.resolved.kind,
         **src.reader.fingerprint(),
         fingerprints=stack_fingerprints(src),

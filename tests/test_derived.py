@@ -2,7 +2,7 @@
 
 Copy-type methods work, reloading in transformers with every copied byte in place; zero-init zeroes the
 tensors proved on a tiny instance (arch/identity.py; tests/test_hybrid.py); methods that need roles
-are refused with one line.
+are refused with one line where no layer kind's roles were proved (tests/test_derived_roles.py).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def test_copy_methods_on_a_derived_template(models, tmp_path, model_type, prefix
 @pytest.mark.parametrize(
     ("model_type", "args", "message"),
     [
-        ("gemma", ["--method", "average"], "which names no roles: use copy, interpose, llama-pro"),
-        ("opt", ["--method", "ot"], "which names no roles: use copy, interpose, llama-pro"),
+        ("gemma", ["--method", "average"], "needs an exact template; derived:gemma was read off"),
+        ("opt", ["--method", "ot"], "no kind of its layers has an exact template's roles"),
     ],
 )
 def test_derived_template_refusals(models, tmp_path, model_type, args, message):

@@ -5,8 +5,9 @@ model_types transformers ships); its decoder layer list, each layer's kind (atte
 attention / Mamba, dense / MoE: the classes of its parts) and the config fields that follow the layers
 (one entry per layer, or lists of layer indices) are read off it. A new layer copies its source's kind;
 the rewritten config is built again by transformers at plan time to check that every output layer
-comes out of the kind planned (check_planned_kinds). Such a template knows no roles, so it allows
-copy-type methods only; its zero-init targets are proved on a tiny instance (arch/identity.py).
+comes out of the kind planned (check_planned_kinds). Its zero-init targets are proved on a tiny instance
+(arch/identity.py); the roles OT-DUS and LESA need, where a kind's tensors are an exact template's, are
+matched and proved in arch/derived_roles.py.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def derivable(model_type: str) -> bool:
 
 def derive_template(config: dict) -> dict:
     """What transformers' class for ``config`` says about its decoder stack: ``{"model_type", "class",
-    "layer_list", "kinds", "per_layer_fields", "index_fields", "derives_layer_types"}``; OtdusError when
-    it has none we can use."""
+    "layer_list", "kinds", "tensors", "per_layer_fields", "index_fields", "derives_layer_types"}``;
+    OtdusError when it has none we can use."""
     model_type = config.get("model_type")
     text = text_config(config)
     depth = stated_depth(text)
@@ -58,7 +59,8 @@ def derive_template(config: dict) -> dict:
             f"module's weights ({name}; a checkpoint stores them once, under layer {first}), so a layer "
             f"cannot be copied on its own; {_NEEDS_TEMPLATE}"
         )
-    kinds = layer_kinds(modules_of(model, layer_list))
+    layers = modules_of(model, layer_list)
+    kinds = layer_kinds(layers)
     loaded_text = loaded.get_text_config().to_dict()
     per_layer = sorted(
         name
@@ -87,6 +89,11 @@ def derive_template(config: dict) -> dict:
         "class": type(model).__name__,
         "layer_list": layer_list,
         "kinds": kinds,
+        # each kind's tensors (of its first layer) and their shapes: what derived_roles.py matches
+        "tensors": {
+            kind: {name: list(p.shape) for name, p in layers[kinds.index(kind)].named_parameters()}
+            for kind in dict.fromkeys(kinds)
+        },
         "per_layer_fields": per_layer,
         "index_fields": sorted(index_fields),
     }

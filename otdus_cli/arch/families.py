@@ -91,8 +91,17 @@ class Family:
     layer_kind: Callable[[dict, int], str] = uniform_layers
     # traits of its layers some methods cannot build (the constants above; MOE follows ``moe``)
     traits: frozenset[str] = frozenset()
-    # a template without roles (generic, or derived from transformers): copy-type methods only
+    # a template not written here (generic, or derived from transformers): copy-type methods, and the
+    # methods that compute layers from roles (OT-DUS, LESA) only on the kinds in role_kinds
     copy_only: bool = False
+    # the layer kinds ``roles`` describe: None for an exact template (every layer); for a derived one the
+    # kinds whose tensors matched an exact template's roles, proved on a tiny instance (derived_roles.py)
+    role_kinds: frozenset[str] | None = None
+    # a derived template: how its roles were matched and proved, and why the other kinds have none
+    roles_proof: dict | None = None
+    # a derived template whose checkpoints store its roles under other names than transformers' class
+    # holds their modules (EXAONE 3's attn.attention.q_proj for self_attn.q_proj): the modules' paths
+    role_modules: dict[str, str] | None = None
     # config fields with one entry per layer besides DEPTH_FIELDS' (found by a derived template)
     per_layer_fields: tuple[str, ...] = ()
     # DEPTH_FIELDS transformers derives from other fields when config.json lacks them (Llama 4's
@@ -333,16 +342,25 @@ def derived_family(config: dict) -> Family:
 @functools.lru_cache(maxsize=8)
 def _derived_family(config_json: str) -> Family:
     from otdus_cli.arch.derived import derive_template
+    from otdus_cli.arch.derived_roles import derive_roles
     from otdus_cli.arch.identity import prove_identity
 
     config = json.loads(config_json)
     found = derive_template(config)
     kinds = tuple(found["kinds"])
     proof = prove_identity(config, found["layer_list"], list(kinds))
+    roles = derive_roles(config, found)
+    template = roles.template  # the exact template whose roles (traits, norms, fused tensors) it took
     return Family(
         f"derived:{found['model_type']}",
         (found["model_type"],),
-        {},
+        dict(template.roles) if template else {},
+        norm_offset=template.norm_offset if template else 0.0,
+        fused=dict(template.fused) if template else {},
+        traits=template.traits if template else frozenset(),
+        role_kinds=frozenset(roles.layers),
+        roles_proof=roles.record(),
+        role_modules=roles.modules,
         zero_init=() if proof.failure else proof.patterns(),
         derives_layer_types=found["derives_layer_types"],
         layer_prefix=found["layer_list"] + ".{i}.",  # on disk as in memory, or a wrapper's (io/stack.py)

@@ -437,3 +437,9 @@ def _modules_of(model, path: str) -> list:
     for part in path.split("."):
         module = getattr(module, part)
     return list(module)
+
+
+def tiny_instance(config: dict):
+    """The tiny random instance the proofs run on, and how it was made (the role proof of
+    arch/derived_roles.py runs on the same one)."""
+    return _tiny_instance(config)

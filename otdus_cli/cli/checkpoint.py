@@ -212,6 +212,17 @@ def _mixed_kinds_line(plan) -> str | None:
     )
 
 
+def _roles_line(plan) -> str | None:
+    """For a method that computes from roles on a derived template: whose roles, proved for which kinds."""
+    proof = plan.source.family.roles_proof
+    if not plan.method.needs_roles or not proof or not proof.get("template"):
+        return None
+    return (
+        f"roles: {proof['template']}'s, matched by name and proved on a tiny instance for the "
+        f"{', '.join(proof['kinds'])} layers (arch/derived_roles.py; otdus.json: source.roles_proof)"
+    )
+
+
 def _plan_json(plan) -> dict:
     from otdus_cli.plan.layer_map import layer_kinds, mixed_kind_gaps
 
@@ -228,6 +239,7 @@ def _plan_json(plan) -> dict:
         "mixed_kind_gaps": mixed_kind_gaps(plan.source.family, plan.source.text_config, plan.source.depth),
         "options": plan.options.model_dump(),
         "output_bytes": sum(t.nbytes for t in plan.tensors),
+        **({"roles_proof": plan.source.family.roles_proof} if _roles_line(plan) else {}),
     }
 
 
@@ -458,6 +470,9 @@ def plan(
     mixed = _mixed_kinds_line(the_plan)
     if mixed:
         out_console.print(mixed)
+    roles = _roles_line(the_plan)
+    if roles:
+        out_console.print(roles)
 
 
 def _plan_shrink(

@@ -110,6 +110,9 @@ class Method:
     builder: str = "copy"  # the name of the layers it builds; "copy": byte copies of the parent
     zero_init_default: bool = False
     pair: bool = False  # built from (f_i, f_{i+1})
+    # computes new tensors role by role (methods/layer_roles.py): on a derived template, only from the
+    # layer kinds whose roles were matched and proved (arch/derived_roles.py)
+    needs_roles: bool = False
     # variants whose published recipe zeroes nothing: zero-init is off by default for them
     zero_init_off_for: tuple[str, ...] = ()
     options: type[BaseModel] | None = None  # the option group ExpandOptions.<name>

@@ -109,6 +109,7 @@ LESA = Method(
     builder="lesa",
     zero_init_default=True,
     pair=True,
+    needs_roles=True,
     zero_init_off_for=("published",),
     label="LESA",
     options=LesaOptions,

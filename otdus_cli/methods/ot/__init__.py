@@ -111,6 +111,7 @@ OT = Method(
     builder="ot",
     zero_init_default=True,
     pair=True,
+    needs_roles=True,
     label="OT",
     options=OTOptions,
     make_builder=_builder,

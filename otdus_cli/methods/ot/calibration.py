@@ -348,7 +348,7 @@ def calibrate(pairs: Sequence[tuple[int, int]], ctx, settings, scratch: Path) ->
 
     device = settings.device if settings.device.type != "meta" else "cpu"
     peak = capture_pair_activations(
-        ctx.source_folder, pairs, windows, family.roles, n_heads, sink, device=device
+        ctx.source_folder, pairs, windows, family.role_modules or family.roles, n_heads, sink, device=device
     )
     report = {
         "calibration": {

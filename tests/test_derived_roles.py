@@ -1,0 +1,204 @@
+"""OT-DUS and LESA on templates derived from transformers, where a layer kind's roles were matched by name
+against an exact template's and proved on a tiny instance (arch/derived_roles.py); refused in one line
+where they were not, per layer kind in a hybrid stack.
+
+ERNIE 4.5, Seed-OSS and Gemma (llama-like layers under their own class names, Gemma's norms scaling by
+1 + w; transformers 5 and 4.57.6 both ship them), EXAONE 3 (llama's layers, which transformers 5 saves
+under other names: transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers
+with roles, MoE layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds
+twice the heads' rows) and GPT-2 (other names).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from otdus_cli.arch.derived_roles import _permutation_error, match_template, shape_error
+from otdus_cli.arch.families import family_for
+from otdus_cli.errors import OtdusError
+from otdus_cli.expand import expand
+from otdus_cli.options import ExpandOptions
+from otdus_cli.verify.compare import verify_expansion
+from tests.support.cli_checks import one_error_line
+from tests.support.tiny_models import COMMON, HYBRID_CONFIGS, load_causal_lm, logits, save_perturbed
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# llama's roles under other class names; Gemma's norms scale by 1 + w (the proof finds the offset)
+NORM_OFFSET = {"ernie4_5": 0.0, "seed_oss": 0.0, "gemma": 1.0}
+LLAMA_LIKE = tuple(NORM_OFFSET)
+# GLM-4.5 with two dense layers first (a pair OT can build from), then MoE layers
+GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense_replace": 2}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("derived_roles")
+    fields = {mt: dict(COMMON) for mt in LLAMA_LIKE} | {"glm4_moe": GLM4_MOE}
+    return {mt: (root / mt, save_perturbed(mt, f, root / mt)) for mt, f in fields.items()}
+
+
+def _random_ids_plan():
+    """Token perplexity over random ids (the tiny models have no tokenizer)."""
+    from otdus_cli.verify.metrics import EvalSet, Window
+
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (20, 20, 13)]
+    return EvalSet("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("method", ["ot", "lesa"])
+@pytest.mark.parametrize("model_type", LLAMA_LIKE)
+def test_ot_and_lesa_on_a_derived_llama_like_template(models, tmp_path, model_type, method):
+    src, base = models[model_type]
+    result = expand(str(src), tmp_path / "out", ExpandOptions(method=method, layers=2))
+    family = result.plan.source.family
+    assert family.name == f"derived:{model_type}" and family.roles
+    manifest = json.loads((tmp_path / "out" / "otdus.json").read_text())
+    assert manifest["function_preserving"]
+    proof = manifest["source"]["roles_proof"]
+    assert proof["template"] == "llama" and "unmatched" not in proof
+    assert proof["norm_offset"] == family.norm_offset == NORM_OFFSET[model_type]
+    assert set(proof["kinds"]) == set(family.role_kinds) and len(proof["kinds"]) == 1
+    # the new layers are computed (not copies of a parent): their q projections differ from both parents'
+    new = [lay for lay in result.plan.layer_map if lay.new]
+    assert all(lay.builder == method for lay in new)
+    from otdus_cli.io.reader import CheckpointReader
+
+    out, base_reader = CheckpointReader(tmp_path / "out"), CheckpointReader(src)
+    prefix = family.layer_prefix
+    q = family.roles["q"] + ".weight"
+    built = out.get(prefix.format(i=new[0].index) + q)
+    assert not any(torch.equal(built, base_reader.get(prefix.format(i=i) + q)) for i in new[0].parents)
+    assert torch.equal(logits(load_causal_lm(tmp_path / "out")), base)
+    report = verify_expansion(src, tmp_path / "out", _random_ids_plan())
+    assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict
+
+
+def test_roles_under_the_names_transformers_saves_them(tmp_path):
+    """EXAONE 3: transformers 5 builds llama's modules but saves them as transformer.h.N.attn.attention...;
+    the roles are read under the saved names, and OT's activation pre-pass hooks the modules by their
+    names in the class (the bundled stories260K tokenizer gives it calibration text)."""
+    from otdus_cli.arch.families import LLAMA_ROLES
+    from otdus_cli.bundled import STORIES260K
+    from otdus_cli.methods.ot.options import OTOptions
+
+    src = tmp_path / "exaone"
+    base = save_perturbed("exaone", {**COMMON, "vocab_size": 512, "max_position_embeddings": 256}, src)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        (src / name).write_bytes((STORIES260K / name).read_bytes())
+    options = ExpandOptions(method="ot", layers=1, ot=OTOptions(variant="activation", calib_tokens=2048))
+    result = expand(str(src), tmp_path / "out", options)
+    family = result.plan.source.family
+    assert family.roles["q"] == "attn.attention.q_proj" and family.role_modules == LLAMA_ROLES
+    assert result.manifest["source"]["roles_proof"]["modules"] == LLAMA_ROLES
+    assert torch.equal(logits(load_causal_lm(tmp_path / "out")), base)
+
+
+def test_ot_between_the_kinds_with_roles_of_a_hybrid_stack(models, tmp_path):
+    """GLM-4.5: its dense layers have llama's roles; OT between them keeps the logits bit for bit, while a
+    pair of MoE layers is refused in one line naming the pairs that would work; LESA, which learns from
+    every layer, is refused."""
+    src, base = models["glm4_moe"]
+    result = expand(str(src), tmp_path / "out", ExpandOptions(method="ot", after=[0]))
+    proof = result.manifest["source"]["roles_proof"]
+    assert list(proof["kinds"]) == ["Glm4MoeAttention+Glm4MoeMLP"]
+    assert "expert layout" in proof["unmatched"]["Glm4MoeAttention+Glm4MoeMoE"]
+    assert torch.equal(logits(load_causal_lm(tmp_path / "out")), base)
+    with pytest.raises(OtdusError, match=r"--after with any of 0\)") as refused:
+        expand(str(src), tmp_path / "moe", ExpandOptions(method="ot", after=[2]))
+    assert "Glm4MoeAttention+Glm4MoeMoE layers have no roles" in str(refused.value)
+    with pytest.raises(OtdusError, match=r"base layers 2-4 of derived:glm4_moe .* have no roles"):
+        expand(str(src), tmp_path / "lesa", ExpandOptions(method="lesa", after=[0]))
+    assert not (tmp_path / "moe").exists() and not (tmp_path / "lesa").exists()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "why"),
+    [
+        # full attention matches qwen3's names, but its q_proj also holds the output gate's rows
+        ("qwen3_5_text", r"self_attn\.q_proj\.weight has shape \[64, 32\], not the \[32, 32\]"),
+        ("gpt2", r"its tensors are no exact template's roles"),
+    ],
+)
+def test_ot_is_refused_in_one_line_where_no_kind_has_roles(tmp_path, model_type, why):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    save_perturbed(model_type, HYBRID_CONFIGS[model_type], tmp_path / "src")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["expand", str(tmp_path / "src"), "--out", str(out), "--method", "ot"])
+    line = one_error_line(result, message="no kind of its layers has an exact template's roles")
+    assert "use copy, interpose, llama-pro, solar or stack" in line
+    import re
+
+    assert re.search(why, " ".join(result.output.split())), result.output
+    assert not out.exists()
+
+
+def test_the_permutation_proof_catches_a_wrong_head_split():
+    """The proof has teeth: with the heads split at half their size (8 heads of 4 dims instead of 4 of
+    8, as a config that misstates head_dim would read them) permuting them changes a llama layer's output
+    (rotary embeddings pair dimensions within a head); with the true split it does not."""
+    from otdus_cli.arch.families import FAMILIES
+    from otdus_cli.arch.identity import tiny_instance
+
+    config = {**COMMON, "model_type": "llama", "head_dim": 8}
+    model, _ = tiny_instance(config)
+    layer = model.model.layers[1]
+    llama = next(f for f in FAMILIES if f.name == "llama")
+    ids = torch.randint(0, 90, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert _permutation_error(model, layer, llama, config, ids) is None
+    wrong = {**config, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4}
+    assert "changes the layer's output" in _permutation_error(model, layer, llama, wrong, ids)
+
+
+def test_names_and_shapes_decide_the_match():
+    """Every tensor must be a role's (a per-layer extra is not); every role must be there; shapes are the
+    config's as the methods read it."""
+    from otdus_cli.arch.families import LLAMA_ROLES
+
+    layer = {f"{p}.weight": [4] for p in LLAMA_ROLES.values()}
+    assert match_template(layer)[0].name == "llama"
+    assert match_template({**layer, "self_attn.sinks": [4]})[0] is None
+    assert match_template({k: v for k, v in layer.items() if "gate" not in k})[0] is None
+    fam = family_for({**COMMON, "model_type": "llama"})
+    shapes = {
+        "self_attn.q_proj.weight": [32, 32],
+        "self_attn.k_proj.weight": [16, 32],
+        "self_attn.v_proj.weight": [16, 32],
+        "self_attn.o_proj.weight": [32, 32],
+        "mlp.gate_proj.weight": [48, 32],
+        "mlp.up_proj.weight": [48, 32],
+        "mlp.down_proj.weight": [32, 48],
+        "input_layernorm.weight": [32],
+        "post_attention_layernorm.weight": [32],
+    }
+    assert shape_error(fam, shapes, COMMON) is None
+    assert "self_attn.k_proj.weight has shape [16, 32]" in shape_error(
+        fam, shapes, {**COMMON, "num_key_value_heads": 4}
+    )
+
+
+def test_plan_says_whose_roles_and_refuses_a_pair_without(models, tmp_path):
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    src = str(models["glm4_moe"][0])
+    text = CliRunner().invoke(app, ["plan", src, "--method", "ot", "--after", "0"])
+    assert text.exit_code == 0, text.output
+    assert (
+        "roles: llama's, matched by name and proved on a tiny instance for the Glm4MoeAttention+Glm4MoeMLP"
+        in (" ".join(text.output.split()))
+    )
+    as_json = CliRunner().invoke(app, ["plan", src, "--method", "ot", "--after", "0", "--json"])
+    assert json.loads(as_json.stdout)["roles_proof"]["kinds"] == {"Glm4MoeAttention+Glm4MoeMLP": {"layer": 0}}
+    refused = CliRunner().invoke(app, ["plan", src, "--method", "ot", "--after", "3"])
+    one_error_line(refused, message="place it between layers with roles (--after with any of 0)")
