@@ -198,7 +198,8 @@ def make_shrink_plan(
 
 
 def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | None = None) -> LayerScores:
-    """The selection scores of ``source`` on the calibration text (blocks up to the removal count)."""
+    """The selection scores of ``source`` on the calibration text (blocks of one layer and of the
+    removal count)."""
     from otdus_cli.device import resolve_device
     from otdus_cli.plan.layer_scores import layer_scores  # torch
 
