@@ -180,6 +180,30 @@ def test_scores_are_those_of_transformers_hidden_states():
         assert scores.tokens == windows.numel() and len(scores.block_influence) == 5
 
 
+def test_ignored_options_follow_the_methods_declarations():
+    """The manifest's ignored options: another method's whole option group, the options the shrink
+    sets itself, what the chosen method's own declaration ignores for these values (OT's exact solver
+    has no Sinkhorn settings), and the calibration text only where nothing reads it."""
+    from otdus_cli.shrink import ignored_options
+
+    drop = ignored_options(ShrinkOptions(method="drop", layers=1))
+    assert drop["ot.reg"] == "only --method ot uses OT options, not drop"
+    assert "calib" not in drop  # the bi selection scores on it
+    emd = ignored_options(ShrinkOptions(method="ot", remove=[2], ot={"solver": "emd"}))
+    assert emd == {
+        "ot.calib": "the shrink's calib and calib_tokens apply",
+        "ot.calib_tokens": "the shrink's calib and calib_tokens apply",
+        "ot.reg": "--solver emd is exact (no Sinkhorn)",
+        "ot.tol": "--solver emd is exact (no Sinkhorn)",
+        "ot.max_iter": "--solver emd is exact (no Sinkhorn)",
+        "calib": "--select explicit scores nothing",
+        "calib_tokens": "--select explicit scores nothing",
+    }
+    activation = ShrinkOptions(method="ot", remove=[2], calib_tokens=512, ot={"variant": "activation"})
+    assert "calib" not in ignored_options(activation)  # the activation variant calibrates on it
+    assert activation.method_options().calib_tokens == 512 and activation.method_variant() == "activation"
+
+
 # -- outputs ----------------------------------------------------------------------------------
 
 
