@@ -368,6 +368,15 @@ def test_bad_requests_are_one_line_and_exit_two_with_nothing_written(tmp_path, a
     no_output_left(tmp_path)
 
 
+def test_plan_shrink_refuses_an_expand_method_s_flag_by_its_own_name():
+    """`plan --shrink` shows every method's plan flags; one of a method no shrink has is refused by
+    its own name (it once reached OT's options and was reported as --ot-variant)."""
+    result = runner.invoke(
+        app, ["plan", "bundled:stories260k", "--shrink", "ot", "--remove", "2", "--lesa-variant", "published"]
+    )
+    one_error_line(result, 2, "--lesa-variant is an option of --method lesa, which no shrink has")
+
+
 def test_a_calibration_text_too_short_to_score_is_refused(tmp_path):
     (tmp_path / "short.txt").write_text("Once upon a time there was a cat.\n")
     args = ["--out", str(tmp_path / "out"), "--calib", str(tmp_path / "short.txt")]

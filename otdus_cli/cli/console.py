@@ -10,8 +10,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -26,6 +28,8 @@ from rich.progress import (
 from rich.text import Text
 
 from otdus_cli.errors import Interrupted, OtdusError
+
+R = TypeVar("R")
 
 out_console = Console()
 err_console = Console(stderr=True)
@@ -148,6 +152,22 @@ def byte_progress(enabled: bool, description: str):
     with progress:
         task = progress.add_task(description, total=None)
         yield (lambda total: progress.update(task, total=total)), (lambda n: progress.advance(task, n))
+
+
+def write_with_progress(
+    write: Callable[..., R], model: str, out: Path, options: Any, shown: bool, description: str, **kwargs: Any
+) -> R:
+    """``write(model, out, options, **kwargs)`` (expand, shrink or widen) with the byte bar on stderr
+    (``shown``: not under --json, only on the first rank), its total set once the plan is known."""
+    with byte_progress(shown, description) as (set_total, advance):
+        return write(
+            model,
+            out,
+            options,
+            progress=advance,
+            on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
+            **kwargs,
+        )
 
 
 # the bar's width: fixed, so that a long label never squeezes it (or the ETA) at 80 columns
