@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -28,7 +28,7 @@ from otdus_cli.expand import (
     expand,
     output_layout,
 )
-from otdus_cli.methods.base import Method
+from otdus_cli.methods.base import Method, variants_note
 from otdus_cli.methods.merge import SHRINK_METHODS
 from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS
 from otdus_cli.options import OutputDtype, invalid, merge_options, read_yaml
@@ -113,15 +113,7 @@ def shrink_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> S
         data["select"] = select
     if variant:
         if method not in SHRINK_METHODS or not SHRINK_METHODS[method].has_variants():
-            with_variants = [m for m in SHRINK_METHODS.values() if m.has_variants()]
-            names = " and ".join(m.name for m in with_variants)
-            examples = ", ".join(
-                f"shrink:{m.name}:{v}"
-                for m in with_variants
-                for v in get_args(m.options.model_fields["variant"].annotation)  # type: ignore[union-attr]
-            )
-            verb = "has" if len(with_variants) == 1 else "have"
-            raise OtdusError(f"shrink arm {spec!r}: only {names} {verb} variants ({examples})")
+            raise OtdusError(f"shrink arm {spec!r}: {variants_note(SHRINK_METHODS.values(), 'shrink:')}")
         data[method] = {"variant": variant}
     try:
         return ShrinkOptions.model_validate(merge_options(overrides or {}, data))
