@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from otdus_cli.distributed import World, current_world
-from otdus_cli.errors import OtdusError
+from otdus_cli.errors import OtdusError, doing
 from otdus_cli.expand import (
     ExpandResult,
     ExpansionPlan,
@@ -235,7 +235,9 @@ def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | N
 
     count = removal_count(source.depth, options.layers, options.ratio)
     device = resolve_device(options.device, world)
-    return layer_scores(source.reader, options.calib, options.calib_tokens, count, device=device)
+    scoring = f"scoring the layers on up to {options.calib_tokens} tokens of {options.calib}"
+    with doing(scoring, "fewer --calib-tokens"):
+        return layer_scores(source.reader, options.calib, options.calib_tokens, count, device=device)
 
 
 def plan_shrink(model: str, options: ShrinkOptions) -> ShrinkPlan:

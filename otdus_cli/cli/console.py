@@ -10,8 +10,9 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -27,7 +28,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from otdus_cli.errors import Interrupted, OtdusError
+from otdus_cli.errors import Interrupted, OtdusError, out_of_memory
 
 R = TypeVar("R")
 
@@ -90,18 +91,36 @@ def stopped(exc: KeyboardInterrupt) -> None:
     raise typer.Exit(stop.exit_code) from None
 
 
+_COMMAND: ContextVar[str | None] = ContextVar("otdus_command", default=None)
+
+
 @contextmanager
-def user_errors():
-    """Turn library errors into one line and an exit code; keep tracebacks for OTDUS_DEBUG."""
+def running(command: str | None) -> Iterator[None]:
+    """Name the command being run, for the line an allocation failure in it ends with."""
+    token = _COMMAND.set(command)
     try:
         yield
-    except OtdusError as exc:
-        fail(str(exc), exc.exit_code)
+    finally:
+        _COMMAND.reset(token)
+
+
+@contextmanager
+def user_errors():
+    """Turn library errors into one line and an exit code: 2 bad input, 4 out of memory (whatever
+    raised it: torch, Python, the OS, or a library step that wrapped it), 3 anything unexpected
+    (OTDUS_DEBUG=1 raises it, with its traceback)."""
+    try:
+        yield
     except KeyboardInterrupt as exc:
         stopped(exc)
     except typer.Exit:
         raise
-    except Exception as exc:
+    except Exception as exc:  # MemoryError included
+        memory = out_of_memory(exc, _COMMAND.get())
+        if memory is not None:
+            fail(str(memory), memory.exit_code)
+        if isinstance(exc, OtdusError):
+            fail(str(exc), exc.exit_code)
         if os.environ.get("OTDUS_DEBUG"):
             raise
         fail(f"unexpected {exc.__class__.__name__}: {exc} (OTDUS_DEBUG=1 shows the traceback)", 3)
