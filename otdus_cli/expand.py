@@ -33,7 +33,7 @@ from otdus_cli.arch.derived import check_derived_plan
 from otdus_cli.arch.derived_roles import check_role_kinds
 from otdus_cli.device import resolve_device
 from otdus_cli.distributed import World, current_world, shard
-from otdus_cli.errors import OtdusError
+from otdus_cli.errors import OtdusError, doing
 from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
 from otdus_cli.manifest import Manifest, ManifestLayer, created_now, source_record
@@ -278,7 +278,8 @@ class _Engine:
                 continue
             new = [lay for lay in self.plan.layer_map if lay.builder == name]
             ctx = self._context(new[0].zero_init, device)
-            report = prepare(self.src.layers, new, ctx, self.scratch)
+            with doing(f"preparing {name} (its pass over the source layers)"):
+                report = prepare(self.src.layers, new, ctx, self.scratch)
             if report is not None:  # None: this variant of the builder has nothing to report
                 self.reports[name] = report
 
@@ -302,7 +303,8 @@ class _Engine:
             if not _built(lay):
                 self._copy_layer(lay)
             elif lay.index in self.my_layers:
-                self._build_layer(lay, builders[lay.builder], device)
+                with doing(f"building output layer {lay.index} with {lay.builder}"):
+                    self._build_layer(lay, builders[lay.builder], device)
         for name in self.src.after_stack:
             self._copy(name, self.src.after_stack_name(name, len(self.plan.layer_map)))
         for name in self.src.tail:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.methods.base import variants_note
 from otdus_cli.methods.registry import METHODS, get_method
 
 # The closed sets of values, shared with the CLI (which offers them as choices and completions).
@@ -114,14 +115,7 @@ def method_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> E
         data["zero_init"] = zero
     if variant:
         if method not in METHODS or not METHODS[method].has_variants():
-            with_variants = [m for m in METHODS.values() if m.has_variants()]
-            names = " and ".join(m.name for m in with_variants)
-            examples = ", ".join(
-                f"{m.name}:{v}"
-                for m in with_variants
-                for v in get_args(m.options.model_fields["variant"].annotation)
-            )
-            raise OtdusError(f"method spec {spec!r}: only {names} have variants ({examples})")
+            raise OtdusError(f"method spec {spec!r}: {variants_note(METHODS.values())}")
         data.setdefault(method, {})["variant"] = variant
     try:
         return ExpandOptions.model_validate(data)

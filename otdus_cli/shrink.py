@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from otdus_cli.distributed import World, current_world
-from otdus_cli.errors import OtdusError
+from otdus_cli.errors import OtdusError, doing
 from otdus_cli.expand import (
     ExpandResult,
     ExpansionPlan,
@@ -28,8 +28,9 @@ from otdus_cli.expand import (
     expand,
     output_layout,
 )
+from otdus_cli.methods.base import Method, variants_note
 from otdus_cli.methods.merge import SHRINK_METHODS
-from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS, OTOptions
+from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS
 from otdus_cli.options import OutputDtype, invalid, merge_options, read_yaml
 from otdus_cli.plan.shrink_map import (
     LayerScores,
@@ -43,8 +44,9 @@ from otdus_cli.plan.shrink_map import (
 from otdus_cli.source import SourceModel, open_source
 
 
-class ShrinkOptions(BaseModel):
-    """Everything that decides what `otdus shrink` writes (recorded in the manifest)."""
+class ShrinkSettings(BaseModel):
+    """What decides a shrink besides the merge methods' own options (ShrinkOptions adds one option
+    group per shrink method that has options, from methods/merge.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -62,55 +64,83 @@ class ShrinkOptions(BaseModel):
     seed: int = 0
     revision: str | None = None
     allow_unknown_arch: bool = False
-    ot: OTOptions = Field(default_factory=OTOptions)
 
     @property
     def selection(self) -> str:
         """The selection in force (``select``, or its default)."""
         return self.select or ("explicit" if self.remove else "bi")
 
-    def method_options(self) -> OTOptions | None:
-        """The OT options of --method ot, with the shrink's calibration text (None: other methods)."""
-        if self.method != "ot":
+    def method_options(self) -> BaseModel | None:
+        """The chosen method's option group, with the shrink's own values for the options it shares
+        (shrink_owned: OT's calibration text is the one the layers are scored on); None: it has none."""
+        method = SHRINK_METHODS[self.method]
+        if method.options is None:
             return None
-        return self.ot.model_copy(update={"calib": self.calib, "calib_tokens": self.calib_tokens})
+        group: BaseModel = getattr(self, method.name)
+        return group.model_copy(update={name: getattr(self, name) for name in shrink_owned(method)})
 
     def method_variant(self) -> str | None:
-        return self.ot.variant if self.method == "ot" else None
+        """The variant of the chosen method (e.g. ``ot.variant`` for ot), if it has variants."""
+        return getattr(self.method_options(), "variant", None)
+
+
+def shrink_owned(method: Method) -> tuple[str, ...]:
+    """The options of ``method``'s group that the shrink sets itself (its flags and recipe keys of
+    the same name stand for them), e.g. OT's calib and calib_tokens."""
+    if method.options is None:
+        return ()
+    return tuple(name for name in method.options.model_fields if name in ShrinkSettings.model_fields)
+
+
+# Everything that decides what `otdus shrink` writes (recorded in the manifest).
+ShrinkOptions = create_model(
+    "ShrinkOptions",
+    __base__=ShrinkSettings,
+    __module__=__name__,
+    **{m.name: (m.options, Field(default_factory=m.options)) for m in SHRINK_METHODS.values() if m.options},  # type: ignore[call-overload]
+)
 
 
 def shrink_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> ShrinkOptions:
     """The shrink options of a study arm's spec ``METHOD[:VARIANT][@SELECTION]`` (what follows
     ``shrink:``), e.g. ``drop``, ``ot:structured``, ``laco@angular``. ``overrides`` (ShrinkOptions
-    fields, e.g. ``{"layers": 2}``) apply first; the spec's own method, variant and selection win."""
+    fields, e.g. ``{"layers": 2}``) apply first; the spec's own method, variant and selection win.
+    A variant is the ``variant`` option of the method's group."""
     body, _, select = spec.strip().partition("@")
     method, _, variant = body.partition(":")
     data: dict[str, Any] = {"method": method}
     if select:
         data["select"] = select
     if variant:
-        if method != "ot":
-            raise OtdusError(f"shrink arm {spec!r}: only ot has variants (e.g. shrink:ot:structured)")
-        data["ot"] = {"variant": variant}
+        if method not in SHRINK_METHODS or not SHRINK_METHODS[method].has_variants():
+            raise OtdusError(f"shrink arm {spec!r}: {variants_note(SHRINK_METHODS.values(), 'shrink:')}")
+        data[method] = {"variant": variant}
     try:
         return ShrinkOptions.model_validate(merge_options(overrides or {}, data))
     except ValidationError as exc:
         raise OtdusError(f"shrink arm {spec!r}: {invalid(exc)}") from None
 
 
-def ignored_options(options: ShrinkOptions) -> dict[str, str]:
-    """Options without effect on this shrink -> why (recorded in the manifest)."""
+def ignored_options(options: ShrinkSettings) -> dict[str, str]:
+    """Options without effect on this shrink -> why (recorded in the manifest): every other shrink
+    method's option group; of the chosen method's, the ones the shrink sets itself and the ones its
+    declaration says these values ignore (Method.ignored); the calibration text when nothing reads
+    it (an explicit selection scores nothing; a method reads it unless its declaration ignores it)."""
+    chosen = SHRINK_METHODS[options.method]
     ignored: dict[str, str] = {}
-    if options.method != "ot":
-        ignored |= dict.fromkeys(
-            (f"ot.{f}" for f in OTOptions.model_fields),
-            f"only --method ot uses OT options, not {options.method}",
-        )
-    else:
-        ignored |= dict.fromkeys(("ot.calib", "ot.calib_tokens"), "the shrink's calib and calib_tokens apply")
-    if options.selection == "explicit" and not (
-        options.method == "ot" and options.ot.variant == "activation"
-    ):
+    for other in SHRINK_METHODS.values():
+        if other.options is not None and other.name != chosen.name:
+            label = other.label or other.name
+            why = f"only --method {other.name} uses {label} options, not {chosen.name}"
+            ignored |= dict.fromkeys((f"{other.name}.{f}" for f in other.options.model_fields), why)
+    owned = shrink_owned(chosen)
+    if owned:
+        why = f"the shrink's {' and '.join(owned)} apply"
+        ignored |= dict.fromkeys((f"{chosen.name}.{f}" for f in owned), why)
+    own = chosen.ignored(options.method_options()) if chosen.ignored is not None else {}
+    ignored |= {f"{chosen.name}.{f}": why for f, why in own.items() if f not in owned}
+    reads_calib = "calib" in owned and "calib" not in own
+    if options.selection == "explicit" and not reads_calib:
         ignored |= dict.fromkeys(("calib", "calib_tokens"), "--select explicit scores nothing")
     return ignored
 
@@ -198,13 +228,16 @@ def make_shrink_plan(
 
 
 def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | None = None) -> LayerScores:
-    """The selection scores of ``source`` on the calibration text (blocks up to the removal count)."""
+    """The selection scores of ``source`` on the calibration text (blocks of one layer and of the
+    removal count)."""
     from otdus_cli.device import resolve_device
     from otdus_cli.plan.layer_scores import layer_scores  # torch
 
     count = removal_count(source.depth, options.layers, options.ratio)
     device = resolve_device(options.device, world)
-    return layer_scores(source.reader, options.calib, options.calib_tokens, count, device=device)
+    scoring = f"scoring the layers on up to {options.calib_tokens} tokens of {options.calib}"
+    with doing(scoring, "fewer --calib-tokens"):
+        return layer_scores(source.reader, options.calib, options.calib_tokens, count, device=device)
 
 
 def plan_shrink(model: str, options: ShrinkOptions) -> ShrinkPlan:

@@ -23,6 +23,7 @@ from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
 from tests.support.cli_checks import one_error_line
+from tests.support.eval_sets import random_eval_set
 from tests.support.tiny_models import HYBRID_BASE as _BASE
 from tests.support.tiny_models import HYBRID_CONFIGS as CONFIGS
 from tests.support.tiny_models import HYBRID_LAYER_TYPES as _TYPES
@@ -65,17 +66,9 @@ def test_llama_pro_keeps_the_logits_and_the_layer_kinds(hybrids, tmp_path, model
     planned = [base_kinds[lay.source] for lay in result.plan.layer_map]
     assert _kinds_of(grown) == planned
     assert grown.config.get_text_config().num_hidden_layers == len(planned) == result.plan.source.depth + 2
-    report = verify_expansion(src, tmp_path / "out", _random_ids_plan())
+    ids = random_eval_set(vocab=90, seed=1, lengths=(20, 20, 13), low=3)  # the tiny models have no tokenizer
+    report = verify_expansion(src, tmp_path / "out", ids)
     assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict
-
-
-def _random_ids_plan():
-    """Token perplexity over random ids (the tiny models have no tokenizer)."""
-    from otdus_cli.verify.metrics import EvalSet, Window
-
-    gen = torch.Generator().manual_seed(1)
-    ids = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (20, 20, 13)]
-    return EvalSet("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "gpt2"])
@@ -166,13 +159,8 @@ def test_zero_init_is_proved_for_the_plan_not_only_for_the_new_layers(tmp_path):
     """DiffLLaMA's attention depends on its layer's index: a zeroed new layer is an identity, but a base
     layer moved to another index computes otherwise, so zero-init is refused for a placement before the
     last layer (it did write an output with other logits, called function-preserving), and kept after it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
     fields = {k: v for k, v in _BASE.items() if "token_id" not in k}
-    AutoModelForCausalLM.from_config(
-        AutoConfig.for_model("diffllama", num_hidden_layers=4, **fields)
-    ).save_pretrained(tmp_path / "src")
+    save_perturbed("diffllama", {**fields, "num_hidden_layers": 4}, tmp_path / "src")
     with pytest.raises(
         OtdusError, match=r"index enters their computation\); new layers after the last one \(--after 3\)"
     ):

@@ -20,6 +20,7 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
+from tests.support.eval_sets import random_eval_set
 from tests.support.tiny_models import HYBRID_BASE, load_causal_lm, logits, save_perturbed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -45,21 +46,13 @@ def _reloaded_logits(folder: Path) -> torch.Tensor:
     return logits(load_causal_lm(folder), use_cache=False)
 
 
-def _random_ids_plan():
-    from otdus_cli.verify.metrics import EvalSet, Window
-
-    gen = torch.Generator().manual_seed(1)
-    ids = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (20, 20, 13)]
-    return EvalSet("token", "random ids", [Window(w, w[1:], 0, 0) for w in ids], [0], [0], 20)
-
-
 def _grows_exactly(src: Path, out: Path, base: torch.Tensor, verify: bool = True, **options) -> dict:
     """llama-pro (zero-init) keeps the base's logits bit for bit and (``verify``) verify says PARITY;
     the manifest."""
     expand(str(src), out, ExpandOptions(method="llama-pro", **options))
     assert torch.equal(_reloaded_logits(out), base)
     if verify:
-        report = verify_expansion(src, out, _random_ids_plan())
+        report = verify_expansion(src, out, random_eval_set(vocab=90, seed=1, lengths=(20, 20, 13), low=3))
         assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict
     return json.loads((out / "otdus.json").read_text())
 

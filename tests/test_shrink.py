@@ -144,29 +144,64 @@ def test_selections_pick_by_the_scores_and_refuse_layers_that_do_not_exist():
 
 def test_scores_are_those_of_transformers_hidden_states():
     """Block Influence and angular distances from verify's streamed pass equal the ones computed from
-    transformers' own hidden states on the same calibration windows."""
+    transformers' own hidden states on the same calibration windows: over one layer and over blocks
+    of the removal count (the only sizes measured), and the angular selection is the block closest
+    by transformers' own distances."""
     from otdus_cli.methods.ot.calibration import calibration_windows
     from otdus_cli.plan.layer_scores import layer_scores
 
-    scores = layer_scores(STORIES260K, "bundled:tinystories-sample", 1024, 2)
     windows = calibration_windows(STORIES260K, "bundled:tinystories-sample", 1024, 512)
     model = load_causal_lm(STORIES260K)
+    last: list[torch.Tensor] = []
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda module, args, out: last.append(out[0] if isinstance(out, tuple) else out)
+    )
     with torch.no_grad():
-        hidden = model(input_ids=windows, output_hidden_states=True).hidden_states
-    # hidden_states[-1] has the final norm applied; the last layer's output is not among them
-    for i in range(4):
-        a, b = hidden[i].double(), hidden[i + 1].double()
-        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-        assert scores.block_influence[i] == pytest.approx(float(1 - cos.mean()), abs=1e-5)
-        assert scores.angular[1][i] == pytest.approx(
-            float((torch.arccos(cos.clamp(-1, 1)) / torch.pi).mean()), abs=1e-5
-        )
-    for i in range(3):
-        cos = torch.nn.functional.cosine_similarity(hidden[i].double(), hidden[i + 2].double(), dim=-1)
-        assert scores.angular[2][i] == pytest.approx(
-            float((torch.arccos(cos.clamp(-1, 1)) / torch.pi).mean()), abs=1e-5
-        )
-    assert scores.tokens == windows.numel() and len(scores.block_influence) == 5
+        states = model(input_ids=windows, output_hidden_states=True).hidden_states
+    hook.remove()
+    # hidden_states[-1] has the final norm applied: the last layer's own output is taken by the hook
+    hidden = [*states[:-1], last[0]]
+
+    def distance(i: int, j: int) -> float:
+        cos = torch.nn.functional.cosine_similarity(hidden[i].double(), hidden[j].double(), dim=-1)
+        return float((torch.arccos(cos.clamp(-1, 1)) / torch.pi).mean())
+
+    for block in (2, 3):
+        scores = layer_scores(STORIES260K, "bundled:tinystories-sample", 1024, block)
+        assert sorted(scores.angular) == [1, block]
+        for i in range(5):
+            cos = torch.nn.functional.cosine_similarity(hidden[i].double(), hidden[i + 1].double(), dim=-1)
+            assert scores.block_influence[i] == pytest.approx(float(1 - cos.mean()), abs=1e-5)
+            assert scores.angular[1][i] == pytest.approx(distance(i, i + 1), abs=1e-5)
+        expected = [distance(i, i + block) for i in range(6 - block)]
+        assert scores.angular[block] == pytest.approx(expected, abs=1e-5)
+        start = min(range(len(expected)), key=expected.__getitem__)
+        assert select_removed(5, block, "angular", scores=scores) == list(range(start, start + block))
+        assert scores.tokens == windows.numel() and len(scores.block_influence) == 5
+
+
+def test_ignored_options_follow_the_methods_declarations():
+    """The manifest's ignored options: another method's whole option group, the options the shrink
+    sets itself, what the chosen method's own declaration ignores for these values (OT's exact solver
+    has no Sinkhorn settings), and the calibration text only where nothing reads it."""
+    from otdus_cli.shrink import ignored_options
+
+    drop = ignored_options(ShrinkOptions(method="drop", layers=1))
+    assert drop["ot.reg"] == "only --method ot uses OT options, not drop"
+    assert "calib" not in drop  # the bi selection scores on it
+    emd = ignored_options(ShrinkOptions(method="ot", remove=[2], ot={"solver": "emd"}))
+    assert emd == {
+        "ot.calib": "the shrink's calib and calib_tokens apply",
+        "ot.calib_tokens": "the shrink's calib and calib_tokens apply",
+        "ot.reg": "--solver emd is exact (no Sinkhorn)",
+        "ot.tol": "--solver emd is exact (no Sinkhorn)",
+        "ot.max_iter": "--solver emd is exact (no Sinkhorn)",
+        "calib": "--select explicit scores nothing",
+        "calib_tokens": "--select explicit scores nothing",
+    }
+    activation = ShrinkOptions(method="ot", remove=[2], calib_tokens=512, ot={"variant": "activation"})
+    assert "calib" not in ignored_options(activation)  # the activation variant calibrates on it
+    assert activation.method_options().calib_tokens == 512 and activation.method_variant() == "activation"
 
 
 # -- outputs ----------------------------------------------------------------------------------
@@ -331,6 +366,15 @@ def test_bad_requests_are_one_line_and_exit_two_with_nothing_written(tmp_path, a
     result = runner.invoke(app, ["shrink", "bundled:stories260k", "--out", str(tmp_path / "out"), *args])
     one_error_line(result, 2, message)
     no_output_left(tmp_path)
+
+
+def test_plan_shrink_refuses_an_expand_method_s_flag_by_its_own_name():
+    """`plan --shrink` shows every method's plan flags; one of a method no shrink has is refused by
+    its own name (it once reached OT's options and was reported as --ot-variant)."""
+    result = runner.invoke(
+        app, ["plan", "bundled:stories260k", "--shrink", "ot", "--remove", "2", "--lesa-variant", "published"]
+    )
+    one_error_line(result, 2, "--lesa-variant is an option of --method lesa, which no shrink has")
 
 
 def test_a_calibration_text_too_short_to_score_is_refused(tmp_path):

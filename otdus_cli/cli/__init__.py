@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 from otdus_cli.card import set_invocation
 from otdus_cli.cli.about import demo, version
 from otdus_cli.cli.checkpoint import expand, inspect, plan
-from otdus_cli.cli.console import fail, fit_consoles_to_streams, stopped
+from otdus_cli.cli.console import fail, fit_consoles_to_streams, running, stopped
 from otdus_cli.cli.evaluation import ppl, verify
 from otdus_cli.cli.handoff import trainable
 from otdus_cli.cli.help import Command, HelpContext
@@ -71,6 +71,14 @@ class _OtdusGroup(TyperGroup):
             stopped(exc)
 
 
+class _Command(Command):
+    """A command that names itself in the line an allocation failure ends with (console.running)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        with running(self.name):
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
     cls=_OtdusGroup,
     help="Depth up-scaling checkpoint surgery for Hugging Face LLMs: OT-DUS and its baselines, streamed.",
@@ -100,7 +108,7 @@ def _root(
 
 
 for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version, widen, shrink, trainable):
-    app.command(cls=Command)(command)
+    app.command(cls=_Command)(command)
 
 
 def main(argv: list[str] | None = None) -> Callable | None:

@@ -22,22 +22,28 @@ from otdus_cli.cli.console import (
     replacing_note,
     show_progress,
     user_errors,
+    write_with_progress,
 )
-from otdus_cli.cli.flags import method_flags, with_flags, with_method_flags
+from otdus_cli.cli.flags import (
+    Dtype,
+    Force,
+    Model,
+    Out,
+    Revision,
+    ShardSize,
+    flag_name,
+    model_and_recipe,
+    validated_options,
+    with_flags,
+    with_method_flags,
+)
 from otdus_cli.cli.shrinking import Calib, CalibTokens, Remove, Select
 from otdus_cli.cli.values import MethodName, device_parser, model_name, output_folder
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.registry import METHODS
-from otdus_cli.options import OutputDtype
 from otdus_cli.options import Position as PositionName
 from otdus_cli.plan.shrink_map import ShrinkMethod
 
-Model = Annotated[
-    str | None,
-    typer.Argument(
-        help="Source model: a local folder, a Hugging Face hub id or bundled:stories260k.", parser=model_name
-    ),
-]
 Recipe = Annotated[
     Path | None,
     typer.Option("--recipe", help="YAML recipe with the model and expand options (flags override it)."),
@@ -84,15 +90,10 @@ Device = Annotated[
         parser=device_parser(True),
     ),
 ]
-Dtype = Annotated[
-    OutputDtype | None, typer.Option(help="Output dtype; auto keeps the source's. [default: auto]")
-]
-ShardSize = Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")]
 Seed = Annotated[
     int | None,
     typer.Option(help="Seed for random initialisation and for methods that train. [default: 0]"),
 ]
-Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
 AllowUnknown = Annotated[
     bool,
     typer.Option(help="Copy layers generically for an unknown architecture (copy-type methods only)."),
@@ -119,15 +120,9 @@ def _options(
 ):
     """Merge recipe and flags (flags win) into validated ExpandOptions; ``method_flags``: the
     methods' flags by option (``{"ot.reg": 0.02}``, None where not given)."""
-    from pydantic import ValidationError
+    from otdus_cli.options import ExpandOptions, load_recipe
 
-    from otdus_cli.options import ExpandOptions, load_recipe, merge_options, option_groups
-
-    base = load_recipe(layout.recipe) if layout.recipe else None
-    model = model or (base.model if base else None)
-    if not model:
-        raise OtdusError("give a model (folder or hub id) or --recipe")
-    options = base.expand if base else ExpandOptions()
+    model, base = model_and_recipe(model, layout.recipe, load_recipe)
     flags.update(asdict(layout))
     del flags["recipe"]
     flags["allow_unknown_arch"] = flags["allow_unknown_arch"] or None
@@ -138,34 +133,8 @@ def _options(
             updates["after"] = [int(x) for x in after.split(",") if x.strip()]
         except ValueError:
             raise OtdusError(f"--after takes comma-separated layer indices, got {after!r}") from None
-    groups: dict[str, dict[str, Any]] = {}
-    for key, value in (method_flags or {}).items():
-        if value is not None:
-            group, field = key.split(".")
-            groups.setdefault(group, {})[field] = value
-    try:
-        merged = ExpandOptions.model_validate(merge_options(options.model_dump(), updates, groups))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        message = err["msg"].removeprefix("Value error, ")
-        loc = err["loc"]
-        if not loc or (len(loc) == 1 and loc[0] in option_groups()):  # a rule across options names its flags
-            raise OtdusError(message) from None
-        raise OtdusError(f"{_flag(loc)} {err['input']!r}: {message}") from None
-    return model, merged, base
-
-
-def _flag(loc: tuple | list) -> str:
-    """The command-line flag of an ExpandOptions field: ('ot', 'variant') -> --ot-variant, ('ot', 'reg')
-    -> --reg (the flags a method's options model declares; options without a flag are named as in
-    recipes, 'group.field')."""
-    from otdus_cli.options import option_groups
-
-    names = tuple(map(str, loc))
-    if names[0] in option_groups():
-        flags = {(f.group, f.field): f.flag.name for f in method_flags()}
-        return flags.get(names[:2], ".".join(names[:2]))
-    return "--" + names[-1].replace("_", "-")
+    defaults = base.expand if base else ExpandOptions()
+    return model, validated_options(ExpandOptions, defaults, updates, method_flags), base
 
 
 def _layer_table(plan) -> Table:
@@ -247,7 +216,7 @@ def _plan_json(plan) -> dict:
 @with_method_flags()
 def expand(
     model: Model = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")] = None,
+    out: Out = None,
     flags: LayoutFlags = None,
     method_flags: dict[str, Any] | None = None,  # the methods' own flags (--ot-variant, --reg...)
     device: Device = None,
@@ -268,14 +237,7 @@ def expand(
             min=0.0, help="With --experts: the copies' noise alpha (`otdus widen --noise`). [default: 0.01]"
         ),
     ] = None,
-    force: Annotated[
-        bool,
-        typer.Option(
-            help="Replace an existing --out, only if it is an empty folder or an earlier otdus output whose "
-            "files are all still as its otdus.json records them (sizes, hashes), and only once the new "
-            "output is complete."
-        ),
-    ] = False,
+    force: Force = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Insert new decoder layers and write the deeper checkpoint (streamed, atomic)."""
@@ -304,16 +266,16 @@ def expand(
             _expand_and_widen(model, out, options, experts, noise, force, json_out, say)
             return
         # every rank reports its errors; only rank 0 its progress and results
-        with byte_progress(show_progress(json_out) and world.is_main, "expanding") as (set_total, advance):
-            result = run_expand(
-                model,
-                out,
-                options,
-                force=force,
-                progress=advance,
-                on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
-                on_note=say,  # stale temporary folders, said when removed (a later Ctrl-C keeps it said)
-            )
+        result = write_with_progress(
+            run_expand,
+            model,
+            out,
+            options,
+            show_progress(json_out) and world.is_main,
+            "expanding",
+            force=force,
+            on_note=say,  # stale temporary folders, said when removed (a later Ctrl-C keeps it said)
+        )
     if not world.is_main:
         return
     method = result.plan.method
@@ -323,7 +285,7 @@ def expand(
     warnings = list(result.warnings)  # the manifest's, and the notes already said
     for option, why in result.manifest.get("ignored_options", {}).items():
         if (method_flags or {}).get(option) is not None:
-            warnings.append(f"{_flag(option.split('.'))} was ignored: {why}")
+            warnings.append(f"{flag_name(option.split('.'))} was ignored: {why}")
     for line in [*warnings, *method_warnings]:
         say(line)
     summary = {
@@ -479,13 +441,18 @@ def _plan_shrink(
     model, flags: LayoutFlags, method_flags, method, select, remove, calib, calib_tokens, json_out
 ):
     """`plan --shrink METHOD`: the shrink's selection and layer map (cli/shrinking.py)."""
+    from otdus_cli.cli.flags import method_flags as method_flag_list
     from otdus_cli.cli.shrinking import quiet_if_scoring, show_shrink_plan, shrink_json, shrink_options
+    from otdus_cli.methods.merge import SHRINK_METHODS
     from otdus_cli.shrink import plan_shrink
 
     expanding = {"--method": flags.method, "--position": flags.position, "--after": flags.after}
     given = next((flag for flag, value in expanding.items() if value is not None), None)
     if given or flags.zero_init is not None:
         raise OtdusError(f"{given or '--zero-init'} places new layers; a shrink (--shrink) adds none")
+    for flag in method_flag_list(for_plan=True):
+        if flag.group not in SHRINK_METHODS and (method_flags or {}).get(flag.key) is not None:
+            raise OtdusError(f"{flag.flag.name} is an option of --method {flag.group}, which no shrink has")
     model, options, _ = shrink_options(
         model,
         flags.recipe,

@@ -10,8 +10,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -25,7 +28,9 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from otdus_cli.errors import Interrupted, OtdusError
+from otdus_cli.errors import Interrupted, OtdusError, out_of_memory
+
+R = TypeVar("R")
 
 out_console = Console()
 err_console = Console(stderr=True)
@@ -86,18 +91,36 @@ def stopped(exc: KeyboardInterrupt) -> None:
     raise typer.Exit(stop.exit_code) from None
 
 
+_COMMAND: ContextVar[str | None] = ContextVar("otdus_command", default=None)
+
+
 @contextmanager
-def user_errors():
-    """Turn library errors into one line and an exit code; keep tracebacks for OTDUS_DEBUG."""
+def running(command: str | None) -> Iterator[None]:
+    """Name the command being run, for the line an allocation failure in it ends with."""
+    token = _COMMAND.set(command)
     try:
         yield
-    except OtdusError as exc:
-        fail(str(exc), exc.exit_code)
+    finally:
+        _COMMAND.reset(token)
+
+
+@contextmanager
+def user_errors():
+    """Turn library errors into one line and an exit code: 2 bad input, 4 out of memory (whatever
+    raised it: torch, Python, the OS, or a library step that wrapped it), 3 anything unexpected
+    (OTDUS_DEBUG=1 raises it, with its traceback)."""
+    try:
+        yield
     except KeyboardInterrupt as exc:
         stopped(exc)
     except typer.Exit:
         raise
-    except Exception as exc:
+    except Exception as exc:  # MemoryError included
+        memory = out_of_memory(exc, _COMMAND.get())
+        if memory is not None:
+            fail(str(memory), memory.exit_code)
+        if isinstance(exc, OtdusError):
+            fail(str(exc), exc.exit_code)
         if os.environ.get("OTDUS_DEBUG"):
             raise
         fail(f"unexpected {exc.__class__.__name__}: {exc} (OTDUS_DEBUG=1 shows the traceback)", 3)
@@ -148,6 +171,22 @@ def byte_progress(enabled: bool, description: str):
     with progress:
         task = progress.add_task(description, total=None)
         yield (lambda total: progress.update(task, total=total)), (lambda n: progress.advance(task, n))
+
+
+def write_with_progress(
+    write: Callable[..., R], model: str, out: Path, options: Any, shown: bool, description: str, **kwargs: Any
+) -> R:
+    """``write(model, out, options, **kwargs)`` (expand, shrink or widen) with the byte bar on stderr
+    (``shown``: not under --json, only on the first rank), its total set once the plan is known."""
+    with byte_progress(shown, description) as (set_total, advance):
+        return write(
+            model,
+            out,
+            options,
+            progress=advance,
+            on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
+            **kwargs,
+        )
 
 
 # the bar's width: fixed, so that a long label never squeezes it (or the ETA) at 80 columns

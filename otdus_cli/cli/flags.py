@@ -1,5 +1,6 @@
-"""Option groups declared once and shared by several commands (expand/plan, verify/ppl), and the
-flags generated from the methods' options models.
+"""Options declared once and shared by several commands (expand/plan/shrink, verify/ppl), the flags
+generated from the methods' options models, and the one path from recipe and flags to validated
+options (expand's and shrink's).
 
 A group is a dataclass whose fields are Typer-annotated options. A command takes one parameter
 ``flags: Group``; :func:`with_flags` shows Typer the group's fields in that parameter's place and
@@ -13,12 +14,46 @@ import dataclasses
 import functools
 import inspect
 import typing
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
+import typer
+
+from otdus_cli.cli.values import model_name
+from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import Flag
+from otdus_cli.options import OutputDtype
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 Command = TypeVar("Command", bound=Callable[..., Any])
+Options = TypeVar("Options", bound="BaseModel")
+Recipe = TypeVar("Recipe")
+
+# the options that expand and shrink (and plan) share
+Model = Annotated[
+    str | None,
+    typer.Argument(
+        help="Source model: a local folder, a Hugging Face hub id or bundled:stories260k.", parser=model_name
+    ),
+]
+Out = Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")]
+Dtype = Annotated[
+    OutputDtype | None, typer.Option(help="Output dtype; auto keeps the source's. [default: auto]")
+]
+ShardSize = Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")]
+Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
+# expand's, shrink's and widen's (one output pipeline: output.py)
+Force = Annotated[
+    bool,
+    typer.Option(
+        help="Replace an existing --out, only if it is an empty folder or an earlier otdus output whose "
+        "files are all still as its otdus.json records them (sizes, hashes), and only once the new "
+        "output is complete."
+    ),
+]
 
 
 def with_flags(group: type) -> Callable[[Command], Command]:
@@ -70,6 +105,57 @@ class MethodFlag:
     @property
     def param(self) -> str:
         return f"{self.group}__{self.field}"
+
+
+def flag_name(loc: Sequence[Any]) -> str:
+    """The command-line flag of an options field: ('ot', 'variant') -> --ot-variant, ('ot', 'reg') ->
+    --reg (the flags a method's options model declares; options without a flag are named as in
+    recipes, 'group.field'), ('layers',) -> --layers."""
+    from otdus_cli.options import option_groups
+
+    names = tuple(map(str, loc))
+    if names[0] in option_groups():
+        flags = {(f.group, f.field): f.flag.name for f in method_flags()}
+        return flags.get(names[:2], ".".join(names[:2]))
+    return "--" + names[-1].replace("_", "-")
+
+
+def model_and_recipe(
+    model: str | None, recipe: Path | None, load: Callable[[Path], Recipe]
+) -> tuple[str, Recipe | None]:
+    """The source model (the argument, else the recipe's) and the recipe ``load`` reads (None: no
+    --recipe)."""
+    base = load(recipe) if recipe else None
+    model = model or (getattr(base, "model", None) if base else None)
+    if not model:
+        raise OtdusError("give a model (folder or hub id) or --recipe")
+    return model, base
+
+
+def validated_options(
+    model: type[Options], base: Options, updates: dict[str, Any], method_flags: dict[str, Any] | None
+) -> Options:
+    """``base`` (a recipe's options, or the defaults) with the flags given: ``updates`` (fields, None
+    left out by the caller) and ``method_flags`` (``{"ot.reg": 0.02}``, None where not given); a value
+    a rule refuses is one OtdusError that names its flag."""
+    from pydantic import ValidationError
+
+    from otdus_cli.options import merge_options, option_groups
+
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in (method_flags or {}).items():
+        if value is not None:
+            group, field = key.split(".")
+            groups.setdefault(group, {})[field] = value
+    try:
+        return model.model_validate(merge_options(base.model_dump(), updates, groups))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        message = err["msg"].removeprefix("Value error, ")
+        loc = err["loc"]
+        if not loc or (len(loc) == 1 and loc[0] in option_groups()):  # a rule across options names its flags
+            raise OtdusError(message) from None
+        raise OtdusError(f"{flag_name(loc)} {err['input']!r}: {message}") from None
 
 
 def method_flags(for_plan: bool = False) -> list[MethodFlag]:

@@ -15,7 +15,6 @@ from rich.table import Table
 from otdus_cli.cli.console import (
     JsonFlag,
     WarningLines,
-    byte_progress,
     emit_json,
     human_bytes,
     out_console,
@@ -23,15 +22,25 @@ from otdus_cli.cli.console import (
     replacing_note,
     show_progress,
     user_errors,
+    write_with_progress,
 )
-from otdus_cli.cli.flags import method_flags as all_method_flags
-from otdus_cli.cli.flags import with_method_flags
-from otdus_cli.cli.values import device_parser, int_list, ints, model_name, output_folder, text_spec
-from otdus_cli.errors import OtdusError
-from otdus_cli.options import OutputDtype
+from otdus_cli.cli.flags import (
+    Dtype,
+    Force,
+    Model,
+    Out,
+    Revision,
+    ShardSize,
+    model_and_recipe,
+    validated_options,
+    with_method_flags,
+)
+from otdus_cli.cli.values import device_parser, int_list, ints, output_folder, text_spec
+from otdus_cli.methods.merge import SHRINK_METHODS
 from otdus_cli.plan.shrink_map import Selection, ShrinkMethod
 
-# the shrink's own --calib/--calib-tokens stand for OT's (one text scores the layers and calibrates OT)
+# the shrink's own --calib/--calib-tokens stand for a method's options of the same name (OT's: one
+# text scores the layers and calibrates OT; shrink.shrink_owned)
 _SHRINK_OWNS = ("calib", "calib_tokens")
 
 Select = Annotated[
@@ -67,38 +76,21 @@ ShrinkRatio = Annotated[
 def shrink_options(
     model: str | None,
     recipe: Path | None,
-    ot_flags: dict[str, Any] | None,
+    method_flags: dict[str, Any] | None,
     **flags: Any,
 ):
-    """Recipe and flags (flags win) merged into validated ShrinkOptions: (model, options, recipe)."""
-    from pydantic import ValidationError
-
-    from otdus_cli.options import merge_options
+    """Recipe and flags (flags win) merged into validated ShrinkOptions: (model, options, recipe);
+    ``method_flags``: the shrink methods' flags by option (``{"ot.reg": 0.02}``, None where not given)."""
     from otdus_cli.shrink import ShrinkOptions, load_shrink_recipe
 
-    base = load_shrink_recipe(recipe) if recipe else None
-    model = model or (base.model if base else None)
-    if not model:
-        raise OtdusError("give a model (folder or hub id) or --recipe")
-    options = base.shrink if base else ShrinkOptions()
+    model, base = model_and_recipe(model, recipe, load_shrink_recipe)
     remove = flags.pop("remove", None)
     flags["allow_unknown_arch"] = flags.get("allow_unknown_arch") or None
     updates = {k: v for k, v in flags.items() if v is not None}
     if remove is not None:
         updates["remove"] = ints(remove)
-    ot = {key.split(".")[1]: v for key, v in (ot_flags or {}).items() if v is not None}
-    try:
-        merged = ShrinkOptions.model_validate(merge_options(options.model_dump(), updates, {"ot": ot}))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        message = err["msg"].removeprefix("Value error, ")
-        loc = tuple(map(str, err["loc"]))
-        if not loc or loc == ("ot",):
-            raise OtdusError(message) from None
-        names = {(f.group, f.field): f.flag.name for f in all_method_flags()}
-        flag = names.get(loc[:2], "--" + loc[-1].replace("_", "-"))
-        raise OtdusError(f"{flag} {err['input']!r}: {message}") from None
-    return model, merged, base
+    defaults = base.shrink if base else ShrinkOptions()
+    return model, validated_options(ShrinkOptions, defaults, updates, method_flags), base
 
 
 def quiet_if_scoring(options) -> None:
@@ -175,16 +167,10 @@ def show_shrink_plan(plan) -> None:
     out_console.print(f"removes layers {', '.join(map(str, plan.removed))} (perplexity will move)")
 
 
-@with_method_flags(keep=lambda f: f.group == "ot" and f.field not in _SHRINK_OWNS)
+@with_method_flags(keep=lambda f: f.group in SHRINK_METHODS and f.field not in _SHRINK_OWNS)
 def shrink(
-    model: Annotated[
-        str | None,
-        typer.Argument(
-            help="Source model: a local folder, a Hugging Face hub id or bundled:stories260k.",
-            parser=model_name,
-        ),
-    ] = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")] = None,
+    model: Model = None,
+    out: Out = None,
     recipe: Annotated[
         Path | None,
         typer.Option("--recipe", help="YAML recipe with the model and shrink options (flags override it)."),
@@ -203,7 +189,7 @@ def shrink(
     remove: Remove = None,
     calib: Calib = None,
     calib_tokens: CalibTokens = None,
-    method_flags: dict[str, Any] | None = None,  # OT's flags (--ot-variant, --reg ...)
+    method_flags: dict[str, Any] | None = None,  # the shrink methods' flags (OT's --ot-variant, --reg ...)
     device: Annotated[
         str | None,
         typer.Option(
@@ -211,20 +197,13 @@ def shrink(
             parser=device_parser(True),
         ),
     ] = None,
-    dtype: Annotated[
-        OutputDtype | None, typer.Option(help="Output dtype; auto keeps the source's. [default: auto]")
-    ] = None,
-    max_shard_size: Annotated[
-        str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")
-    ] = None,
-    revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
+    dtype: Dtype = None,
+    max_shard_size: ShardSize = None,
+    revision: Revision = None,
     allow_unknown_arch: Annotated[
         bool, typer.Option(help="Drop layers of an unknown architecture (--method drop only).")
     ] = False,
-    force: Annotated[
-        bool,
-        typer.Option(help="Replace an existing --out, only if it is an unchanged earlier otdus output."),
-    ] = False,
+    force: Force = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Remove decoder layers, or merge them into their neighbours, and write the shallower checkpoint
@@ -254,16 +233,10 @@ def shrink(
         out = output_folder(out, recipe_obj)
         quiet_if_scoring(options)
         say = WarningLines()
-        with byte_progress(show_progress(json_out) and world.is_main, "shrinking") as (set_total, advance):
-            result = run_shrink(
-                model,
-                out,
-                options,
-                force=force,
-                progress=advance,
-                on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
-                on_note=say,
-            )
+        shown = show_progress(json_out) and world.is_main
+        result = write_with_progress(
+            run_shrink, model, out, options, shown, "shrinking", force=force, on_note=say
+        )
     if not world.is_main:
         return
     plan = result.plan

@@ -17,14 +17,15 @@ import typer
 from otdus_cli.cli.console import (
     JsonFlag,
     WarningLines,
-    byte_progress,
     emit_json,
     human_bytes,
     out_console,
     replacing_note,
     show_progress,
     user_errors,
+    write_with_progress,
 )
+from otdus_cli.cli.flags import Force
 from otdus_cli.cli.values import model_name
 
 
@@ -48,10 +49,7 @@ def widen(
     seed: Annotated[int, typer.Option(help="Seed of the noise (reproducible per output tensor).")] = 0,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB.")] = "5GB",
     revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
-    force: Annotated[
-        bool,
-        typer.Option(help="Replace an existing --out, only if it is an unchanged earlier otdus output."),
-    ] = False,
+    force: Force = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Double (or multiply) the experts of every MoE layer and the router's top-k (streamed, atomic)."""
@@ -63,16 +61,10 @@ def widen(
         options = WidenOptions(
             factor=factor, noise=noise, seed=seed, max_shard_size=max_shard_size, revision=revision
         )
-        with byte_progress(show_progress(json_out), "widening") as (set_total, advance):
-            result = run_widen(
-                model,
-                out,
-                options,
-                force=force,
-                progress=advance,
-                on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
-                on_note=say,
-            )
+        shown = show_progress(json_out)
+        result = write_with_progress(
+            run_widen, model, out, options, shown, "widening", force=force, on_note=say
+        )
     plan = result.plan
     summary = {
         "out": str(result.out),

@@ -13,9 +13,9 @@ tensor at a time, so a builder holds only what its formulas need.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 from otdus_cli.arch.families import Family
 
@@ -143,3 +143,18 @@ class Method:
 
     def has_variants(self) -> bool:
         return self.options is not None and "variant" in self.options.model_fields
+
+    def variants(self) -> tuple[str, ...]:
+        """The values of its ``variant`` option (none: it has no variants)."""
+        if self.options is None or not self.has_variants():
+            return ()
+        return tuple(get_args(self.options.model_fields["variant"].annotation))
+
+
+def variants_note(methods: Iterable[Method], prefix: str = "") -> str:
+    """Which of ``methods`` have variants, with each spec that names one (``prefix``: what a spec
+    starts with, e.g. "shrink:"), e.g. "only ot and lesa have variants (ot:paper, ...)"."""
+    with_variants = [m for m in methods if m.has_variants()]
+    names = " and ".join(m.name for m in with_variants)
+    specs = ", ".join(f"{prefix}{m.name}:{v}" for m in with_variants for v in m.variants())
+    return f"only {names} {'has' if len(with_variants) == 1 else 'have'} variants ({specs})"

@@ -4,7 +4,7 @@
 one layer from each merge group (plan/shrink_map.py: a run of removed layers with the kept layer
 beside it), one tensor at a time, from any number of parents:
 
-* ``average``: the plain mean of the group's layers;
+* ``average``: the plain mean of the group's layers (expand's average builder, any number of parents);
 * ``laco``: LaCo's Reserving-Differences-while-Seeking-Common merge (Yang et al. 2024): the kept
   layer plus every other layer's difference from it, theta_0 + sum_k (theta_k - theta_0);
 * ``ot``: OT-DUS's transport flow (methods/ot/, every variant; MoE layers through its expert
@@ -25,24 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from otdus_cli.methods.base import BuildContext, Method, ParentLayer
 from otdus_cli.methods.ot import OT, OTOptions
+from otdus_cli.methods.simple import MeanBuilder
 
 if TYPE_CHECKING:
     import torch
 
     from otdus_cli.plan.layer_map import OutputLayer
-
-
-class MeanBuilder:
-    """The plain mean of every parent's tensor."""
-
-    parents_needed = None  # any number from two on
-
-    def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
-        for suffix in parents[0].suffixes():
-            total = parents[0].get(suffix).float()
-            for p in parents[1:]:
-                total += p.get(suffix).float()
-            yield suffix, total.div_(len(parents))
 
 
 class LacoBuilder:

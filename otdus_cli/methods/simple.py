@@ -1,5 +1,6 @@
-"""The methods that need no alignment: the plain average of a pair, a fresh random layer, and the
-copy-type methods (the engine moves their bytes; they differ only in placement)."""
+"""The methods that need no alignment: the plain average of a pair (its builder is also a shrink's
+average merge), a fresh random layer, and the copy-type methods (the engine moves their bytes; they
+differ only in placement)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,27 @@ if TYPE_CHECKING:
     import torch
 
 
-class AverageBuilder:
-    """The paper's Avg-DeUS: 1/2 (f_i + f_{i+1}) for every tensor (zero-init is a separate switch)."""
+class MeanBuilder:
+    """The plain mean of the parents' tensors: a shrink's average merge of a group of any size from
+    two on, and (PairMeanBuilder) the paper's Avg-DeUS, 1/2 (f_i + f_{i+1}); zero-init is a
+    separate switch. Summed in parent order, then divided by the count (for a pair, exactly the
+    same floats as multiplying by 1/2)."""
 
-    parents_needed = 2
+    parents_needed: int | None = None
 
     def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
-        a, b = parents
-        for suffix in a.suffixes():
-            yield suffix, (a.get(suffix).float() + b.get(suffix).float()) * 0.5
+        first, second, *rest = parents
+        for suffix in first.suffixes():
+            total = first.get(suffix).float() + second.get(suffix).float()  # a new tensor: added in place
+            for p in rest:
+                total += p.get(suffix).float()
+            yield suffix, total.div_(len(parents))
+
+
+class PairMeanBuilder(MeanBuilder):
+    """Avg-DeUS: the mean of exactly two parents (f_i, f_{i+1})."""
+
+    parents_needed = 2
 
 
 class RandomBuilder:
@@ -59,7 +72,7 @@ AVERAGE = Method(
     "placed",
     builder="average",
     pair=True,
-    make_builder=AverageBuilder,
+    make_builder=PairMeanBuilder,
 )
 RANDOM = Method(
     "random",

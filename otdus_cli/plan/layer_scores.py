@@ -2,9 +2,10 @@
 
 The source runs through verify's streamed evaluator (verify/streaming.py), one decoder layer in
 memory at a time. Besides that layer, the pass keeps the hidden states of the calibration tokens at
-``max_block + 1`` depths (tokens x hidden, float32 each): the inputs of the last ``max_block`` layers
-and the current output, so the angular distance over a block of ``max_block`` layers is measured
-without a second pass.
+``block + 1`` depths (tokens x hidden, float32 each): the inputs of the last ``block`` layers and the
+current output, so the angular distance over a block of ``block`` layers is measured without a
+second pass. Only the two block sizes a shrink reads are measured: one layer (Block Influence, and
+the single-layer angular distance) and ``block``, the removal count (the angular selection).
 
 Both scores average over every calibration token: ShortGPT's Block Influence is defined so; Gromov
 et al. measure the angular distance at each sequence's final token, which on a few thousand
@@ -33,11 +34,11 @@ def layer_scores(
     model: str | os.PathLike[str] | CheckpointReader,
     calib: str,
     calib_tokens: int,
-    max_block: int,
+    block: int,
     device: str | torch.device = "cpu",
 ) -> LayerScores:
-    """Block Influence of every layer and angular distances over blocks of 1..``max_block`` layers, of
-    ``model`` (a folder, or the reader a plan has open already)."""
+    """Block Influence of every layer and angular distances over blocks of one and of ``block``
+    layers, of ``model`` (a folder, or the reader a plan has open already)."""
     from otdus_cli.methods.ot.calibration import calibration_windows
     from otdus_cli.verify.metrics import model_max_positions
     from otdus_cli.verify.streaming import StreamedModel
@@ -50,13 +51,16 @@ def layer_scores(
     depth = model.num_layers
     tokens = int(windows.numel())
     bi: list[float] = []
-    angular = {n: [0.0] * (depth - n + 1) for n in range(1, max_block + 1)}
-    inputs: deque[list[torch.Tensor]] = deque([list(acts.hidden)], maxlen=max_block)
+    sizes = sorted({1, block})
+    angular = {n: [0.0] * (depth - n + 1) for n in sizes}
+    inputs: deque[list[torch.Tensor]] = deque([list(acts.hidden)], maxlen=block)
     try:
         for i in range(depth):
             model.apply_layer(i, acts)  # replaces acts.hidden's tensors: the kept inputs stay as they were
             out = list(acts.hidden)
-            for n in range(1, min(max_block, i + 1) + 1):
+            for n in sizes:
+                if n > i + 1:  # the block would start before layer 0
+                    break
                 before = inputs[-n]  # the input of layer i - n + 1
                 cos = torch.cat([_cosines(a, b).flatten() for a, b in zip(before, out, strict=True)])
                 if n == 1:

@@ -52,7 +52,8 @@ class LayerScores:
     """What the streamed pass measured, per source layer (plan/layer_scores.py)."""
 
     block_influence: list[float]  # BI_i, one per layer
-    # angular[n][l]: distance between the input of layer l and the output of layer l + n - 1
+    # angular[n][l]: distance between the input of layer l and the output of layer l + n - 1, for n = 1
+    # and n = the removal count (the sizes a shrink reads)
     angular: dict[int, list[float]]
     tokens: int
     text: str
