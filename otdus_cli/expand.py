@@ -384,10 +384,11 @@ def _merged(stats: list[dict[int, dict]]) -> dict[int, dict]:
 
 def check_config(plan: ExpansionPlan, folder: Path) -> ConfigCheck:
     """transformers loads the written config when it derives fields of this family from the depth
-    (or knows nothing of an unknown one), or is imported already; otherwise otdus's depth rules
-    (checked when the plan was made) are the whole check, and copies never pay transformers' import
-    (seconds)."""
-    if plan.source.family.derives_layer_types or "transformers" in sys.modules:
+    (or knows nothing of an unknown one), when the config lists per-layer types (values transformers
+    validates), or when it is imported already; otherwise otdus's depth rules (checked when the plan
+    was made) are the whole check, and copies never pay transformers' import (seconds)."""
+    family, text = plan.source.family, plan.source.text_config
+    if family.derives_layer_types or "layer_types" in text or "transformers" in sys.modules:
         return ConfigCheck("transformers", validate_with_transformers(folder, len(plan.layer_map)))
     return ConfigCheck("otdus depth rules")
 
