@@ -238,3 +238,21 @@ def test_post_norm_refusal_names_what_works_without_zero_init(tmp_path, through)
         "interpose, solar or stack, or add --no-zero-init"
     ), line
     assert not (tmp_path / "out").exists()
+
+
+def test_verify_proves_no_identity_where_a_residual_scale_is_not_one(tmp_path):
+    """verify's static proof counts a new Doge layer as an identity only with its residual scales at 1,
+    not merely its zero-init targets zeroed (it used to: a scale of 0.5 halved the stream unnoticed)."""
+    from safetensors.torch import load_file, save_file
+
+    from otdus_cli.verify.proof import static_check
+
+    base = _save("doge", tmp_path / "src")
+    _grows_exactly(tmp_path / "src", tmp_path / "out", base, verify=False, after=[1])
+    assert static_check(tmp_path / "src", tmp_path / "out").preserving
+    weights = tmp_path / "out" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.2.input_residual"].fill_(0.5)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    proof = static_check(tmp_path / "src", tmp_path / "out")
+    assert not proof.preserving and "layer 2 is new and not an identity" in proof.reason, proof.reason
