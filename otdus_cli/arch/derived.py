@@ -233,10 +233,10 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
             kinds = [family.layer_kind(source.text_config, i) for i in range(source.depth)]
             others = _ranges([i for i, k in enumerate(kinds) if k in proved])
             why = unproved.get(kind, "no zeroing was proved to make that kind an identity")
+            works = f"copy a layer of a kind zero-init works for (base layers {others}); " if others else ""
             raise OtdusError(
                 f"zero-init for {family.name}: new layer {lay.index} copies base layer {lay.source}, a "
-                f"{kind} layer, and {why}; copy a layer of a kind zero-init works for (base layers "
-                f"{others}); {WITHOUT_ZERO_INIT}"
+                f"{kind} layer, and {why}; {works}{WITHOUT_ZERO_INIT}"
             )
         names = [*proved[kind]["zeroed"], *proved[kind].get("set_to", {})] if lay.zero_init else []
         forms = proved[kind].get("stored", {}) if lay.zero_init else {}
@@ -291,11 +291,11 @@ def _works_after_last(source, count: int) -> bool:
 
 
 def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    """``[0, 1, 2, 5]`` as ``0-2, 5`` (none: "")."""
     out: list[str] = []
     for i in indices:
         if out and out[-1].split("-")[-1] == str(i - 1):
             out[-1] = f"{out[-1].split('-')[0]}-{i}"
         else:
             out.append(str(i))
-    return ", ".join(out) or "none"
+    return ", ".join(out)

@@ -18,6 +18,10 @@ width outside norms and linear maps (those the first construction zeroes); the o
 initialises to all ones are scales, set to 1, the others zeroed, and what the identity does not need is
 given back as before. A new layer then gets those tensors at 1 (``set_to``) besides the zeroed ones.
 
+A layer that hands the next one other states besides the hidden states (Zaya's router states: tensors
+it returns that the next layer is called with) is an identity only if it hands those on unchanged too;
+the tensors that write into their widths are candidates as well.
+
 A kind that neither construction makes an identity (a post-norm layer: output = norm(x + f(x)); a
 residual path scaled by constants of the layer's index, or mixed with other streams) is recorded with the
 reason, and new layers of that kind are refused zero-init; the others keep it. The targets are also
@@ -227,21 +231,21 @@ def _drop_disagreeing_kinds(proof: IdentityProof) -> None:
                 record.pop(kind, None)
 
 
-def _stored_forms(model, prefix: str, index: int, zeroed: list[str]) -> dict[str, list[str]]:
-    """For each zeroed tensor of the layer at ``prefix``, the patterns (within a layer) of the names it is
+def _stored_forms(model, prefix: str, index: int, targets: list[str]) -> dict[str, list[str]]:
+    """For each target tensor of the layer at ``prefix``, the patterns (within a layer) of the names it is
     stored under: as in memory, and as transformers saves it when it converts the name (saved_names)."""
     from otdus_cli.arch.saved_names import SavedTogether, layer_suffix_patterns, saved_targets
 
     state = {k: v for k, v in model.state_dict().items() if k.startswith(prefix)}
     try:
-        saved = saved_targets(model, state, [prefix + n for n in zeroed])
+        saved = saved_targets(model, state, [prefix + n for n in targets])
     except SavedTogether as exc:
         raise _NoIdentity(
             f"{exc}, so a checkpoint transformers saved holds it only within a larger tensor, which otdus "
-            "does not zero in part"
+            "does not set in part"
         ) from None
     out = {}
-    for name in zeroed:
+    for name in targets:
         patterns = layer_suffix_patterns(saved[prefix + name], index)
         if patterns is None:
             raise _NoIdentity(
