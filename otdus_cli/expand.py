@@ -29,7 +29,7 @@ from otdus_cli.arch.config_rules import (
     rewrite_config,
     validate_with_transformers,
 )
-from otdus_cli.arch.derived import check_derived_plan
+from otdus_cli.arch.derived import WITHOUT_ZERO_INIT, check_derived_plan
 from otdus_cli.arch.derived_roles import check_role_kinds
 from otdus_cli.device import resolve_device
 from otdus_cli.distributed import World, current_world, shard
@@ -133,7 +133,7 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
         check_role_kinds(source, layer_map, method.name)
     if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
         why = source.family.zero_init_note or "it needs an exact template (which tensors to zero)"
-        raise OtdusError(f"zero-init for {source.family.name}: {why}; add --no-zero-init")
+        raise OtdusError(f"zero-init for {source.family.name}: {why}; {WITHOUT_ZERO_INIT}")
     config, tensors = output_layout(source, layer_map, options.dtype)
     return ExpansionPlan(source, method, options, layer_map, config, tensors)
 
@@ -320,8 +320,18 @@ class _Engine:
             if lay.zero_init and self.src.family.is_zero_target(suffix):
                 if out in self.mine:
                     self.progress(self.writer.write_zeros(out))
+            elif lay.zero_init and (value := self.src.family.identity_value(suffix)) is not None:
+                if out in self.mine:
+                    self._write_value(out, value)
             else:
                 self._copy(src.name(suffix), out)
+
+    def _write_value(self, out: str, value: float) -> None:
+        """A tensor of a zero-init layer that holds ``value`` everywhere (a derived template's residual
+        scale at 1: arch/identity.py)."""
+        import torch  # proving that value imported it already
+
+        self.progress(self.writer.write_tensor(out, torch.full(self.writer.slots[out].tensor.shape, value)))
 
     def _build_layer(self, lay: OutputLayer, builder, device: torch.device) -> None:
         parents = [self.src.layers[i] for i in lay.parents]
@@ -336,6 +346,8 @@ class _Engine:
             out = self._out_name(lay, suffix)
             if lay.zero_init and self.src.family.is_zero_target(suffix):
                 self.progress(self.writer.write_zeros(out))
+            elif lay.zero_init and (value := self.src.family.identity_value(suffix)) is not None:
+                self._write_value(out, value)
             else:
                 self.progress(self.writer.write_tensor(out, tensor))
             del tensor

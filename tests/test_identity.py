@@ -3,18 +3,23 @@
 Tensors transformers saves under other names than its class holds them (it converts them when loading:
 GraniteMoE's fused experts, EXAONE 3's transformer.h.N), a bias added to the residual stream outside a
 linear map (GPT-NeoX-Japanese's last layer), one layer kind no zeroing makes an identity beside kinds it
-does (RWKV's first layer), a residual scale that follows the depth (MiniCPM3): zero-init keeps the
-logits bit for bit where it can, and verify says PARITY; where it cannot (a post-norm layer, layers that
-share one block's weights) one line says why.
+does (RWKV's first layer), a residual scale that follows the depth (MiniCPM3), a residual path scaled
+by the layer's own parameters (Doge, Zaya: set to 1 in a new layer), a state handed from layer to layer
+besides the hidden states (Zaya's router states): zero-init keeps the logits bit for bit where it can,
+and verify says PARITY; where it cannot (a post-norm layer, layers that share one block's weights) one
+line says why and what works instead.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
@@ -35,6 +40,9 @@ CONFIGS = {
     "minicpm3": {**FIELDS, "num_hidden_layers": 4, "num_key_value_heads": 4, "q_lora_rank": 16,
                  "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
                  "scale_depth": 1.4},
+    "doge": {**FIELDS, "num_hidden_layers": 4},
+    "zaya": {**FIELDS, "num_hidden_layers": 4, "num_experts": 4, "moe_intermediate_size": 16,
+             "router_hidden_size": 16, "bos_token_id": 1, "eos_token_id": 2},
 }  # fmt: skip
 
 
@@ -103,7 +111,7 @@ def test_a_refusal_suggests_new_layers_after_the_last_only_where_that_works(tmp_
     is new wherever it goes, so the refusal does not send the user to --after 3 (DiffLLaMA's does:
     tests/test_hybrid.py)."""
     _save("rwkv", tmp_path / "src", rescale_every=6)
-    with pytest.raises(OtdusError, match=r"their index enters their computation\); or add --no-zero-init"):
+    with pytest.raises(OtdusError, match=r"their index enters their computation\); without zero-init"):
         expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
     assert not (tmp_path / "out").exists()
 
@@ -155,3 +163,89 @@ def test_saved_names_become_patterns_within_a_layer():
         r"attn\.attention\.out_proj\.weight"
     ]
     assert layer_suffix_patterns(["model.layers.2.mlp.down_proj.weight"], 1) is None
+
+
+def _shipped(model_type: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+@pytest.mark.parametrize(
+    ("model_type", "set_to_one", "verify"),
+    [
+        # hidden = input_residual * x + attention(x), then post_attention_residual likewise
+        ("doge", {"input_residual", "post_attention_residual"}, True),
+        # (x + residual_bias) * residual_scale after each branch; the router states each layer hands the
+        # next come out as they went in with router_states_scale at 1 (verify's streamed evaluator runs
+        # a layer for its hidden states alone, which Zaya's model cannot take)
+        pytest.param(
+            "zaya",
+            {
+                "post_attention_residual_scale.residual_scale",
+                "post_mlp_residual_scale.residual_scale",
+                "mlp.gate.router_states_scale",
+            },
+            False,
+            marks=pytest.mark.skipif(not _shipped("zaya"), reason="this transformers has no Zaya"),
+        ),
+    ],
+)
+def test_residual_scales_of_a_new_layer_are_set_to_one(tmp_path, model_type, set_to_one, verify):
+    """A residual path scaled by the layer's own parameters is no identity with any tensor zeroed (zero-init
+    was refused); with those scales at 1 it is: the base's scales are perturbed away from 1, the new
+    layers hold exactly 1 there, the logits stay bit for bit and the manifest records the values."""
+    base = _save(model_type, tmp_path / "src")
+    manifest = _grows_exactly(tmp_path / "src", tmp_path / "out", base, verify=verify, after=[1, 2])
+    kinds = manifest["source"]["zero_init_proof"]["kinds"]
+    recorded = {name: value for kind in kinds.values() for name, value in kind.get("set_to", {}).items()}
+    assert recorded == dict.fromkeys(set_to_one, 1.0)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as out:
+        for layer, new in ((1, False), (2, True), (4, True)):  # 2: a copy of layer 1, 4: of layer 2
+            for name in sorted(set_to_one):
+                value = out.get_tensor(f"model.layers.{layer}.{name}")
+                assert bool((value == 1).all()) == new, (layer, name)
+
+
+@pytest.mark.parametrize("through", ["llama-pro", "copy --zero-init"])
+def test_post_norm_refusal_names_what_works_without_zero_init(tmp_path, through):
+    """BERT (post-norm): `otdus expand` says in one line, transformers' own advice on building the class
+    not on stderr (it was, three times), why zero-init cannot work and which methods do without it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "bert", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "bert")
+    method, *flags = through.split()
+    command = [sys.executable, "-m", "otdus_cli.cli", "expand", str(tmp_path / "bert"), "--out"]
+    done = subprocess.run(
+        [*command, str(tmp_path / "out"), "--method", method, *flags], capture_output=True, text=True
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: zero-init for derived:bert: ") and "(post-norm: " in line, line
+    assert line.endswith(
+        "; without zero-init a new layer changes the model's function until trained: use --method copy, "
+        "interpose, solar or stack, or add --no-zero-init"
+    ), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_proves_no_identity_where_a_residual_scale_is_not_one(tmp_path):
+    """verify's static proof counts a new Doge layer as an identity only with its residual scales at 1,
+    not merely its zero-init targets zeroed (it used to: a scale of 0.5 halved the stream unnoticed)."""
+    from safetensors.torch import load_file, save_file
+
+    from otdus_cli.verify.proof import static_check
+
+    base = _save("doge", tmp_path / "src")
+    _grows_exactly(tmp_path / "src", tmp_path / "out", base, verify=False, after=[1])
+    assert static_check(tmp_path / "src", tmp_path / "out").preserving
+    weights = tmp_path / "out" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.2.input_residual"].fill_(0.5)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    proof = static_check(tmp_path / "src", tmp_path / "out")
+    assert not proof.preserving and "layer 2 is new and not an identity" in proof.reason, proof.reason

@@ -20,9 +20,15 @@ from otdus_cli.arch.depth import stated_depth
 from otdus_cli.arch.hf_config import transformers_config
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
+from otdus_cli.verify.quiet import quiet_transformers
 
 # what a refused derivation tells the user to do
 _NEEDS_TEMPLATE = "expanding it needs an exact template (otdus_cli/arch/families.py)"
+# what a refused zero-init tells the user to do instead
+WITHOUT_ZERO_INIT = (
+    "without zero-init a new layer changes the model's function until trained: use --method copy, "
+    "interpose, solar or stack, or add --no-zero-init"
+)
 # module-name parts of towers that are not the text stack
 NOT_TEXT = ("vision", "visual", "audio", "image", "speech")
 
@@ -119,6 +125,7 @@ def _per_layer(name: str, value: object, depth: int) -> bool:
     return isinstance(value, str) and len(value) == depth and ("pattern" in name or "layer" in name)
 
 
+@quiet_transformers  # building some classes logs advice (BERT's "add is_decoder=True") on stderr
 def _meta_model(config: dict):
     import torch
     from transformers import AutoModelForCausalLM
@@ -227,19 +234,18 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
         return
     proved = family.zero_init_proof["kinds"]
     unproved = family.zero_init_proof.get("unproved", {})
-    zeroed: list[list[str]] = []
     for lay in layer_map:
         kind = family.layer_kind(source.text_config, lay.source)
         if lay.zero_init and kind not in proved:
             kinds = [family.layer_kind(source.text_config, i) for i in range(source.depth)]
             others = _ranges([i for i, k in enumerate(kinds) if k in proved])
             why = unproved.get(kind, "no zeroing was proved to make that kind an identity")
+            works = f"copy a layer of a kind zero-init works for (base layers {others}); " if others else ""
             raise OtdusError(
                 f"zero-init for {family.name}: new layer {lay.index} copies base layer {lay.source}, a "
-                f"{kind} layer, and {why}; copy layers of a kind zero-init works for (base layers "
-                f"{others}) or add --no-zero-init"
+                f"{kind} layer, and {why}; {works}{WITHOUT_ZERO_INIT}"
             )
-        names = proved[kind]["zeroed"] if lay.zero_init else []
+        names = [*proved[kind]["zeroed"], *proved[kind].get("set_to", {})] if lay.zero_init else []
         forms = proved[kind].get("stored", {}) if lay.zero_init else {}
         stored = source.layers[lay.source].suffixes()
         for name in names:
@@ -248,23 +254,17 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
                 raise OtdusError(
                     f"zero-init for {family.name}: layer {lay.source} of the checkpoint holds {name} of its "
                     f"{kind} layers under none of the names transformers holds or saves it under, so otdus "
-                    "cannot tell which tensor to zero (save the model again with this transformers); or add "
+                    "cannot tell which tensor to set (save the model again with this transformers); or add "
                     "--no-zero-init"
                 )
-        zeroed.append(names)
-    why = prove_plan(
-        source.config,
-        written_config,
-        family.zero_init_proof["layer_list"],
-        [lay.source for lay in layer_map],
-        zeroed,
-    )
+    sources = [lay.source for lay in layer_map]
+    why = prove_plan(source.config, written_config, family, sources, [lay.zero_init for lay in layer_map])
     if why:
         last = source.depth - 1
         moved = any(not lay.new and lay.index != lay.source for lay in layer_map)
         if moved and _works_after_last(source, sum(lay.new for lay in layer_map)):
             why += f"; new layers after the last one (--after {last}) leave every base layer's index as it is"
-        raise OtdusError(f"zero-init for {family.name}: {why}; or add --no-zero-init")
+        raise OtdusError(f"zero-init for {family.name}: {why}; {WITHOUT_ZERO_INIT}")
 
 
 def _works_after_last(source, count: int) -> bool:
@@ -293,17 +293,16 @@ def _works_after_last(source, count: int) -> bool:
         )
     except OtdusError:
         return False
-    zeroed = [proved[kind]["zeroed"] if lay.new else [] for lay in layer_map]
-    layer_list = family.zero_init_proof["layer_list"]
-    return prove_plan(source.config, written, layer_list, [lay.source for lay in layer_map], zeroed) is None
+    sources = [lay.source for lay in layer_map]
+    return prove_plan(source.config, written, family, sources, [lay.new for lay in layer_map]) is None
 
 
 def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    """``[0, 1, 2, 5]`` as ``0-2, 5`` (none: "")."""
     out: list[str] = []
     for i in indices:
         if out and out[-1].split("-")[-1] == str(i - 1):
             out[-1] = f"{out[-1].split('-')[0]}-{i}"
         else:
             out.append(str(i))
-    return ", ".join(out) or "none"
+    return ", ".join(out)

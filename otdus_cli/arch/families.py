@@ -113,6 +113,9 @@ class Family:
     # could not be (then zero_init is empty)
     zero_init_proof: dict | None = None
     zero_init_note: str = ""
+    # a derived template: tensors a zero-init layer holds at a value other than 0, (pattern, value) (a
+    # residual scale at 1: arch/identity.py)
+    identity_values: tuple[tuple[str, float], ...] = ()
     # a derived template: its output configs are built by transformers at plan time to check that each
     # output layer is of its source layer's kind (arch/derived.py: check_planned_kinds)
     derived: bool = False
@@ -122,6 +125,10 @@ class Family:
 
     def is_zero_target(self, suffix: str) -> bool:
         return any(re.fullmatch(p, suffix) for p in self.zero_init)
+
+    def identity_value(self, suffix: str) -> float | None:
+        """The value other than 0 a zero-init layer holds in tensor ``suffix``, or None."""
+        return next((value for p, value in self.identity_values if re.fullmatch(p, suffix)), None)
 
     def layer_regex(self) -> re.Pattern[str]:
         return re.compile(re.escape(self.layer_prefix).replace(r"\{i\}", r"(\d+)") + r"(.+)")
@@ -370,6 +377,7 @@ def _derived_family(config_json: str) -> Family:
         index_fields=tuple(found["index_fields"]),
         zero_init_proof=None if proof.failure else proof.record(),
         zero_init_note=proof.failure or "",
+        identity_values=() if proof.failure else proof.value_patterns(),
         derived=True,
     )
 

@@ -11,10 +11,23 @@ residual-writing ones are zeroed in a new layer: they are given back in the orde
 when it is small, else the config with its widths shrunk (the layer kinds and their order are the
 config's).
 
-A kind that no zeroing makes an identity (a post-norm layer: output = norm(x + f(x)); a residual path
-that scales or mixes the hidden state) is recorded with the reason, and new layers of that kind are
-refused zero-init; the others keep it. The targets are also given under the names transformers saves them
-(arch/saved_names.py), which is how a checkpoint it converts when loading stores them.
+Where no zeroing makes a kind an identity, a second construction is tried: a residual path scaled by the
+layer's own parameters (Doge: input_residual * x + f(x); Zaya: (x + residual_bias) * residual_scale)
+is an identity when those are at their identity value. The candidates are the vectors of the hidden
+width outside norms and linear maps (those the first construction zeroes); the ones transformers
+initialises to all ones are scales, set to 1, the others zeroed, and what the identity does not need is
+given back as before. A new layer then gets those tensors at 1 (``set_to``) besides the zeroed ones.
+
+A layer that hands the next one other states besides the hidden states (Zaya's router states: tensors
+it returns that the next layer is called with) is asked to hand those on unchanged too, the tensors
+that write into their widths being candidates as well; where no construction gets that (HunYuan V4's
+routing indices), the hidden states alone, and the expanded tiny model's logits (prove_plan) judge.
+
+A kind that neither construction makes an identity (a post-norm layer: output = norm(x + f(x)); a
+residual path scaled by constants of the layer's index, or mixed with other streams) is recorded with the
+reason, and new layers of that kind are refused zero-init; the others keep it. The targets are also
+given under the names transformers saves them (arch/saved_names.py), which is how a checkpoint it
+converts when loading stores them.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from otdus_cli.arch.hf_config import transformers_config
+from otdus_cli.verify.quiet import quiet_transformers
 
 # a model at most this large is proved on as it is; a larger one on a copy with these widths
 MAX_PROOF_PARAMETERS = 20_000_000
@@ -65,6 +79,8 @@ class IdentityProof:
     """What zeroing makes each layer kind an identity, and how that was shown (None: not shown)."""
 
     zeroed: dict[str, list[str]] = field(default_factory=dict)  # kind -> tensor names inside a layer
+    # kind -> tensor name -> the value other than 0 it is set to (a residual scale: 1), where needed
+    set_to: dict[str, dict[str, float]] = field(default_factory=dict)
     # kind -> tensor name -> patterns of the names it is stored under (in memory, and as transformers saves)
     stored: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)  # kind -> the layer the proof ran on
@@ -75,13 +91,19 @@ class IdentityProof:
 
     def record(self) -> dict:
         """The proof as the manifest records it."""
+        check = f"layer output equals its input bit for bit on {_SEQUENCE} random tokens, with these "
+        check += "tensors zeroed" + (" and those under set_to set to that value" if self.set_to else "")
         return {
-            "check": f"layer output equals its input bit for bit on {_SEQUENCE} random tokens, "
-            "with these tensors zeroed",
+            "check": check,
             "instance": self.instance,
             "layer_list": self.layer_list,
             "kinds": {
-                k: {"layer": self.layers[k], "zeroed": v, "stored": self.stored.get(k, {})}
+                k: {
+                    "layer": self.layers[k],
+                    "zeroed": v,
+                    **({"set_to": self.set_to[k]} if self.set_to.get(k) else {}),
+                    "stored": self.stored.get(k, {}),
+                }
                 for k, v in self.zeroed.items()
             },
             **({"unproved": dict(self.unproved)} if self.unproved else {}),
@@ -98,6 +120,17 @@ class IdentityProof:
             )
         )
 
+    def value_patterns(self) -> tuple[tuple[str, float], ...]:
+        """The tensors set to a value other than zero, as (pattern within a layer, value)."""
+        return tuple(
+            dict.fromkeys(
+                (form, value)
+                for kind, values in self.set_to.items()
+                for n, value in values.items()
+                for form in self.stored.get(kind, {}).get(n) or expert_forms(n)
+            )
+        )
+
 
 def expert_forms(name: str) -> list[str]:
     """Patterns a zero-init target is stored under: its name as in memory, and a fused expert tensor
@@ -109,13 +142,14 @@ def expert_forms(name: str) -> list[str]:
     return out
 
 
+@quiet_transformers
 def prove_identity(config: dict, layer_list: str, kinds: list[str]) -> IdentityProof:
     """Find and prove the zero-init targets of every layer kind of ``config``'s model (see module)."""
     import torch
 
     proof = IdentityProof(layer_list=layer_list)
     try:
-        model, proof.instance = _tiny_instance(config)
+        model, proof.instance, ones = _tiny_instance(config)
     except Exception as exc:
         proof.failure = (
             f"no tiny instance to prove it on ({type(exc).__name__}: {' '.join(str(exc).split())})"
@@ -126,9 +160,11 @@ def prove_identity(config: dict, layer_list: str, kinds: list[str]) -> IdentityP
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(0))
     for kind in dict.fromkeys(kinds):
         index = kinds.index(kind)
+        prefix = f"{layer_list}.{index}."
+        scales = {n[len(prefix) :] for n in ones if n.startswith(prefix)}
         try:
-            zeroed = _prove_kind(_LayerRun(model, layers[index], ids), index, kind)
-            proof.stored[kind] = _stored_forms(model, f"{layer_list}.{index}.", index, zeroed)
+            targets = _prove_kind(_LayerRun(model, layers, index, ids), index, kind, scales)
+            proof.stored[kind] = _stored_forms(model, prefix, index, list(targets))
         except _NoIdentity as exc:
             proof.unproved[kind] = str(exc)
             continue
@@ -136,8 +172,10 @@ def prove_identity(config: dict, layer_list: str, kinds: list[str]) -> IdentityP
             why = f"layer {index} ({kind}) did not run on the tiny instance ({type(exc).__name__})"
             proof.unproved[kind] = why
             continue
-        proof.zeroed[kind] = zeroed
+        proof.zeroed[kind] = [n for n, value in targets.items() if value == 0]
+        proof.set_to[kind] = {n: value for n, value in targets.items() if value != 0}
         proof.layers[kind] = index
+    _drop_disagreeing_kinds(proof)
     if not proof.zeroed:
         proof.failure = "; ".join(dict.fromkeys(proof.unproved.values()))
     return proof
@@ -147,43 +185,75 @@ class _NoIdentity(Exception):
     """Why no zeroing makes a layer kind an identity (a sentence for the user)."""
 
 
-def _prove_kind(run: _LayerRun, index: int, kind: str) -> list[str]:
-    """The tensors of the layer ``run`` runs whose zeroing makes it an identity, fewest first given back."""
-    found = [n for _, n in sorted(_residual_writers(run.layer, run.width()), key=lambda u: run.order(u[0]))]
+def _prove_kind(run: _LayerRun, index: int, kind: str, scales: set[str]) -> dict[str, float]:
+    """The tensors of the layer ``run`` runs, and the values (0, or 1 for a scale among ``scales``: the
+    vectors transformers initialises to ones), that make it an identity; fewest first given back."""
+    found = [n for _, n in sorted(_residual_writers(run.layer, run.widths()), key=lambda u: run.order(u[0]))]
     # a vector may be a bias into the stream, or scale the residual itself (Doge's input_residual), which
-    # zeroed breaks the identity: without the vectors too, before giving up
+    # zeroed breaks the identity: without the vectors too, before giving up; then with the scales at 1
     matrices = [u for u in found if not (len(u) == 1 and run.params[u[0]].dim() == 1)]
-    units = next((c for c in (found, matrices) if c and run.identity([n for u in c for n in u])), None)
-    if units is None:
+    zeros = {name: 0.0 for unit in found for name in unit}
+    tries = [(found, zeros), (matrices, zeros)]
+    if any(name in scales for unit in found for name in unit):
+        tries.append((found, {name: 1.0 if name in scales else 0.0 for name in zeros}))
+    # the other states it hands on (Zaya's router states) unchanged too where some try gets that; else the
+    # hidden states alone, and the plan's proof on the whole tiny model judges the rest (HunYuan V4's
+    # routing indices differ, yet the next layer computes the same)
+    checks = [True, False] if run.carried() else [True]
+    chosen = next(
+        ((u, v, states) for states in checks for u, v in tries if u and run.identity(_values(u, v), states)),
+        None,
+    )
+    if chosen is None:
         every = [name for unit in matrices for name in unit]
         named = ", ".join(every) or "none"
         raise _NoIdentity(
             f"zeroing the tensors that write into its residual stream ({named}) does not make layer "
-            f"{index} ({kind}) an identity: {run.why_not(every)}"
+            f"{index} ({kind}) an identity: {run.why_not(_values(matrices, zeros))}"
         )
+    units, values, states = chosen
     kept = list(units)
     for unit in units:  # give back what the identity does not need
-        trial = [name for u in kept if u is not unit for name in u]
-        if run.identity(trial):
-            kept = [u for u in kept if u is not unit]
-    return [name for unit in kept for name in unit]
+        trial = [u for u in kept if u is not unit]
+        if run.identity(_values(trial, values), states):
+            kept = trial
+    return _values(kept, values)
 
 
-def _stored_forms(model, prefix: str, index: int, zeroed: list[str]) -> dict[str, list[str]]:
-    """For each zeroed tensor of the layer at ``prefix``, the patterns (within a layer) of the names it is
+def _values(units: list[list[str]], values: dict[str, float]) -> dict[str, float]:
+    return {name: values[name] for unit in units for name in unit}
+
+
+def _drop_disagreeing_kinds(proof: IdentityProof) -> None:
+    """A new layer's tensors are written by name whatever its kind: a kind that sets a tensor to 1 which
+    another kind zeroes is refused zero-init (the one written value would break one of them)."""
+    zeroed = {n for names in proof.zeroed.values() for n in names}
+    for kind, values in list(proof.set_to.items()):
+        both = sorted(zeroed & set(values))
+        if both:
+            proof.unproved[kind] = (
+                f"layer {proof.layers[kind]} ({kind}) is an identity with {both[0]} set to "
+                f"{values[both[0]]:g}, which a layer of another kind has zeroed"
+            )
+            for record in (proof.zeroed, proof.set_to, proof.stored, proof.layers):
+                record.pop(kind, None)
+
+
+def _stored_forms(model, prefix: str, index: int, targets: list[str]) -> dict[str, list[str]]:
+    """For each target tensor of the layer at ``prefix``, the patterns (within a layer) of the names it is
     stored under: as in memory, and as transformers saves it when it converts the name (saved_names)."""
     from otdus_cli.arch.saved_names import SavedTogether, layer_suffix_patterns, saved_targets
 
     state = {k: v for k, v in model.state_dict().items() if k.startswith(prefix)}
     try:
-        saved = saved_targets(model, state, [prefix + n for n in zeroed])
+        saved = saved_targets(model, state, [prefix + n for n in targets])
     except SavedTogether as exc:
         raise _NoIdentity(
             f"{exc}, so a checkpoint transformers saved holds it only within a larger tensor, which otdus "
-            "does not zero in part"
+            "does not set in part"
         ) from None
     out = {}
-    for name in zeroed:
+    for name in targets:
         patterns = layer_suffix_patterns(saved[prefix + name], index)
         if patterns is None:
             raise _NoIdentity(
@@ -193,18 +263,19 @@ def _stored_forms(model, prefix: str, index: int, zeroed: list[str]) -> dict[str
     return out
 
 
-def prove_plan(
-    config: dict, written: dict, layer_list: str, sources: list[int], zeroed: list[list[str]]
-) -> str | None:
+@quiet_transformers
+def prove_plan(config: dict, written: dict, family, sources: list[int], zero_init: list[bool]) -> str | None:
     """Whether the expanded model computes the base function, shown on the tiny instance: the model
-    ``written`` describes, with output layer j a copy of base layer ``sources[j]`` and the tensors
-    ``zeroed[j]`` zeroed in it, gives the base's logits bit for bit. None when it does; else why not
-    (a layer whose index enters its computation computes otherwise at its new position ...)."""
+    ``written`` describes, with output layer j a copy of base layer ``sources[j]`` and, where
+    ``zero_init[j]``, its tensors set as expand writes them (the derived ``family``'s zero-init targets
+    zeroed, its identity values set: the patterns of every kind, as the writer matches them), gives the
+    base's logits bit for bit. None when it does; else why not (a layer whose index enters its
+    computation computes otherwise at its new position ...)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
-        base, _ = _tiny_instance(config)
+        base, _, _ = _tiny_instance(config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             grown = (
@@ -214,7 +285,7 @@ def prove_plan(
             )
     except Exception as exc:
         return f"no tiny instance of the expanded model to prove it on ({type(exc).__name__})"
-    prefix = layer_list + "."
+    prefix = family.zero_init_proof["layer_list"] + "."
     state = base.state_dict()
     out = {}
     for name, value in state.items():
@@ -224,7 +295,8 @@ def prove_plan(
         for name, value in state.items():
             if name.startswith(f"{prefix}{i}."):
                 suffix = name[len(f"{prefix}{i}.") :]
-                out[f"{prefix}{j}.{suffix}"] = torch.zeros_like(value) if suffix in zeroed[j] else value
+                target = _written_value(family, suffix) if zero_init[j] else None
+                out[f"{prefix}{j}.{suffix}"] = value if target is None else torch.full_like(value, target)
     vocab = base.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(1))
     try:
@@ -242,6 +314,12 @@ def prove_plan(
             "their computation)"
         )
     return None
+
+
+def _written_value(family, suffix: str) -> float | None:
+    """What expand writes into tensor ``suffix`` of a zero-init layer instead of its source's: 0 for a
+    zero-init target, a tensor's identity value, or None (a copy)."""
+    return 0.0 if family.is_zero_target(suffix) else family.identity_value(suffix)
 
 
 def _tiny_config(config: dict) -> tuple[object, bool]:
@@ -263,7 +341,9 @@ def _tiny_config(config: dict) -> tuple[object, bool]:
     return loaded, False
 
 
-def _tiny_instance(config: dict):
+def _tiny_instance(config: dict) -> tuple[object, str, set[str]]:
+    """The tiny model, what it is (as given, or shrunk), and the names of its vectors transformers
+    initialises to all ones (scales: their identity value is 1)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -273,18 +353,20 @@ def _tiny_instance(config: dict):
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(loaded, trust_remote_code=False).float().eval()
+    vectors = {n: p for n, p in model.named_parameters() if p.dim() == 1 and p.is_floating_point()}
+    ones = {n for n, p in vectors.items() if bool((p == 1).all())}
     with torch.no_grad():  # norms start at exactly 1 or 0; perturb them so a lucky identity shows
-        for p in model.parameters():
-            if p.dim() == 1 and p.is_floating_point():
-                p.add_(torch.randn_like(p) * 0.1)
-    return model, instance
+        for p in vectors.values():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model, instance, ones
 
 
-def _residual_writers(layer, hidden: int) -> list[tuple[str, list[str]]]:
-    """Groups of tensor names that may write into the hidden width, each with the module that holds it:
-    a linear map into it (weight and bias), a fused expert tensor into it (and its bias), and a vector of
-    its width held by a module that is not a norm (a bias added to the residual stream outside a linear
-    map: GPT-NeoX-Japanese's dense_bias, JetMoE's MoE bias)."""
+def _residual_writers(layer, widths: set[int]) -> list[tuple[str, list[str]]]:
+    """Groups of tensor names that may write into the hidden width (or that of another state the layer
+    hands on: ``widths``), each with the module that holds it: a linear map into it (weight and bias), a
+    fused expert tensor into it (and its bias), and a vector of its width held by a module that is not a
+    norm (a bias added to the residual stream outside a linear map: GPT-NeoX-Japanese's dense_bias,
+    JetMoE's MoE bias; or a scale of it: Doge's input_residual)."""
     import torch
 
     try:
@@ -297,19 +379,19 @@ def _residual_writers(layer, hidden: int) -> list[tuple[str, list[str]]]:
         if not own:
             continue
         dot = prefix + "." if prefix else ""
-        linear = isinstance(module, torch.nn.Linear) and module.out_features == hidden
-        conv = isinstance(module, Conv1D) and module.nf == hidden
+        linear = isinstance(module, torch.nn.Linear) and module.out_features in widths
+        conv = isinstance(module, Conv1D) and module.nf in widths
         if linear or conv:
             units.append((prefix, [dot + n for n in own]))
             continue
         if isinstance(module, (torch.nn.Linear, Conv1D)):
             continue
         for name, p in own.items():
-            if p.dim() == 3 and p.shape[0] > 1 and hidden in p.shape[-2:]:
+            if p.dim() == 3 and p.shape[0] > 1 and widths & set(p.shape[-2:]):
                 units.append(
                     (prefix, [dot + name] + ([dot + name + "_bias"] if name + "_bias" in own else []))
                 )
-            elif p.dim() == 1 and len(p) == hidden and not _is_norm(module):
+            elif p.dim() == 1 and len(p) in widths and not _is_norm(module):
                 units.append((prefix, [dot + name]))
     return units
 
@@ -330,13 +412,17 @@ def _hidden_of(args: tuple, kwargs: dict):
 
 
 class _LayerRun:
-    """The model run on fixed ids with some of one layer's tensors zeroed; the layer's input and output."""
+    """The model run on fixed ids with some of one layer's tensors set; the layer's input and output:
+    its hidden states, and the other states the layer before hands it (Zaya's router states), which a
+    layer must hand on unchanged as well to be an identity."""
 
-    def __init__(self, model, layer, ids) -> None:
-        self.model, self.layer, self.ids = model, layer, ids
-        self.params = dict(layer.named_parameters())
+    def __init__(self, model, layers: list, index: int, ids) -> None:
+        self.model, self.layer, self.ids = model, layers[index], ids
+        self.previous = layers[index - 1] if index else None
+        self.params = dict(self.layer.named_parameters())
         self._calls: dict[str, int] = {}
         self._seen: dict = {}
+        self._carried: list[tuple[int, int | str]] | None = None
 
     def order(self, module: str) -> int:
         """When the layer first runs ``module`` (-1: never, so it cannot matter), from one hooked run."""
@@ -350,38 +436,74 @@ class _LayerRun:
 
             hooks = [m.register_forward_pre_hook(seen(name)) for name, m in self.layer.named_modules()]
             try:
-                self.identity([])
+                self.identity({})
             finally:
                 for hook in hooks:
                     hook.remove()
         return self._calls.get(module, -1)
 
-    def width(self) -> int:
-        """The width of the hidden states the layer reads (an embedding may be narrower: ELECTRA)."""
-        if not self._seen:
-            self.identity([])
-        return self._seen["in"].shape[-1]
+    def carried(self) -> list[tuple[int, int | str]]:
+        """The states besides the hidden states that the layer before hands this one, as (their place in
+        a layer's output, where this layer takes them: an argument's position or keyword): the tensors
+        the layer before returns that this one is called with, found in one run."""
+        if self._carried is None:
+            import torch
 
-    def identity(self, zeroed: list[str]) -> bool:
+            returned: dict[int, tuple[int, torch.Tensor]] = {}  # the tensors kept: their ids stay unique
+            found: list[tuple[int, int | str]] = []
+
+            def handed(_module, _args, output) -> None:
+                if isinstance(output, tuple | list):
+                    returned.update({id(t): (k, t) for k, t in enumerate(output) if k and torch.is_tensor(t)})
+
+            def called(_module, args, kwargs) -> None:
+                places = [*enumerate(args), *kwargs.items()]
+                found.extend((returned[id(t)][0], where) for where, t in places if id(t) in returned)
+
+            hooks = [self.layer.register_forward_pre_hook(called, with_kwargs=True)]
+            if self.previous is not None:
+                hooks.append(self.previous.register_forward_hook(handed))
+            try:
+                with torch.no_grad():
+                    self.model(input_ids=self.ids, use_cache=False)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            self._carried = found
+        return self._carried
+
+    def widths(self) -> set[int]:
+        """The widths of the states the layer reads and hands on: its hidden states' (an embedding may
+        be narrower: ELECTRA) and those of the other states it is handed."""
+        if not self._seen:
+            self.identity({})
+        return {self._seen["in"].shape[-1], *(t.shape[-1] for t in self._seen["states in"])}
+
+    def identity(self, targets: dict[str, float], states: bool = True) -> bool:
+        """Whether the layer hands on what it is handed (its hidden states, and unless not ``states`` the
+        other states it is handed) with each of ``targets`` set to its value."""
         import torch
 
-        seen = self._seen
+        seen, carried = self._seen, self.carried()
 
         def before(_module, args, kwargs):
             seen["in"] = _hidden_of(args, kwargs).detach().clone()
+            given = {**dict(enumerate(args)), **kwargs}
+            seen["states in"] = [given[where].detach().clone() for _, where in carried]
 
         def after(_module, _args, _kwargs, output):
             seen["out"] = (output[0] if isinstance(output, tuple | list) else output).detach().clone()
+            seen["states out"] = [output[k].detach().clone() for k, _ in carried]
 
-        saved = {n: self.params[n].detach().clone() for n in zeroed}
+        saved = {n: self.params[n].detach().clone() for n in targets}
         hooks = [
             self.layer.register_forward_pre_hook(before, with_kwargs=True),
             self.layer.register_forward_hook(after, with_kwargs=True),
         ]
         try:
             with torch.no_grad():
-                for n in zeroed:
-                    self.params[n].zero_()
+                for n, value in targets.items():
+                    self.params[n].fill_(value)
                 self.model(input_ids=self.ids, use_cache=False)
         finally:
             for hook in hooks:
@@ -389,10 +511,12 @@ class _LayerRun:
             with torch.no_grad():
                 for n, value in saved.items():
                     self.params[n].copy_(value)
-        return seen["in"].shape == seen["out"].shape and torch.equal(seen["in"], seen["out"])
+        pairs = [(seen["in"], seen["out"]), *zip(seen["states in"], seen["states out"], strict=True)]
+        pairs = pairs if states else pairs[:1]
+        return all(a.shape == b.shape and torch.equal(a, b) for a, b in pairs)
 
-    def why_not(self, zeroed: list[str]) -> str:
-        """Why the layer is no identity with ``zeroed`` zeroed, as one run shows it: its output comes out
+    def why_not(self, targets: dict[str, float]) -> str:
+        """Why the layer is no identity with ``targets`` set, as one run shows it: its output comes out
         of a norm (post-norm), or is its input scaled, or else changed otherwise."""
         import torch
 
@@ -408,7 +532,7 @@ class _LayerRun:
 
         hooks = [m.register_forward_hook(keep(n, m)) for n, m in self.layer.named_modules() if n]
         try:
-            self.identity(zeroed)
+            self.identity(targets)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -420,14 +544,15 @@ class _LayerRun:
             return (
                 f"its output is then that of {norm}, a norm on the residual stream itself (post-norm: "
                 "output = norm(x + f(x)); or a residual taken after a norm), which no zeroing makes an "
-                "identity, so a new layer of this kind changes the model's function until trained"
+                "identity"
             )
         if x.shape == y.shape and x.dim() >= 2 and bool((x != 0).all()):
             scale = y[..., :1, :] / x[..., :1, :]
             if torch.allclose(y, x * scale, rtol=1e-5, atol=1e-6):
                 return (
                     "its residual path multiplies the hidden state by factors other than 1 (output = a * x), "
-                    "which zeroing cannot undo"
+                    "which neither zeroing nor setting to 1 a scale of the layer (a vector transformers "
+                    "initialises to ones) undoes"
                 )
         return "its residual path itself changes the hidden state (more than the tensors that write into it)"
 

@@ -8,8 +8,9 @@ Before any forward pass:
   broken expansion.
 * **static proof**: every expanded layer is matched to the base by fingerprints (io/fingerprint.py):
   a *copy* of base layer i, or *new*. A new layer whose output projections (the family's zero-init
-  targets: o_proj, down_proj, every expert's down projection) are exactly zero adds exactly 0.0 to
-  the residual stream for finite activations: an *identity*. The expansion computes the base function
+  targets: o_proj, down_proj, every expert's down projection) are exactly zero (and a derived
+  template's residual scales exactly 1) adds exactly 0.0 to the residual stream for finite
+  activations: an *identity*. The expansion computes the base function
   when every base layer appears once, in order, as a copy, every other layer is an identity, and the
   tensors outside the stack (embeddings, final norm, head) are the base's. Copies are checked by
   sampled fingerprints, zeros by reading every byte.
@@ -198,8 +199,14 @@ def _all_zero(reader: CheckpointReader, name: str) -> bool:
 def _identity(stack: LayerStack, index: int) -> bool:
     layer = stack.layers[index]
     targets = [s for s in layer.suffixes() if stack.family.is_zero_target(s)]
+    # a derived template's residual scales at 1 (arch/identity.py): a layer is no identity without them
+    values = [(s, v) for s in layer.suffixes() if (v := stack.family.identity_value(s)) is not None]
     # o_proj and a down projection at least: a family without zero targets proves nothing
-    return len(targets) >= 2 and all(_all_zero(stack.reader, layer.name(s)) for s in targets)
+    return (
+        len(targets) >= 2
+        and all(_all_zero(stack.reader, layer.name(s)) for s in targets)
+        and all(bool((stack.reader.get(layer.name(s)) == v).all()) for s, v in values)
+    )
 
 
 def prove(base: LayerStack, expanded: LayerStack, claimed: Sequence[dict] | None = None) -> StaticProof:
