@@ -567,4 +567,5 @@ def _modules_of(model, path: str) -> list:
 def tiny_instance(config: dict):
     """The tiny random instance the proofs run on, and how it was made (the role proof of
     arch/derived_roles.py runs on the same one)."""
-    return _tiny_instance(config)
+    model, instance, _ = _tiny_instance(config)
+    return model, instance
