@@ -15,14 +15,17 @@ fault per 4 KiB on its first touch, more than reading and converting the data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from otdus_cli.arch.experts import EXPERT_LAYOUTS
 from otdus_cli.arch.saved_names import saved_names
 from otdus_cli.arch.wrappers import text_model_prefix
 from otdus_cli.errors import OtdusError
@@ -34,11 +37,13 @@ from otdus_cli.verify.converted import Conversion, LoadConversions
 # Large tensors are copied from disk in blocks of this size (float32 destination bytes).
 _COPY_BLOCK_BYTES = 64 * 2**20
 
-# Per-expert on-disk names of transformers' fused expert tensors (gate, up, down), per layout.
-_EXPERT_LAYOUTS = (
-    ("mlp.experts.", ("gate_proj", "up_proj", "down_proj")),
-    ("block_sparse_moe.experts.", ("w1", "w3", "w2")),  # Mixtral
+# Per-expert on-disk names of transformers' fused expert tensors: (prefix, (gate, up, down)) of each
+# MoE layout arch/experts.py knows (Mixtral's block_sparse_moe.experts.N.w1 ...), each once.
+_EXPERT_LAYOUTS = tuple(
+    dict.fromkeys((f"{lay.block}experts.", (lay.gate, lay.up, lay.down)) for lay in EXPERT_LAYOUTS.values())
 )
+# MoE blocks stored under another name than transformers builds them (``mlp.``): Mixtral's
+_MOE_BLOCKS = tuple(dict.fromkeys(lay.block for lay in EXPERT_LAYOUTS.values() if lay.block != "mlp."))
 
 
 def non_persistent_keys(module: nn.Module) -> set[str]:
@@ -55,9 +60,10 @@ def _disk_sources(prefix: str, key: str, on_disk: set[str], n_experts: int | Non
     Mixtral ``block_sparse_moe`` spelling, or per-expert matrices of a fused experts tensor."""
     if prefix + key in on_disk:
         return (prefix + key,)
-    alias = key.replace("mlp.", "block_sparse_moe.", 1) if key.startswith("mlp.") else None
-    if alias and prefix + alias in on_disk:
-        return (prefix + alias,)
+    for block in _MOE_BLOCKS if key.startswith("mlp.") else ():
+        alias = block + key.removeprefix("mlp.")
+        if prefix + alias in on_disk:
+            return (prefix + alias,)
     if not n_experts or key not in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
         return None
     for base, (gate, up, down) in _EXPERT_LAYOUTS:
@@ -70,10 +76,23 @@ def _disk_sources(prefix: str, key: str, on_disk: set[str], n_experts: int | Non
 
 class _StagingBuffer:
     """One reusable host buffer that tensor bytes are read into before conversion: a fresh buffer per
-    tensor costs a page fault per 4 KiB on first touch, more than the read itself."""
+    tensor costs a page fault per 4 KiB on first touch, more than the read itself. Inside
+    ``shards_open``, each shard file read is opened once (a layer's tensors lie in one or two)."""
 
     def __init__(self) -> None:
         self._buf = torch.empty(0, dtype=torch.uint8)
+        self._fds: dict[str, int] | None = None  # shard path -> open descriptor, inside shards_open
+
+    @contextlib.contextmanager
+    def shards_open(self) -> Iterator[None]:
+        """Keep the shard files read in the block open until its end (one load: a layer, the shell)."""
+        self._fds = {}
+        try:
+            yield
+        finally:
+            fds, self._fds = self._fds, None
+            for fd in fds.values():
+                os.close(fd)
 
     def read(self, info: TensorInfo, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Elements of ``shape`` of ``info``'s data from byte ``offset``, as a view of the buffer (valid
@@ -82,13 +101,21 @@ class _StagingBuffer:
         if self._buf.numel() < nbytes:
             self._buf = torch.empty(nbytes, dtype=torch.uint8)
         view = memoryview(self._buf.numpy())[:nbytes]
-        done = 0
-        with open(info.file, "rb") as f:
+        fd = self._fds.get(info.file) if self._fds is not None else None
+        if fd is None:
+            fd = os.open(info.file, os.O_RDONLY)
+            if self._fds is not None:
+                self._fds[info.file] = fd
+        try:
+            done = 0
             while done < nbytes:
-                got = os.preadv(f.fileno(), [view[done:]], info.begin + offset + done)
+                got = os.preadv(fd, [view[done:]], info.begin + offset + done)
                 if got <= 0:
                     raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {info.name}")
                 done += got
+        finally:
+            if self._fds is None:
+                os.close(fd)
         return self._buf[:nbytes].view(torch_dtype(info.dtype)).view(shape)
 
 
@@ -367,7 +394,7 @@ class CheckpointWeights:
         skip = non_persistent_keys(module)
         targets = dict(module.named_parameters())
         targets.update(dict(module.named_buffers()))
-        with torch.inference_mode():
+        with torch.inference_mode(), self._staging.shards_open():
             for key, target in targets.items():
                 if key in skip or key not in sources:  # not stored as such: converted below
                     continue
@@ -432,7 +459,7 @@ class CheckpointWeights:
             if sub is not skip:
                 sub.to_empty(device=self.device, recurse=False)
                 hf_compat.restore_buffers(sub, self._buffer_values, recurse=False)
-        with torch.no_grad():
+        with torch.no_grad(), self._staging.shards_open():
             for name, param in self.model.named_parameters(remove_duplicate=False):
                 if id(param) in skipped or param.is_meta or name in tied:
                     continue
