@@ -14,7 +14,9 @@ self-check inside verify compares its logits with transformers' own forward, bit
 * layers handing part of their output to the next layer (GLM-MoE-DSA's top-k indices);
 * a forward that takes token ids only (CPM-Ant prepends its prompt to them);
 * a class no auto class builds from its saved config (Mllama's text model), with a layer its forward
-  skips on text.
+  skips on text;
+* a MoE config saved with ``output_router_logits`` (its forward would collect the stand-ins' outputs as
+  router logits and compute a load-balancing loss from them).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
 from tests.support.eval_sets import random_eval_set
-from tests.support.tiny_models import VERIFY_BREADTH, save_perturbed
+from tests.support.tiny_models import COMMON, TINY_CONFIGS, VERIFY_BREADTH, save_perturbed
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
@@ -46,3 +48,11 @@ def test_a_zero_init_expansion_holds_parity(tmp_path, model_type):
     report = verify_expansion(tmp_path / "base", tmp_path / "out", random_eval_set())
     assert report.exit_code == 0 and report.verdict.startswith("PARITY"), report.verdict
     assert report.logits_equal and report.first_divergence is None
+
+
+def test_a_config_asking_for_router_logits_holds_parity(tmp_path):
+    fields = {**COMMON, **TINY_CONFIGS["qwen2_moe"], "output_router_logits": True}
+    save_perturbed("qwen2_moe", fields, tmp_path / "base")
+    expand(str(tmp_path / "base"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    report = verify_expansion(tmp_path / "base", tmp_path / "out", random_eval_set())
+    assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from otdus_cli.verify import hf_compat
 from otdus_cli.verify.layer_calls import Activations, CheckBatch
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ def head_logits(model: StreamedModel, states: torch.Tensor, ids: torch.Tensor | 
     calls.mode, calls.final_hidden = "inject", states
     inputs = {"input_ids": ids} if ids is not None else {"inputs_embeds": _unused_embeddings(model, states)}
     try:
-        return model.model(**inputs, use_cache=False, logits_to_keep=0, **_head_args(model, states)).logits
+        extra = {**_head_args(model, states), **hf_compat.logits_only(model.model)}
+        return model.model(**inputs, use_cache=False, logits_to_keep=0, **extra).logits
     finally:
         calls.mode, calls.final_hidden = "record", None
 

@@ -32,6 +32,7 @@ says what it uses and how the versions differ:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -187,6 +188,16 @@ def as_layer_output(hidden_states: torch.Tensor, items: int, others: Callable[[i
     """Hidden states shaped the way the family's model forward expects a decoder layer to return them:
     alone (``items`` 0), else a tuple of ``items`` with ``others(k)`` as item k >= 1."""
     return (hidden_states, *(others(k) for k in range(1, items))) if items else hidden_states
+
+
+def logits_only(module: nn.Module) -> dict[str, bool]:
+    """Keyword arguments asking ``module``'s forward for no more than its logits or hidden states, where
+    it could return more: a config saved with ``output_router_logits`` (or attentions, hidden states)
+    would have the stand-ins' outputs collected and a load-balancing loss computed from them."""
+    names = inspect.signature(module.forward).parameters
+    return {
+        k: False for k in ("output_router_logits", "output_attentions", "output_hidden_states") if k in names
+    }
 
 
 def attention_materialises_scores(config) -> bool:

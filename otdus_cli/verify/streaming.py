@@ -238,7 +238,7 @@ class StreamedModel:
         calls = self.calls
         calls.mode, calls.first_input, calls.kwargs = "record", None, {}
         try:
-            self.decoder(input_ids=ids, use_cache=False)
+            self.decoder(input_ids=ids, use_cache=False, **hf_compat.logits_only(self.decoder))
             if calls.first_input is None:
                 raise OtdusError(f"{type(self.model).__name__}: its forward did not call decoder layer 0")
             skipped = frozenset(range(self.num_layers)) - set(calls.kwargs)
