@@ -15,6 +15,8 @@ the input embeddings for the first step and the final norm + head for the logits
 and embedding matrix are never held together), the per-window hidden states, and one chunk of
 logits (positions are scored in chunks of at most ``head_pass.DEFAULT_MAX_LOGITS_BYTES``), plus
 the buffer tensors are read into (the largest tensor read whole, at most 64 MiB in the compute dtype).
+Departures: stored tensors that transformers converts when loading (``converted``) are read whole; a
+forward that takes token ids only (CPM-Ant) is scored a batch at a time, embeddings and head loaded.
 """
 
 from __future__ import annotations
