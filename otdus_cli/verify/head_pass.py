@@ -9,6 +9,7 @@ of a whole batch at once.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -40,8 +41,9 @@ def _unused_embeddings(model: StreamedModel, states: torch.Tensor) -> torch.Tens
     ``states``. What the forward makes of them is replaced by the injected states; they are not the
     states themselves, which some forwards scale in place (CTRL's ``inputs_embeds *= sqrt(d)``) or
     which have another shape (Hunyuan V4's hyper-connection streams, [B, T, n, H])."""
-    embeddings = model.model.get_input_embeddings()
-    weight = getattr(embeddings, "weight", None)
+    weight = None
+    with contextlib.suppress(NotImplementedError, AttributeError):  # a class without the accessor
+        weight = getattr(model.model.get_input_embeddings(), "weight", None)
     width = weight.shape[-1] if isinstance(weight, torch.Tensor) else states.shape[-1]
     return states.new_zeros(*states.shape[:2], width)
 
