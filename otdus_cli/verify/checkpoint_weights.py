@@ -15,29 +15,35 @@ fault per 4 KiB on its first touch, more than reading and converting the data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from otdus_cli.arch.experts import EXPERT_LAYOUTS
 from otdus_cli.arch.saved_names import saved_names
 from otdus_cli.arch.wrappers import text_model_prefix
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.io.safetensors_format import TensorInfo, itemsize, torch_dtype
 from otdus_cli.verify import hf_compat
+from otdus_cli.verify.converted import Conversion, LoadConversions
 
 # Large tensors are copied from disk in blocks of this size (float32 destination bytes).
 _COPY_BLOCK_BYTES = 64 * 2**20
 
-# Per-expert on-disk names of transformers' fused expert tensors (gate, up, down), per layout.
-_EXPERT_LAYOUTS = (
-    ("mlp.experts.", ("gate_proj", "up_proj", "down_proj")),
-    ("block_sparse_moe.experts.", ("w1", "w3", "w2")),  # Mixtral
+# Per-expert on-disk names of transformers' fused expert tensors: (prefix, (gate, up, down)) of each
+# MoE layout arch/experts.py knows (Mixtral's block_sparse_moe.experts.N.w1 ...), each once.
+_EXPERT_LAYOUTS = tuple(
+    dict.fromkeys((f"{lay.block}experts.", (lay.gate, lay.up, lay.down)) for lay in EXPERT_LAYOUTS.values())
 )
+# MoE blocks stored under another name than transformers builds them (``mlp.``): Mixtral's
+_MOE_BLOCKS = tuple(dict.fromkeys(lay.block for lay in EXPERT_LAYOUTS.values() if lay.block != "mlp."))
 
 
 def non_persistent_keys(module: nn.Module) -> set[str]:
@@ -54,9 +60,10 @@ def _disk_sources(prefix: str, key: str, on_disk: set[str], n_experts: int | Non
     Mixtral ``block_sparse_moe`` spelling, or per-expert matrices of a fused experts tensor."""
     if prefix + key in on_disk:
         return (prefix + key,)
-    alias = key.replace("mlp.", "block_sparse_moe.", 1) if key.startswith("mlp.") else None
-    if alias and prefix + alias in on_disk:
-        return (prefix + alias,)
+    for block in _MOE_BLOCKS if key.startswith("mlp.") else ():
+        alias = block + key.removeprefix("mlp.")
+        if prefix + alias in on_disk:
+            return (prefix + alias,)
     if not n_experts or key not in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
         return None
     for base, (gate, up, down) in _EXPERT_LAYOUTS:
@@ -69,10 +76,23 @@ def _disk_sources(prefix: str, key: str, on_disk: set[str], n_experts: int | Non
 
 class _StagingBuffer:
     """One reusable host buffer that tensor bytes are read into before conversion: a fresh buffer per
-    tensor costs a page fault per 4 KiB on first touch, more than the read itself."""
+    tensor costs a page fault per 4 KiB on first touch, more than the read itself. Inside
+    ``shards_open``, each shard file read is opened once (a layer's tensors lie in one or two)."""
 
     def __init__(self) -> None:
         self._buf = torch.empty(0, dtype=torch.uint8)
+        self._fds: dict[str, int] | None = None  # shard path -> open descriptor, inside shards_open
+
+    @contextlib.contextmanager
+    def shards_open(self) -> Iterator[None]:
+        """Keep the shard files read in the block open until its end (one load: a layer, the shell)."""
+        self._fds = {}
+        try:
+            yield
+        finally:
+            fds, self._fds = self._fds, None
+            for fd in fds.values():
+                os.close(fd)
 
     def read(self, info: TensorInfo, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Elements of ``shape`` of ``info``'s data from byte ``offset``, as a view of the buffer (valid
@@ -81,13 +101,21 @@ class _StagingBuffer:
         if self._buf.numel() < nbytes:
             self._buf = torch.empty(nbytes, dtype=torch.uint8)
         view = memoryview(self._buf.numpy())[:nbytes]
-        done = 0
-        with open(info.file, "rb") as f:
+        fd = self._fds.get(info.file) if self._fds is not None else None
+        if fd is None:
+            fd = os.open(info.file, os.O_RDONLY)
+            if self._fds is not None:
+                self._fds[info.file] = fd
+        try:
+            done = 0
             while done < nbytes:
-                got = os.preadv(f.fileno(), [view[done:]], info.begin + offset + done)
+                got = os.preadv(fd, [view[done:]], info.begin + offset + done)
                 if got <= 0:
                     raise OtdusError(f"{os.path.basename(info.file)}: truncated while reading {info.name}")
                 done += got
+        finally:
+            if self._fds is None:
+                os.close(fd)
         return self._buf[:nbytes].view(torch_dtype(info.dtype)).view(shape)
 
 
@@ -101,7 +129,8 @@ def num_experts(text_config) -> int | None:
 
 
 class CheckpointWeights:
-    """Fills the meta-device ``model`` (its real decoder ``layers``, taken out of it) from ``reader``.
+    """Fills the meta-device ``model`` (its real decoder ``layers``, taken out of their list ``layers_name``
+    in ``layers_owner``) from ``reader``.
 
     Shell stages: "embed" (embedding the windows) needs no LM head, "head" (the logits, fed the final
     hidden states as ``inputs_embeds``) no input embeddings, "all" both; unless the two are tied (one
@@ -112,7 +141,7 @@ class CheckpointWeights:
         self,
         reader: CheckpointReader,
         model: nn.Module,
-        decoder: nn.Module,
+        layers_owner: nn.Module,
         layers_name: str,
         layers: list[nn.Module],
         buffer_values: hf_compat.BufferValues,
@@ -127,7 +156,7 @@ class CheckpointWeights:
         self.text_config = text_config
         self._buffer_values = buffer_values
         self._on_disk = set(reader.names)
-        self._disk_names = self._disk_name_rules(decoder, layers_name)
+        self._disk_names = self._disk_name_rules(layers_owner, layers_name)
         self._saved: dict[str, str | None] = {}  # module tensor -> the name transformers saves it under
         untie = hf_compat.loads_stored_tied_copies()
         # tied name -> its source; a stored tied copy is its own tensor where transformers loads it so
@@ -138,6 +167,8 @@ class CheckpointWeights:
         }
         names = {id(m): n for n, m in model.named_modules()}
         self.layer_prefixes = [self.disk_name(names[id(layer)] + ".") for layer in layers]
+        self._load_conversions = LoadConversions(model)
+        self._conversions: list[list[Conversion]] = []  # per layer: tensors transformers converts
         self._sources = self._layer_sources()
         self._stage_skips = self._shell_stages()
         self._shell_loaded: str | None = None  # "embed", "head" or "all": what is on the device
@@ -146,12 +177,12 @@ class CheckpointWeights:
         self._staging = _StagingBuffer()
 
     # -- names -------------------------------------------------------------------------------------
-    def _disk_name_rules(self, decoder: nn.Module, layers_name: str) -> list[tuple[str, str]]:
+    def _disk_name_rules(self, layers_owner: nn.Module, layers_name: str) -> list[tuple[str, str]]:
         """(module-name prefix, on-disk prefix) pairs for checkpoints that store the text model under
         another name than the class builds it: a wrapper saved as ``language_model.model.layers.N``
         (or ``model.layers.N``) and built as ``model.language_model.layers.N``, its head as
         ``language_model.lm_head``, its vision tower and projector at the top."""
-        built = next(n for n, m in self.model.named_modules() if m is decoder) + "."
+        built = next(n for n, m in self.model.named_modules() if m is layers_owner) + "."
         stored = text_model_prefix(sorted(self._on_disk))
         if stored is None:
             # a class that renames its base model when loading (Nemotron-H: built as model.layers.N,
@@ -204,13 +235,15 @@ class CheckpointWeights:
         return self._saved[name]
 
     def _layer_sources(self) -> list[dict[str, tuple[str, ...]]]:
-        """For every layer, where each of its tensors comes from on disk; refuses unknown layouts."""
+        """For every layer, where each of its tensors comes from on disk (the same name, another
+        spelling, per-expert matrices of a fused tensor); the tensors transformers makes from others when
+        loading go to ``self._conversions`` instead. Refuses unknown layouts."""
         on_disk, experts = self._on_disk, num_experts(self.text_config)
-        model_name = type(self.model).__name__
         module_names = {id(m): n for n, m in self.model.named_modules()}
         out = []
         for prefix, layer in zip(self.layer_prefixes, self.layers, strict=True):
             sources: dict[str, tuple[str, ...]] = {}
+            missing = []
             skip = non_persistent_keys(layer)
             built = module_names.get(id(layer))
             for key, value in layer.state_dict(keep_vars=True).items():
@@ -221,20 +254,53 @@ class CheckpointWeights:
                     saved = self._saved_name(f"{built}.{key}", value)
                     found = (saved,) if saved else None
                 if found is None:
-                    raise OtdusError(
-                        f"{self.folder.name}: tensor {prefix + key} (as named in transformers' "
-                        f"{model_name}) not found in the checkpoint"
-                    )
-                sources[key] = found
+                    missing.append(key)
+                else:
+                    sources[key] = found
             used = {n for names in sources.values() for n in names}
-            extra = sorted(n for n in on_disk if n.startswith(prefix) and n not in used)
+            left = sorted(n for n in on_disk if n.startswith(prefix) and n not in used)
+            conversions = self._converted(prefix, built, layer, missing, left) if missing else []
+            self._conversions.append(conversions)
+            used = {n for c in conversions for n, _ in c.stored}
+            extra = [n for n in left if n not in used]
             if extra:
                 raise OtdusError(
                     f"{self.folder.name}: tensor {extra[0]} has no place in transformers' "
-                    f"{model_name} (checkpoint layout not supported for streaming)"
+                    f"{type(self.model).__name__} (checkpoint layout not supported for streaming)"
                 )
             out.append(sources)
         return out
+
+    def _converted(
+        self, prefix: str, built: str | None, layer: nn.Module, missing: list[str], left: list[str]
+    ) -> list[Conversion]:
+        """The conversions that make layer tensors ``missing`` (keys in ``layer``, built as ``built``)
+        from checkpoint tensors ``left`` (see ``converted``); refuses where one stays missing."""
+
+        def meta(name: str) -> tuple[tuple[int, ...], torch.dtype]:
+            info = self.reader.meta(name)
+            return tuple(info.shape), torch_dtype(info.dtype)
+
+        found = self._load_conversions.find(left, meta) if built is not None else []
+        shapes = {f"{built}.{k}": tuple(v.shape) for k, v in layer.state_dict(keep_vars=True).items()}
+        made = {name: shape for c in found for name, shape in c.outputs.items()}
+        for key in missing:
+            name = f"{built}.{key}"
+            if name not in made:
+                raise OtdusError(
+                    f"{self.folder.name}: tensor {prefix + key} (as named in transformers' "
+                    f"{type(self.model).__name__}) not found in the checkpoint"
+                )
+            if made[name] != shapes[name]:
+                raise OtdusError(
+                    f"{self.folder.name}: transformers makes {prefix + key} of shape {made[name]} from the "
+                    f"checkpoint, config implies {shapes[name]}"
+                )
+        mine = [c for c in found if set(c.outputs) <= set(shapes)]
+        for c in mine:  # module names -> keys in the layer, which is no child of the model when loaded
+            c.outputs = {name: name.removeprefix(f"{built}.") for name in c.outputs}
+            c.layer_name = built
+        return mine
 
     # -- sizes ------------------------------------------------------------------------------------
     @functools.cached_property
@@ -312,29 +378,40 @@ class CheckpointWeights:
             for name, buf in list(sub.named_buffers(recurse=False)):
                 setattr(sub, name, torch.empty_like(buf, device=self.device))
 
-    def _materialise(self, module: nn.Module, prefix: str, sources: dict[str, tuple[str, ...]]) -> None:
-        """Allocate ``module`` on the device and fill it from the checkpoint (tensors under ``prefix``),
-        in inference mode: tensors reused from a layer loaded in it may only be updated in it."""
+    def _materialise(
+        self,
+        module: nn.Module,
+        prefix: str,
+        sources: dict[str, tuple[str, ...]],
+        conversions: list[Conversion] = (),
+    ) -> None:
+        """Allocate ``module`` on the device and fill it from the checkpoint (tensors under ``prefix``,
+        and those ``conversions`` make), in inference mode: tensors reused from a layer loaded in it may
+        only be updated in it."""
         with torch.inference_mode():
             self._allocate(module)
             hf_compat.restore_buffers(module, self._buffer_values)  # rotary inv_freq, embed_scale, ...
         skip = non_persistent_keys(module)
         targets = dict(module.named_parameters())
         targets.update(dict(module.named_buffers()))
-        with torch.inference_mode():
+        with torch.inference_mode(), self._staging.shards_open():
             for key, target in targets.items():
-                if key in skip:
+                if key in skip or key not in sources:  # not stored as such: converted below
                     continue
                 names = sources[key]
                 if len(names) == 1:
                     self._copy_from_disk(target, names[0])
                     continue
                 self._copy_fused_experts(target, names, key, prefix + key)
+            for conversion in conversions:
+                made = conversion.run(self.model, self.reader.get, (conversion.layer_name, module))
+                for name, value in made.items():
+                    targets[conversion.outputs[name]].copy_(value)
 
     # -- decoder layers ---------------------------------------------------------------------------
     def load_layer(self, index: int) -> nn.Module:
         layer = self.layers[index]
-        self._materialise(layer, self.layer_prefixes[index], self._sources[index])
+        self._materialise(layer, self.layer_prefixes[index], self._sources[index], self._conversions[index])
         layer.eval()
         return layer
 
@@ -382,7 +459,7 @@ class CheckpointWeights:
             if sub is not skip:
                 sub.to_empty(device=self.device, recurse=False)
                 hf_compat.restore_buffers(sub, self._buffer_values, recurse=False)
-        with torch.no_grad():
+        with torch.no_grad(), self._staging.shards_open():
             for name, param in self.model.named_parameters(remove_duplicate=False):
                 if id(param) in skipped or param.is_meta or name in tied:
                     continue

@@ -1,7 +1,7 @@
 """The logits of a streamed run: final norm, head and soft-capping by the family's own forward.
 
-After the last decoder layer, the final hidden states go back into the family's ``forward`` as
-``inputs_embeds`` (the input embeddings are not needed) and the last layer's stand-in returns them in
+After the last decoder layer, the family's ``forward`` runs again on placeholder ``inputs_embeds`` (the
+input embeddings are not needed) and the last layer's stand-in returns the final hidden states in
 place of its input, so everything after the layers is transformers' own code. Positions are computed in
 chunks of at most ``DEFAULT_MAX_LOGITS_BYTES`` of logits, so a large vocabulary never needs the logits
 of a whole batch at once.
@@ -9,11 +9,14 @@ of a whole batch at once.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from otdus_cli.verify import hf_compat
 from otdus_cli.verify.layer_calls import Activations, CheckBatch
 
 if TYPE_CHECKING:
@@ -33,15 +36,34 @@ def _head_args(model: StreamedModel, states: torch.Tensor) -> dict:
     return {"position_ids": positions.expand(states.shape[0], -1)}
 
 
-def head_logits(model: StreamedModel, states: torch.Tensor) -> torch.Tensor:
+def _unused_embeddings(model: StreamedModel, states: torch.Tensor) -> torch.Tensor:
+    """The head pass's ``inputs_embeds``: zeros of the input embeddings' width for the positions of
+    ``states``. What the forward makes of them is replaced by the injected states; they are not the
+    states themselves, which some forwards scale in place (CTRL's ``inputs_embeds *= sqrt(d)``) or
+    which have another shape (Hunyuan V4's hyper-connection streams, [B, T, n, H])."""
+    weight = None
+    with contextlib.suppress(NotImplementedError, AttributeError):  # a class without the accessor
+        weight = getattr(model.model.get_input_embeddings(), "weight", None)
+    width = weight.shape[-1] if isinstance(weight, torch.Tensor) else states.shape[-1]
+    return states.new_zeros(*states.shape[:2], width)
+
+
+def takes_embeddings(model: StreamedModel) -> bool:
+    """Whether the family's forward takes ``inputs_embeds``; CPM-Ant's takes token ids only (it prepends
+    its prompt tokens to them, so its layers see more positions than the window has)."""
+    return "inputs_embeds" in inspect.signature(model.model.forward).parameters
+
+
+def head_logits(model: StreamedModel, states: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [B, T, V] of final hidden states [B, T, H] (on the model's device), the head's stage of
-    the shell loaded."""
+    the shell loaded; a forward without ``inputs_embeds`` is given the windows' token ``ids`` [B, T]
+    instead, with the final hidden states of every position its layers see."""
     calls = model.calls
     calls.mode, calls.final_hidden = "inject", states
+    inputs = {"input_ids": ids} if ids is not None else {"inputs_embeds": _unused_embeddings(model, states)}
     try:
-        return model.model(
-            inputs_embeds=states, use_cache=False, logits_to_keep=0, **_head_args(model, states)
-        ).logits
+        extra = {**_head_args(model, states), **hf_compat.logits_only(model.model)}
+        return model.model(**inputs, use_cache=False, logits_to_keep=0, **extra).logits
     finally:
         calls.mode, calls.final_hidden = "record", None
 
@@ -51,7 +73,8 @@ def _self_check(model: StreamedModel, check: CheckBatch) -> None:
     (refuses with OtdusError when they differ)."""
     from otdus_cli.verify.self_check import check_logits
 
-    logits = head_logits(model, check.hidden.to(model.device))
+    ids = None if takes_embeddings(model) else check.ids
+    logits = head_logits(model, check.hidden.to(model.device), ids)
     check_logits(model, logits[0], check.reference, check.how)
 
 
@@ -67,9 +90,12 @@ def iter_logits(
     Yields (window indices, first position p0, logits [B, c, V]) for positions p0 .. p0 + c - 1
     of a batch, covering the last ``keep[window]`` positions (all when not given); a chunk's logits take
     at most ``max_logits_bytes`` (default DEFAULT_MAX_LOGITS_BYTES; at least one position). The
-    self-check batch, if the activations carry one, is checked before any chunk comes out.
+    self-check batch, if the activations carry one, is checked before any chunk comes out. A forward
+    without ``inputs_embeds`` (``takes_embeddings``) gives a batch's logits in one chunk and needs the
+    input embeddings beside the head.
     """
-    model.weights.load_shell("head")
+    by_ids = not takes_embeddings(model)
+    model.weights.load_shell("all" if by_ids else "head")  # from token ids, the forward embeds them
     budget = DEFAULT_MAX_LOGITS_BYTES if max_logits_bytes is None else max_logits_bytes
     head = model.model.get_output_embeddings()
     vocab = int(head.weight.shape[0]) if head is not None else int(model.text_config.vocab_size)
@@ -80,6 +106,10 @@ def iter_logits(
     for g, group in enumerate(acts.groups):
         length = acts.inputs[g].shape[1]
         k = length if keep is None else max(keep[i] for i in group)
+        if by_ids:
+            logits = head_logits(model, acts.hidden[g].to(model.device), acts.inputs[g])
+            yield group, length - k, logits[:, length - k :]
+            continue
         step = max(1, budget // max(1, len(group) * vocab * element))
         for p0 in range(length - k, length, step):
             logits = head_logits(model, acts.hidden[g][:, p0 : p0 + step].to(model.device))

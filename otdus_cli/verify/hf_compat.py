@@ -23,15 +23,18 @@ says what it uses and how the versions differ:
   maps names itself (``checkpoint_weights.CheckpointWeights.disk_name``), without their private
   conversion tables.
 * Decoder layer outputs: 5.x layers return the hidden states; in 4.57 most do too, but Gemma 2/3,
-  OLMoE and Qwen2-MoE return a tuple and their model takes ``layer_outputs[0]``. The convention is
-  learned from a real layer's output (``returns_tuple``), not tabled per family and version.
+  OLMoE and Qwen2-MoE return a tuple and their model takes ``layer_outputs[0]``; in both, a few return
+  more beside them (CPM-Ant's attention weights; GLM-MoE-DSA's top-k indices, which the model hands
+  to the next layer). The convention is learned from a real layer's output (``output_items``), not
+  tabled per family and version.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -62,17 +65,34 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def auto_model_class(config):
-    """The auto class that builds ``config``'s model: the causal-LM one, or for a multimodal wrapper
-    that is no causal LM to transformers (LLaVA, Qwen2.5-VL), the image-text-to-text one."""
+    """The class that builds ``config``'s model: the causal-LM auto class, or for a multimodal wrapper
+    that is no causal LM to transformers (LLaVA, Qwen2.5-VL), the image-text-to-text one; for a config
+    no auto class maps (Mllama's text model, ``mllama_text_model``, saved as ``MllamaForCausalLM``),
+    the transformers class its ``architectures`` names, where that class is built from such a config."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto import modeling_auto
 
     model_type = getattr(config, "model_type", None)
-    if model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
-        model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    ):
+    if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    if model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+    for name in getattr(config, "architectures", None) or []:
+        named = getattr(transformers, name, None)
+        if isinstance(named, type) and getattr(named, "config_class", None) is type(config):
+            return named
+    return AutoModelForCausalLM  # which says why it cannot
+
+
+def from_config(config, **kwargs):
+    """``config``'s model, built by ``auto_model_class`` (no remote code)."""
+    from transformers import PreTrainedModel
+
+    cls = auto_model_class(config)
+    if issubclass(cls, PreTrainedModel):  # a named class: what the auto classes call in the end
+        return cls._from_config(config, **kwargs)
+    return cls.from_config(config, trust_remote_code=False, **kwargs)
 
 
 def skeleton_config(config):
@@ -105,7 +125,7 @@ def build_skeleton(
         with _parameters_on_meta(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = skeleton_config(config)
-            model = auto_model_class(config).from_config(config, trust_remote_code=False, **kwargs)
+            model = from_config(config, **kwargs)
     except Exception as exc:
         raise OtdusError(f"cannot build {config.model_type} with transformers: {exc}") from None
     values: BufferValues = {}
@@ -152,9 +172,11 @@ def loads_stored_tied_copies() -> bool:
     return int(transformers.__version__.split(".")[0]) >= 5
 
 
-def returns_tuple(layer_output) -> bool:
-    """Whether a decoder layer's forward returns a tuple whose first item is the hidden states."""
-    return isinstance(layer_output, tuple)
+def output_items(layer_output) -> int:
+    """How a decoder layer's forward returns: 0 for the hidden states alone, else the length of the tuple
+    whose first item they are (4.57's 1-tuples; CPM-Ant's attention weights, GLM-MoE-DSA's top-k indices
+    beside them in both versions)."""
+    return len(layer_output) if isinstance(layer_output, tuple) else 0
 
 
 def hidden_states_of(layer_output) -> torch.Tensor:
@@ -162,9 +184,20 @@ def hidden_states_of(layer_output) -> torch.Tensor:
     return layer_output[0] if isinstance(layer_output, tuple) else layer_output
 
 
-def as_layer_output(hidden_states: torch.Tensor, as_tuple: bool):
-    """Hidden states shaped the way the family's model forward expects a decoder layer to return them."""
-    return (hidden_states,) if as_tuple else hidden_states
+def as_layer_output(hidden_states: torch.Tensor, items: int, others: Callable[[int], object]):
+    """Hidden states shaped the way the family's model forward expects a decoder layer to return them:
+    alone (``items`` 0), else a tuple of ``items`` with ``others(k)`` as item k >= 1."""
+    return (hidden_states, *(others(k) for k in range(1, items))) if items else hidden_states
+
+
+def logits_only(module: nn.Module) -> dict[str, bool]:
+    """Keyword arguments asking ``module``'s forward for no more than its logits or hidden states, where
+    it could return more: a config saved with ``output_router_logits`` (or attentions, hidden states)
+    would have the stand-ins' outputs collected and a load-balancing loss computed from them."""
+    names = inspect.signature(module.forward).parameters
+    return {
+        k: False for k in ("output_router_logits", "output_attentions", "output_hidden_states") if k in names
+    }
 
 
 def attention_materialises_scores(config) -> bool:

@@ -20,6 +20,38 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.verify import hf_compat
 
 
+@dataclass(frozen=True)
+class LayerOutputRef:
+    """Item ``item`` (>= 1) of decoder layer ``layer``'s output, as a stand-in returns it while recording:
+    what a forward hands from one layer to the next (GLM-MoE-DSA's top-k indices) is recorded as this
+    and replaced by the real layer's value when the receiving layer runs (``resolve_refs``)."""
+
+    layer: int
+    item: int
+
+
+def refs_in(kwargs: dict) -> bool:
+    """Whether a layer's recorded arguments take an item of an earlier layer's output."""
+    return any(isinstance(v, LayerOutputRef) for v in kwargs.values())
+
+
+def resolve_refs(kwargs: dict, carried: tuple[int, tuple] | None) -> dict:
+    """A layer's recorded arguments with each ``LayerOutputRef`` replaced by that item of the real output
+    ``carried`` holds: (the index of the layer run last, its output's items after the hidden states)."""
+    if not refs_in(kwargs):
+        return kwargs
+    out = dict(kwargs)
+    for name, value in kwargs.items():
+        if isinstance(value, LayerOutputRef):
+            if carried is None or carried[0] != value.layer:
+                raise OtdusError(
+                    f"decoder layer {value.layer}'s output is passed on further than to the next layer "
+                    "(not supported for streaming)"
+                )
+            out[name] = carried[1][value.item - 1]
+    return out
+
+
 @dataclass
 class LayerCalls:
     """What the stand-ins do with a call ("record", "inject" or "delegate") and what they collect."""
@@ -31,7 +63,7 @@ class LayerCalls:
     final_hidden: torch.Tensor | None = None
     # (hidden_states, kwargs) -> real layer 0's output on them; None until learned
     learn_output: Callable[[torch.Tensor, dict], object] | None = None
-    output_is_tuple: bool | None = None
+    output_items: int | None = None  # see hf_compat.output_items; None until learned
     delegate: Callable[[int, torch.Tensor, dict], object] | None = None
 
 
@@ -43,7 +75,8 @@ class LayerStandIn(nn.Module):
     mode "inject": the last layer returns the given final hidden states instead of its input.
     mode "delegate": hand the call to the real layer (``LayerCalls.delegate``) and return what it returns.
     Outside "delegate", the hidden states are returned the way the real layers return them (a tensor or
-    a 1-tuple), which the first recording learns from real layer 0 (``LayerCalls.learn_output``).
+    a tuple, with a ``LayerOutputRef`` for each other item), which the first recording learns from real
+    layer 0 (``LayerCalls.learn_output``).
     """
 
     def __init__(self, index: int, real: nn.Module, calls: LayerCalls):
@@ -71,12 +104,14 @@ class LayerStandIn(nn.Module):
         if calls.mode == "record":
             if self.index == 0:
                 calls.first_input = hidden_states
-                if calls.output_is_tuple is None:
-                    calls.output_is_tuple = hf_compat.returns_tuple(calls.learn_output(hidden_states, kwargs))
+                if calls.output_items is None:
+                    calls.output_items = hf_compat.output_items(calls.learn_output(hidden_states, kwargs))
             calls.kwargs[self.index] = kwargs
         elif calls.mode == "inject" and self.index == calls.last_index:
             hidden_states = calls.final_hidden
-        return hf_compat.as_layer_output(hidden_states, bool(calls.output_is_tuple))
+        return hf_compat.as_layer_output(
+            hidden_states, calls.output_items or 0, lambda k: LayerOutputRef(self.index, k)
+        )
 
 
 @dataclass
@@ -89,6 +124,9 @@ class Activations:
     layer_kwargs: list[dict[int, dict] | None]  # per batch: layer index -> forward kwargs (None: recompute)
     layers_done: int = 0
     check: CheckBatch | None = None  # the self-check's input, carried along beside the windows
+    # per batch: (the layer run last, its output's items after the hidden states), where later layers
+    # take some of them (see LayerOutputRef); None otherwise
+    carried: list[tuple[int, tuple] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +139,7 @@ class CheckBatch:
     layer_kwargs: dict[int, dict]
     reference: torch.Tensor  # [T, V] on the CPU
     how: str
+    carried: tuple[int, tuple] | None = None  # as Activations.carried
 
 
 def tensor_bytes(obj, seen: set[int] | None = None) -> int:

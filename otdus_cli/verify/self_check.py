@@ -82,7 +82,7 @@ def forward_logits_layer_by_layer(model: StreamedModel, ids: Sequence[int]) -> t
     calls.mode, calls.delegate = "delegate", delegate
     try:
         ids_t = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
-        return model.model(input_ids=ids_t, use_cache=False).logits[0]
+        return model.model(input_ids=ids_t, use_cache=False, **hf_compat.logits_only(model.model)).logits[0]
     finally:
         calls.mode, calls.delegate = "record", None
         weights.free_shell()

@@ -15,6 +15,8 @@ the input embeddings for the first step and the final norm + head for the logits
 and embedding matrix are never held together), the per-window hidden states, and one chunk of
 logits (positions are scored in chunks of at most ``head_pass.DEFAULT_MAX_LOGITS_BYTES``), plus
 the buffer tensors are read into (the largest tensor read whole, at most 64 MiB in the compute dtype).
+Departures: stored tensors that transformers converts when loading (``converted``) are read whole; a
+forward that takes token ids only (CPM-Ant) is scored a batch at a time, embeddings and head loaded.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from otdus_cli.arch.derived import NOT_TEXT
 from otdus_cli.device import resolve_device
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
@@ -34,7 +37,15 @@ from otdus_cli.verify import hf_compat
 from otdus_cli.verify.batching import auto_windows_per_batch, group_windows, layer_call_flop
 from otdus_cli.verify.checkpoint_weights import CheckpointWeights
 from otdus_cli.verify.head_pass import iter_logits
-from otdus_cli.verify.layer_calls import Activations, CheckBatch, LayerCalls, LayerStandIn, tensor_bytes
+from otdus_cli.verify.layer_calls import (
+    Activations,
+    CheckBatch,
+    LayerCalls,
+    LayerStandIn,
+    refs_in,
+    resolve_refs,
+    tensor_bytes,
+)
 from otdus_cli.verify.progress import LayerTicks, Progress
 
 DTYPES = {
@@ -107,15 +118,15 @@ class StreamedModel:
         self.config = self.model.config
         # a multimodal wrapper's sizes (hidden, heads, experts, vocabulary) are its text model's
         self.text_config = self.config.get_text_config()
-        self.decoder, layers_name = self._find_decoder()
-        layers = list(getattr(self.decoder, layers_name))
+        self.decoder, holder, layers_name = self._find_decoder()
+        layers = list(getattr(holder, layers_name))
         self.num_layers = len(layers)
         if self.num_layers == 0:
             raise OtdusError(f"{self.folder} has no decoder layers")
         self.weights = CheckpointWeights(
             self.reader,
             self.model,
-            self.decoder,
+            holder,
             layers_name,
             layers,
             buffer_values,
@@ -124,32 +135,44 @@ class StreamedModel:
         )
         self.calls = LayerCalls(last_index=self.num_layers - 1, learn_output=self._layer0_output)
         setattr(
-            self.decoder,
+            holder,
             layers_name,
             nn.ModuleList(LayerStandIn(i, layer, self.calls) for i, layer in enumerate(layers)),
         )
         # decoder layers the family's forward skips on text-only input (Mllama's cross-attention layers
         # without an image): learned at the first recording, passed through by apply_layer
         self.skipped_layers: frozenset[int] | None = None
+        # whether the forward hands items of a layer's output to the next layer (see LayerOutputRef):
+        # learned at the first recording too
+        self.passes_outputs = False
 
-    def _find_decoder(self) -> tuple[nn.Module, str]:
-        """The module whose forward runs the decoder layers, and the name of their list in it:
-        ``.model.layers`` for most; the base model's one list of that depth for others (GPT-2's
-        ``transformer.h``, Bloom's ``transformer.h``)."""
+    def _find_decoder(self) -> tuple[nn.Module, nn.Module, str]:
+        """The module whose forward runs the decoder layers from token ids, the module holding their
+        list, and the list's name in it: ``.model`` and its ``layers`` for most (a wrapper's language
+        model, an encoder-decoder's decoder); else the base model and its one module list of that depth
+        outside vision and audio towers (GPT-2's ``transformer.h``, RoBERTa's ``roberta.encoder.layer``)."""
         inner = getattr(self.model, "model", None)
         candidates = [inner, getattr(inner, "language_model", None)]  # a causal LM's; a wrapper's
         with contextlib.suppress(Exception):  # best effort: some wrappers raise
             candidates.append(self.model.get_decoder())
         for cand in candidates:
             if isinstance(cand, nn.Module) and isinstance(getattr(cand, "layers", None), nn.ModuleList):
-                return cand, "layers"
+                return cand, cand, "layers"
         base = getattr(self.model, "base_model", None)
         depth = getattr(self.model.config.get_text_config(), "num_hidden_layers", None)
         if isinstance(base, nn.Module) and base is not self.model:
-            lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m) == depth]
+            lists = [
+                name
+                for name, m in base.named_modules()
+                if isinstance(m, nn.ModuleList) and len(m) == depth and not any(p in name for p in NOT_TEXT)
+            ]
             if len(lists) == 1:
-                return base, lists[0]
-        raise OtdusError(f"{type(self.model).__name__}: cannot find its decoder layers (.model.layers)")
+                holder, _, name = lists[0].rpartition(".")
+                return base, base.get_submodule(holder), name
+        raise OtdusError(
+            f"{type(self.model).__name__}: cannot find its decoder layers (.model.layers, or one list of "
+            f"{depth} modules in its base model)"
+        )
 
     def _layer0_output(self, hidden_states: torch.Tensor, kwargs: dict):
         """Real layer 0's output on its first recorded call: how the stand-ins must return."""
@@ -217,12 +240,13 @@ class StreamedModel:
         calls = self.calls
         calls.mode, calls.first_input, calls.kwargs = "record", None, {}
         try:
-            self.decoder(input_ids=ids, use_cache=False)
+            self.decoder(input_ids=ids, use_cache=False, **hf_compat.logits_only(self.decoder))
             if calls.first_input is None:
                 raise OtdusError(f"{type(self.model).__name__}: its forward did not call decoder layer 0")
             skipped = frozenset(range(self.num_layers)) - set(calls.kwargs)
             if self.skipped_layers is None:
                 self.skipped_layers = skipped
+                self.passes_outputs = any(refs_in(kwargs) for kwargs in calls.kwargs.values())
                 calls.last_index = max(calls.kwargs)  # the final hidden states are injected there
             elif skipped != self.skipped_layers:
                 raise OtdusError(
@@ -250,25 +274,42 @@ class StreamedModel:
             layer = self.weights.load_layer(index)
         try:
             done = tokens = 0
+            if len(acts.carried) < len(acts.hidden):
+                acts.carried += [None] * (len(acts.hidden) - len(acts.carried))
             for g, hidden in enumerate(acts.hidden):
                 kwargs = acts.layer_kwargs[g]
                 if kwargs is None:
                     self.weights.load_shell("embed")  # recording runs the embeddings again
                     kwargs = self._record(acts.inputs[g])[1]
-                h = hidden.to(self.device)
-                out = hf_compat.hidden_states_of(layer(h, **kwargs[index]))
+                out, acts.carried[g] = self._call_layer(index, layer, hidden, kwargs[index], acts.carried[g])
                 acts.hidden[g] = out.to(self.activation_device)
                 done += len(acts.groups[g])
                 tokens += acts.inputs[g].numel()
                 if on_batch is not None:
                     on_batch(done, tokens)
-            if acts.check is not None:
-                out = layer(acts.check.hidden.to(self.device), **acts.check.layer_kwargs[index])
-                acts.check.hidden = hf_compat.hidden_states_of(out).to(self.activation_device)
+            if (check := acts.check) is not None:
+                out, check.carried = self._call_layer(
+                    index, layer, check.hidden, check.layer_kwargs[index], check.carried
+                )
+                check.hidden = out.to(self.activation_device)
         finally:
             if own:
                 self.weights.free_layer(index)
         acts.layers_done = max(acts.layers_done, index + 1)
+
+    def _call_layer(
+        self,
+        index: int,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        kwargs: dict,
+        carried: tuple[int, tuple] | None,
+    ) -> tuple[torch.Tensor, tuple[int, tuple] | None]:
+        """Real layer ``index`` on one batch: (its hidden states, what of its output the next layer takes:
+        see ``LayerOutputRef``; None when the forward passes none on)."""
+        out = layer(hidden.to(self.device), **resolve_refs(kwargs, carried))
+        passed_on = isinstance(out, tuple) and len(out) > 1 and self.passes_outputs
+        return hf_compat.hidden_states_of(out), (index, out[1:]) if passed_on else None
 
     def run(self, inputs: Sequence[Sequence[int]], progress: Progress | None = None) -> Activations:
         """Every layer, in order, over every window."""

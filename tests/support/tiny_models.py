@@ -332,3 +332,58 @@ HYBRID_CONFIGS: dict[str, dict] = {
     "gpt2": dict(vocab_size=96, n_embd=32, n_layer=4, n_head=4, n_positions=64),
     "bloom": dict(vocab_size=96, hidden_size=32, n_layer=4, n_head=4),
 }
+
+# the streamed evaluator's breadth (tests/test_verify_breadth.py): checkpoints and forwards unlike LLaMA's
+_MLA = dict(
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    num_key_value_heads=4,
+)
+_ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1)
+VERIFY_BREADTH: dict[str, dict] = {
+    "olmo_hybrid": {**HYBRID_BASE, "num_hidden_layers": 4},
+    "sarvam_moe": {**HYBRID_BASE, **_ROUTED, "num_hidden_layers": 4, "first_k_dense_replace": 1},
+    "roberta-prelayernorm": {**COMMON, "is_decoder": True},
+    "ctrl": dict(vocab_size=96, n_embd=32, n_layer=4, n_head=4, dff=48, n_positions=64),
+    "glm_moe_dsa": {
+        **HYBRID_BASE,
+        **_ROUTED,
+        **_MLA,
+        "num_hidden_layers": 4,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 8,
+    },
+    "hy_v4": {
+        **HYBRID_BASE,
+        **_ROUTED,
+        **_MLA,
+        "num_hidden_layers": 4,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+    },
+    "cpmant": dict(
+        vocab_size=96,
+        hidden_size=32,
+        dim_ff=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        dim_head=8,
+        prompt_length=4,
+        prompt_types=3,
+        segment_types=4,
+        position_bias_num_buckets=32,
+        position_bias_max_distance=64,
+    ),
+    "mllama": {
+        "text_config": {
+            **COMMON,
+            "pad_token_id": 0,
+            "cross_attention_layers": [1],
+            "rope_scaling": {"rope_type": "default"},  # 4.57 builds no rotary embedding without one
+        }
+    },
+}
