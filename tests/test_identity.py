@@ -83,6 +83,18 @@ def test_tensors_transformers_saves_under_other_names_are_zeroed(tmp_path, model
     assert any(saved in patterns for kind in kinds for patterns in kind["stored"].values())
 
 
+def test_a_plan_is_proved_on_an_instance_as_large_as_the_base_one(tmp_path, monkeypatch):
+    """The grown tiny model is shrunk exactly when the base's is: a base just under the proof's size
+    limit used to be proved against a grown model over it, built shrunk, which its tensors did not fit
+    (LFM2-MoE refused zero-init: "the expanded tiny model did not run")."""
+    from otdus_cli.arch import identity
+
+    base = _save("exaone", tmp_path / "src")
+    size = sum(p.numel() for p in load_causal_lm(tmp_path / "src").parameters())
+    monkeypatch.setattr(identity, "MAX_PROOF_PARAMETERS", size)  # the base fits, the grown model not
+    _grows_exactly(tmp_path / "src", tmp_path / "out", base, verify=False, layers=2)
+
+
 def test_a_bias_added_to_the_residual_stream_is_zeroed_too(tmp_path):
     """GPT-NeoX-Japanese's last layer adds dense_bias after its attention output: with only the linear
     maps zeroed that layer kind was no identity, which refused zero-init for the whole model."""

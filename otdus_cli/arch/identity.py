@@ -72,6 +72,7 @@ _SHRUNK_WIDTHS = {
     "vocab_size": 256,
 }
 _SEQUENCE = 8
+AS_GIVEN = "the config as given"  # how a proof's instance is described when nothing was shrunk
 
 
 @dataclass
@@ -275,11 +276,13 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
     from transformers import AutoModelForCausalLM
 
     try:
-        base, _, _ = _tiny_instance(config)
+        base, instance, _ = _tiny_instance(config)
+        # shrunk exactly when the base was: the base's tensors must fit the grown model
+        shrunk = instance != AS_GIVEN
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             grown = (
-                AutoModelForCausalLM.from_config(_tiny_config(written)[0], trust_remote_code=False)
+                AutoModelForCausalLM.from_config(_tiny_config(written, shrunk)[0], trust_remote_code=False)
                 .float()
                 .eval()
             )
@@ -322,15 +325,18 @@ def _written_value(family, suffix: str) -> float | None:
     return 0.0 if family.is_zero_target(suffix) else family.identity_value(suffix)
 
 
-def _tiny_config(config: dict) -> tuple[object, bool]:
-    """transformers' config for ``config`` if its model is small, else with its widths shrunk; and
-    whether it was shrunk."""
+def _tiny_config(config: dict, shrink: bool | None = None) -> tuple[object, bool]:
+    """transformers' config for ``config`` if its model is small (or ``shrink`` is False), else with its
+    widths shrunk; and whether it was shrunk."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = transformers_config(config)
+        if shrink is not None:
+            shrunk = {k: _SHRUNK_WIDTHS.get(k, v) for k, v in config.items()}
+            return (transformers_config(shrunk), True) if shrink else (loaded, False)
         with torch.device("meta"):
             size = sum(
                 p.numel()
@@ -348,7 +354,7 @@ def _tiny_instance(config: dict) -> tuple[object, str, set[str]]:
     from transformers import AutoModelForCausalLM
 
     loaded, shrunk = _tiny_config(config)
-    instance = "the config with its widths shrunk" if shrunk else "the config as given"
+    instance = "the config with its widths shrunk" if shrunk else AS_GIVEN
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
