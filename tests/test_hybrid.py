@@ -161,9 +161,7 @@ def test_zero_init_is_proved_for_the_plan_not_only_for_the_new_layers(tmp_path):
     last layer (it did write an output with other logits, called function-preserving), and kept after it."""
     fields = {k: v for k, v in _BASE.items() if "token_id" not in k}
     save_perturbed("diffllama", {**fields, "num_hidden_layers": 4}, tmp_path / "src")
-    with pytest.raises(
-        OtdusError, match=r"index enters their computation\); new layers after the last one \(--after 3\)"
-    ):
+    with pytest.raises(OtdusError, match=r"hands on\); new layers after the last one \(--after 3\)"):
         expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
     assert not (tmp_path / "out").exists()
     expand(str(tmp_path / "src"), tmp_path / "last", ExpandOptions(method="llama-pro", after=[3, 3]))

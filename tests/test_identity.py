@@ -95,6 +95,29 @@ def test_a_plan_is_proved_on_an_instance_as_large_as_the_base_one(tmp_path, monk
     _grows_exactly(tmp_path / "src", tmp_path / "out", base, verify=False, layers=2)
 
 
+def test_a_new_layer_handing_on_another_token_selection_is_refused_in_the_middle(tmp_path):
+    """Hunyuan V4's "shared" DSA layers reuse the top-k tokens the last "full" layer chose: a new full
+    layer (an identity on the hidden states) hands them its own choice, so the model changes once a
+    window holds more tokens than index_topk. The plan proof used to pass (8 tokens, top-k of 2048, and
+    transformers' small initial weights choosing alike); new layers at the end keep the function."""
+    from transformers import CONFIG_MAPPING
+
+    from tests.support.tiny_models import VERIFY_BREADTH
+
+    if "hy_v4" not in CONFIG_MAPPING:
+        pytest.skip("transformers has no hy_v4 here")
+    fields = VERIFY_BREADTH["hy_v4"]
+    save_perturbed("hy_v4", fields, tmp_path / "src", use_cache=False)
+    with pytest.raises(OtdusError, match="reuses what the layer before it hands on"):
+        expand(str(tmp_path / "src"), tmp_path / "mid", ExpandOptions(method="llama-pro", layers=2))
+    assert not (tmp_path / "mid").exists()
+    expand(str(tmp_path / "src"), tmp_path / "end", ExpandOptions(method="llama-pro", after=[3, 3]))
+    ids = torch.randint(3, 90, (1, 4 * fields["index_topk"]), generator=torch.Generator().manual_seed(0))
+    base, grown = load_causal_lm(tmp_path / "src"), load_causal_lm(tmp_path / "end")
+    with torch.no_grad():
+        assert torch.equal(base(input_ids=ids).logits, grown(input_ids=ids).logits)
+
+
 def test_a_bias_added_to_the_residual_stream_is_zeroed_too(tmp_path):
     """GPT-NeoX-Japanese's last layer adds dense_bias after its attention output: with only the linear
     maps zeroed that layer kind was no identity, which refused zero-init for the whole model."""
@@ -123,7 +146,7 @@ def test_a_refusal_suggests_new_layers_after_the_last_only_where_that_works(tmp_
     is new wherever it goes, so the refusal does not send the user to --after 3 (DiffLLaMA's does:
     tests/test_hybrid.py)."""
     _save("rwkv", tmp_path / "src", rescale_every=6)
-    with pytest.raises(OtdusError, match=r"their index enters their computation\); without zero-init"):
+    with pytest.raises(OtdusError, match=r"hands on\); without zero-init"):
         expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
     assert not (tmp_path / "out").exists()
 

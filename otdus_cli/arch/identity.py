@@ -9,7 +9,8 @@ for that (a q_proj behind a zeroed o_proj) are then given back one at a time, so
 residual-writing ones are zeroed in a new layer: they are given back in the order the layer runs them
 (a gate or input projection before the output projection it feeds). The instance is the config itself
 when it is small, else the config with its widths shrunk (the layer kinds and their order are the
-config's).
+config's), its weights drawn at the scale of trained ones and its token selections (index_topk) narrowed
+below the proof's length, so a layer that hands a later one another choice shows.
 
 Where no zeroing makes a kind an identity, a second construction is tried: a residual path scaled by the
 layer's own parameters (Doge: input_residual * x + f(x); Zaya: (x + residual_bias) * residual_scale)
@@ -72,6 +73,10 @@ _SHRUNK_WIDTHS = {
     "vocab_size": 256,
 }
 _SEQUENCE = 8
+# token selections (DeepSeek sparse attention's indexer keeps the index_topk best keys per query; a later
+# layer may reuse an earlier one's choice) are narrowed below _SEQUENCE on every proof instance: with
+# all tokens selected, a new layer that changes the choice handed on would still look like an identity
+_NARROW_SELECTION = {"index_topk": 3, "index_topk_blocks": 1}
 AS_GIVEN = "the config as given"  # how a proof's instance is described when nothing was shrunk
 
 
@@ -314,7 +319,7 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
         return (
             "on a tiny instance the expanded model's logits differ from the base's although each new layer "
             "is an identity: its layers compute differently at their new positions (their index enters "
-            "their computation)"
+            "their computation, or a later layer reuses what the layer before it hands on)"
         )
     return None
 
@@ -325,12 +330,22 @@ def _written_value(family, suffix: str) -> float | None:
     return 0.0 if family.is_zero_target(suffix) else family.identity_value(suffix)
 
 
+def _narrowed(config: dict) -> dict:
+    """``config`` (and a wrapper's text config) with its token selections narrowed (_NARROW_SELECTION)."""
+    out = {k: _NARROW_SELECTION.get(k, v) if isinstance(v, int) else v for k, v in config.items()}
+    for key, value in out.items():
+        if isinstance(value, dict) and "model_type" in value:
+            out[key] = _narrowed(value)
+    return out
+
+
 def _tiny_config(config: dict, shrink: bool | None = None) -> tuple[object, bool]:
     """transformers' config for ``config`` if its model is small (or ``shrink`` is False), else with its
     widths shrunk; and whether it was shrunk."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    config = _narrowed(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = transformers_config(config)
@@ -364,6 +379,12 @@ def _tiny_instance(config: dict) -> tuple[object, str, set[str]]:
     with torch.no_grad():  # norms start at exactly 1 or 0; perturb them so a lucky identity shows
         for p in vectors.values():
             p.add_(torch.randn_like(p) * 0.1)
+        # and matrices at the scale of trained ones: transformers' small initial weights leave the hidden
+        # states nearly as the embeddings made them, so a layer reading another layer's choices (a token
+        # selection handed on) would choose alike and a new layer that changes them would pass
+        for p in model.parameters():
+            if p.dim() > 1 and p.is_floating_point():
+                p.normal_(0.0, p.shape[-1] ** -0.5)
     return model, instance, ones
 
 

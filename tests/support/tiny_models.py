@@ -364,6 +364,7 @@ VERIFY_BREADTH: dict[str, dict] = {
         "num_hidden_layers": 4,
         "index_n_heads": 2,
         "index_head_dim": 16,
+        "index_topk": 8,
     },
     "cpmant": dict(
         vocab_size=96,
