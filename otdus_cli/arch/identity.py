@@ -37,6 +37,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 
+from otdus_cli.arch.derived import modules_of
 from otdus_cli.arch.hf_config import transformers_config
 from otdus_cli.verify.quiet import quiet_transformers
 
@@ -161,7 +162,7 @@ def prove_identity(config: dict, layer_list: str, kinds: list[str]) -> IdentityP
             f"no tiny instance to prove it on ({type(exc).__name__}: {' '.join(str(exc).split())})"
         )
         return proof
-    layers = _modules_of(model, layer_list)
+    layers = modules_of(model, layer_list)
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(0))
     for kind in dict.fromkeys(kinds):
@@ -582,13 +583,6 @@ class _LayerRun:
                     "initialises to ones) undoes"
                 )
         return "its residual path itself changes the hidden state (more than the tensors that write into it)"
-
-
-def _modules_of(model, path: str) -> list:
-    module = model
-    for part in path.split("."):
-        module = getattr(module, part)
-    return list(module)
 
 
 def tiny_instance(config: dict):
