@@ -173,18 +173,23 @@ def layer_kinds(layers: list) -> list[str]:
     ]
 
 
-def config_layer_kinds(config: dict) -> list[str]:
-    """The layer kinds of the model transformers builds from ``config`` (on the meta device)."""
-    model, _ = _meta_model(config)
+def config_layer_kinds(config: dict, model=None) -> list[str]:
+    """The layer kinds of the model transformers builds from ``config`` (on the meta device, unless
+    given as ``model``)."""
+    if model is None:
+        model, _ = _meta_model(config)
     depth = stated_depth(text_config(config))
     return layer_kinds(modules_of(model, _layer_list(model, depth, config.get("model_type"))))
 
 
-def check_planned_kinds(family, source_config: dict, written_config: dict, layer_map: list) -> None:
+def check_planned_kinds(
+    family, source_config: dict, written_config: dict, layer_map: list, written_model=None
+) -> None:
     """The rewritten config builds, in transformers, the layer kinds the plan copies: each output layer
-    the kind of its source (OtdusError naming the first that differs)."""
+    the kind of its source (OtdusError naming the first that differs). ``written_model``: the model of
+    ``written_config`` on the meta device, where the caller built it already."""
     planned = [family.layer_kind(source_config, lay.source) for lay in layer_map]
-    built = config_layer_kinds(written_config)
+    built = config_layer_kinds(written_config, model=written_model)
     if len(built) != len(planned):
         raise OtdusError(
             f"the rewritten config builds {len(built)} layers in transformers, not {len(planned)}"
@@ -213,9 +218,15 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     every proved target is stored in the checkpoint under the name transformers' class gives it, and the
     expanded tiny instance gives the base's logits bit for bit (arch/identity.py: prove_plan)."""
     from otdus_cli.arch.identity import expert_forms, prove_plan
+    from otdus_cli.arch.layer_storage import check_layers_stored_whole, check_no_depth_sized_tensors
 
     family = source.family
-    check_planned_kinds(family, source.text_config, written_config, layer_map)
+    base_model, _ = _meta_model(source.config)
+    layer_list = _layer_list(base_model, source.depth, family.name)
+    check_layers_stored_whole(source, base_model, layer_list)
+    written_model, _ = _meta_model(written_config)
+    check_no_depth_sized_tensors(source, base_model, written_model, layer_list)
+    check_planned_kinds(family, source.text_config, written_config, layer_map, written_model)
     if not any(lay.zero_init for lay in layer_map) or family.zero_init_proof is None:
         return
     proved = family.zero_init_proof["kinds"]
