@@ -1,17 +1,27 @@
-"""Derived templates where a checkpoint addresses layers outside the layer list.
+"""Derived templates where a config or a checkpoint addresses layers outside the layer list.
 
-A parameter of a layer stored outside the layer's tensors (Inkling 2, built tiny as `make coverage`
-builds it: scripts/coverage.py) is refused at plan time in one line: otdus would otherwise write a
-checkpoint whose new layers load those tensors at random.
+Tiny models built by the installed transformers as `make coverage` builds them (scripts/coverage.py):
+Gemma 4's per_layer_config (a dict keyed by layer index) follows the layer map, so the output reloads
+with the base's logits and the planned kinds; a parameter of a layer stored outside the layer's tensors
+(Inkling 2), or a tensor outside the layers with a slice per layer (Gemma 4's per-layer embeddings), is
+refused at plan time in one line: otdus would otherwise write a checkpoint whose new layers load those
+tensors at random, or that does not load.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from otdus_cli.arch.derived import layer_kinds
+from otdus_cli.expand import expand
+from otdus_cli.options import ExpandOptions
+from scripts.tiny_configs import TINY_PER_LAYER, attempts
 from tests.support.cli_checks import no_output_left, one_error_line
+from tests.support.tiny_models import load_causal_lm, logits, save_perturbed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -22,6 +32,36 @@ def _expand_cli(src: Path, out: Path, *args: str):
     from otdus_cli.cli import app
 
     return CliRunner().invoke(app, ["expand", str(src), "--out", str(out), *args])
+
+
+def _kinds_of(model) -> list[str]:
+    depth = model.config.get_text_config().num_hidden_layers
+    (layers,) = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == depth]
+    return layer_kinds(list(layers))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields", "changed"),
+    [
+        # no per-layer embeddings: the full-attention layer's head_dim sits in per_layer_config
+        ("gemma4_text", {"hidden_size_per_layer_input": 0}, "per_layer_config"),
+    ],
+)
+def test_config_fields_naming_layers_follow_the_layer_map(tmp_path, model_type, fields, changed):
+    src = tmp_path / "src"
+    base = save_perturbed(model_type, {**attempts(model_type)[0], **fields}, src, use_cache=False)
+    result = expand(str(src), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    sources = [lay.source for lay in result.plan.layer_map]
+    assert sources == [0, 1, 1, 2, 3, 3]
+    before = json.loads((src / "config.json").read_text())
+    after = json.loads((tmp_path / "out" / "config.json").read_text())
+    if changed == "per_layer_config":  # each output layer has its source layer's entry
+        assert before[changed] == {"3": {"head_dim": 512}}
+        assert after[changed] == {"4": {"head_dim": 512}, "5": {"head_dim": 512}}
+    grown = load_causal_lm(tmp_path / "out")
+    family = result.plan.source.family
+    assert _kinds_of(grown) == [family.layer_kind({}, i) for i in sources]
+    assert torch.equal(logits(grown, use_cache=False), base)
 
 
 def test_a_layer_parameter_stored_outside_the_layer_is_refused(tmp_path):
@@ -35,3 +75,27 @@ def test_a_layer_parameter_stored_outside_the_layer_is_refused(tmp_path):
     assert "outside the layer's tensors (model.llm.layers.0.*)" in line
     assert "loads layer 0's mlp_input.query" in line and "at random" in line
     no_output_left(tmp_path)
+
+
+def test_a_tensor_sliced_per_layer_outside_the_layers_is_refused(tmp_path):
+    """Gemma 4's per-layer input embeddings hold one slice per layer; copied as they are, the output
+    would not load, so the plan is refused naming them."""
+    src = tmp_path / "src"
+    save_perturbed("gemma4_text", {**attempts("gemma4_text")[0], **TINY_PER_LAYER}, src, use_cache=False)
+    result = _expand_cli(src, tmp_path / "out", "--method", "copy")
+    line = one_error_line(result, message="model.embed_tokens_per_layer.weight is [96, 32] in the base")
+    assert "[96, 48] at the new depth" in line and "a slice per layer" in line
+    no_output_left(tmp_path)
+
+
+def test_a_rewritten_config_transformers_rejects_is_named_so():
+    """The refusal says it is the config otdus would write that fails, not the base's (here: the
+    per-layer head_dim of a full-attention layer left on a sliding-attention one)."""
+    from otdus_cli.arch.derived import config_layer_kinds
+    from otdus_cli.errors import OtdusError
+
+    bad = {**attempts("gemma4_text")[0], "model_type": "gemma4_text"}
+    bad["per_layer_config"] = {"2": {"head_dim": 512}}
+    bad["layer_types"] = ["sliding_attention"] * 3 + ["full_attention"]
+    with pytest.raises(OtdusError, match="transformers cannot build the rewritten config"):
+        config_layer_kinds(bad, rewritten=True)

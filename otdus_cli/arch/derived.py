@@ -15,6 +15,7 @@ import hashlib
 import re
 import warnings
 
+from otdus_cli.arch.config_rules import layer_keyed
 from otdus_cli.arch.depth import stated_depth
 from otdus_cli.arch.hf_config import transformers_config
 from otdus_cli.arch.wrappers import text_config
@@ -105,14 +106,18 @@ def _shared_weights(layers: list) -> tuple[str, int, int] | None:
 
 
 def _per_layer(name: str, value: object, depth: int) -> bool:
-    """A list of one entry per layer, or a string of one letter per layer named so (a pattern: not a
-    4-layer model's model_type "gpt2")."""
+    """A list of one entry per layer, a dict keyed by layer index (Gemma 4's per_layer_config), or a
+    string of one letter per layer named so (a pattern: not a 4-layer model's model_type "gpt2")."""
     if isinstance(value, list):
         return len(value) == depth
+    if isinstance(value, dict):
+        return layer_keyed(value, depth)
     return isinstance(value, str) and len(value) == depth and ("pattern" in name or "layer" in name)
 
 
-def _meta_model(config: dict):
+def _meta_model(config: dict, rewritten: bool = False):
+    """transformers' model for ``config`` on the meta device, and its config; OtdusError saying which
+    config failed: the base's (no template can be derived) or the ``rewritten`` one otdus would write."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -123,9 +128,15 @@ def _meta_model(config: dict):
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(loaded, trust_remote_code=False)
     except Exception as exc:
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+        if rewritten:
+            raise OtdusError(
+                f"model_type={config.get('model_type')!r}: transformers cannot build the rewritten config "
+                f"otdus would write for this layer map ({why}); nothing was written"
+            ) from None
         raise OtdusError(
             f"model_type={config.get('model_type')!r} has no exact template and transformers could not build "
-            f"it to derive one ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
+            f"its config to derive one ({why})"
         ) from None
     return model, loaded
 
@@ -173,11 +184,11 @@ def layer_kinds(layers: list) -> list[str]:
     ]
 
 
-def config_layer_kinds(config: dict, model=None) -> list[str]:
+def config_layer_kinds(config: dict, rewritten: bool = False, model=None) -> list[str]:
     """The layer kinds of the model transformers builds from ``config`` (on the meta device, unless
-    given as ``model``)."""
+    given as ``model``; a ``rewritten`` one: otdus's output config)."""
     if model is None:
-        model, _ = _meta_model(config)
+        model, _ = _meta_model(config, rewritten)
     depth = stated_depth(text_config(config))
     return layer_kinds(modules_of(model, _layer_list(model, depth, config.get("model_type"))))
 
@@ -189,7 +200,7 @@ def check_planned_kinds(
     the kind of its source (OtdusError naming the first that differs). ``written_model``: the model of
     ``written_config`` on the meta device, where the caller built it already."""
     planned = [family.layer_kind(source_config, lay.source) for lay in layer_map]
-    built = config_layer_kinds(written_config, model=written_model)
+    built = config_layer_kinds(written_config, rewritten=True, model=written_model)
     if len(built) != len(planned):
         raise OtdusError(
             f"the rewritten config builds {len(built)} layers in transformers, not {len(planned)}"
@@ -224,7 +235,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     base_model, _ = _meta_model(source.config)
     layer_list = _layer_list(base_model, source.depth, family.name)
     check_layers_stored_whole(source, base_model, layer_list)
-    written_model, _ = _meta_model(written_config)
+    written_model, _ = _meta_model(written_config, rewritten=True)
     check_no_depth_sized_tensors(source, base_model, written_model, layer_list)
     check_planned_kinds(family, source.text_config, written_config, layer_map, written_model)
     if not any(lay.zero_init for lay in layer_map) or family.zero_init_proof is None:

@@ -392,7 +392,8 @@ def family_for(config: dict, allow_unknown: bool = False) -> Family:
 
 
 # Config fields whose meaning depends on depth, and how each is rewritten (README: Output, config.json).
-#   per_layer: a list with one entry per layer; a new layer inherits its source layer's entry.
+#   per_layer: a list with one entry per layer (or a dict keyed by layer index); a new layer inherits
+#     its source layer's entry.
 #   index_list: a list of layer indices; an output layer is listed if its source layer was.
 #   threshold: "the first t layers"; becomes the number of output layers whose source is below t.
 #   refuse: a field we cannot rewrite faithfully; refuse the expansion if present and non-trivial.
