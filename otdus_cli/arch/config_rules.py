@@ -131,6 +131,8 @@ def _rewrite_stack_config(
         elif kind == "index_list" and isinstance(value, list):
             listed = set(value)
             out[name] = [j for j, i in enumerate(sources) if i in listed]
+        elif kind == "index_list" and isinstance(value, int) and not isinstance(value, bool):
+            out[name] = _rewrite_layer_index(name, value, sources, base_layers)
         elif kind == "threshold" and isinstance(value, int):
             below = [j for j, i in enumerate(sources) if i < value]
             prefix = next((j for j, i in enumerate(sources) if i >= value), len(sources))
@@ -169,6 +171,21 @@ def _rewrite_layer_keyed(name: str, value: dict, sources: list[int], base_layers
         )
     by_layer = {int(k): v for k, v in value.items()}
     return {str(j): copy.deepcopy(by_layer[i]) for j, i in enumerate(sources) if i in by_layer}
+
+
+def _rewrite_layer_index(name: str, value: int, sources: list[int], base_layers: int) -> int:
+    """A field naming one layer (ERNIE 4.5 MoE's moe_layer_start_index <= i <= moe_layer_end_index): a
+    range's last layer (a name with "end" or "last") becomes the last output layer whose source is at or
+    before it, any other the first output layer whose source is at or after it. A negative index counts
+    from the end and stays; one past the stack stays as far past it. What transformers then builds at
+    each index is checked against the plan (arch/derived.py: check_planned_kinds)."""
+    if value < 0:
+        return value
+    if value >= base_layers:
+        return value - base_layers + len(sources)
+    if "end" in name or "last" in name:
+        return max((j for j, i in enumerate(sources) if i <= value), default=-1)
+    return next((j for j, i in enumerate(sources) if i >= value), len(sources))
 
 
 def same_quotient(value: float, depth: int, new_depth: int) -> float:

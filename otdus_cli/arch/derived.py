@@ -71,7 +71,12 @@ def derive_template(config: dict) -> dict:
     # stack) does not follow the depth (check_planned_kinds proves what transformers builds either way)
     index_fields, listing = [], []
     for name, value in text.items():
-        if "layer" not in name or not isinstance(value, list) or name in per_layer or name == "layer_types":
+        if "layer" not in name or name in per_layer or name == "layer_types":
+            continue
+        if "index" in name and isinstance(value, int) and not isinstance(value, bool):
+            index_fields.append(name)  # one layer's index (ERNIE 4.5 MoE's moe_layer_end_index)
+            continue
+        if not isinstance(value, list):
             continue
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             continue
