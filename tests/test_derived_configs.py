@@ -104,3 +104,15 @@ def test_a_rewritten_config_transformers_rejects_is_named_so():
     bad["layer_types"] = ["sliding_attention"] * 3 + ["full_attention"]
     with pytest.raises(OtdusError, match="transformers cannot build the rewritten config"):
         config_layer_kinds(bad, rewritten=True)
+
+
+def test_a_norm_named_module_holding_the_attention_is_named_by_its_parts():
+    """DBRX keeps each layer's attention inside norm_attn_norm (a norm, the attention, a norm): the
+    layer's kind names the attention, not only its FFN; plain norms stay out of the name."""
+    from transformers import AutoModelForCausalLM
+
+    from scripts.tiny_configs import make_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(make_config("dbrx", attempts("dbrx")[0]))
+    assert set(layer_kinds(list(model.transformer.blocks))) == {"DbrxAttention+DbrxFFN"}

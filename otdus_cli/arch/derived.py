@@ -172,14 +172,7 @@ def layer_kinds(layers: list) -> list[str]:
     Qwen3NextSparseMoeBlock``); layers of one kind hold the same tensors (names and shapes), so a kind
     named alike with other tensors gets a short hash of them."""
     signatures = [tuple(sorted((n, tuple(p.shape)) for n, p in layer.named_parameters())) for layer in layers]
-    names = []
-    for layer in layers:
-        parts = [
-            type(child).__name__
-            for name, child in layer.named_children()
-            if "norm" not in name.lower() and any(True for _ in child.parameters())
-        ]
-        names.append("+".join(parts) or type(layer).__name__)
+    names = ["+".join(_parts(layer)) or type(layer).__name__ for layer in layers]
     by_name: dict[str, set] = {}
     for name, signature in zip(names, signatures, strict=True):
         by_name.setdefault(name, set()).add(signature)
@@ -187,6 +180,27 @@ def layer_kinds(layers: list) -> list[str]:
         name if len(by_name[name]) == 1 else f"{name}#{hashlib.sha1(repr(sig).encode()).hexdigest()[:6]}"
         for name, sig in zip(names, signatures, strict=True)
     ]
+
+
+def _parts(module) -> list[str]:
+    """The classes of ``module``'s children that hold parameters, norms left out; a child named as a norm
+    that holds other sublayers (DBRX's norm_attn_norm: a norm, the attention, a norm) is not one, and its
+    own parts are named instead."""
+    parts: list[str] = []
+    for name, child in module.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if "norm" not in name.lower():
+            parts.append(type(child).__name__)
+        elif _holds_sublayers(child):
+            parts += _parts(child)
+    return parts
+
+
+def _holds_sublayers(module) -> bool:
+    return any(
+        "norm" not in n.lower() and any(True for _ in c.parameters()) for n, c in module.named_children()
+    )
 
 
 def config_layer_kinds(config: dict, rewritten: bool = False, model=None) -> list[str]:
