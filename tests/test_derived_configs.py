@@ -1,11 +1,12 @@
 """Derived templates where a config or a checkpoint addresses layers outside the layer list.
 
 Tiny models built by the installed transformers as `make coverage` builds them (scripts/coverage.py):
-Gemma 4's per_layer_config (a dict keyed by layer index) and ERNIE 4.5 MoE's moe_layer_end_index (one
-layer's index) follow the layer map, so the output reloads with the base's logits and the planned kinds;
-a parameter of a layer stored outside the layer's tensors (Inkling 2), or a tensor outside the layers
-with a slice per layer (Gemma 4's per-layer embeddings), is refused at plan time in one line: otdus
-would otherwise write a checkpoint whose new layers load those tensors at random, or that does not load.
+Gemma 4's per_layer_config (a dict keyed by layer index), ERNIE 4.5 MoE's moe_layer_end_index (one
+layer's index) and RecurrentGemma's block_types (a pattern repeated to the depth) follow the layer map,
+so the output reloads with the base's logits and the planned kinds; a parameter of a layer stored
+outside the layer's tensors (Inkling 2), or a tensor outside the layers with a slice per layer (Gemma
+4's per-layer embeddings), is refused at plan time in one line: otdus would otherwise write a checkpoint
+whose new layers load those tensors at random, or that does not load.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def _kinds_of(model) -> list[str]:
         ("gemma4_text", {"hidden_size_per_layer_input": 0}, "per_layer_config"),
         # experts on layers moe_layer_start_index <= i <= moe_layer_end_index
         ("ernie4_5_moe", {}, "moe_layer_end_index"),
+        # a pattern of kinds transformers repeats to the depth: written whole
+        ("recurrent_gemma", {}, "block_types"),
     ],
 )
 def test_config_fields_naming_layers_follow_the_layer_map(tmp_path, model_type, fields, changed):
@@ -60,6 +63,9 @@ def test_config_fields_naming_layers_follow_the_layer_map(tmp_path, model_type, 
     if changed == "per_layer_config":  # each output layer has its source layer's entry
         assert before[changed] == {"3": {"head_dim": 512}}
         assert after[changed] == {"4": {"head_dim": 512}, "5": {"head_dim": 512}}
+    elif changed == "block_types":  # 4 layers: recurrent, recurrent, attention, recurrent
+        assert before[changed] == ["recurrent", "recurrent", "attention"]
+        assert after[changed] == ["recurrent"] * 3 + ["attention"] + ["recurrent"] * 2
     else:  # the last MoE layer is the last copy of base layer 3
         assert (before[changed], after[changed]) == (3, 5)
         assert after["moe_layer_start_index"] == 1

@@ -121,6 +121,10 @@ def _rewrite_stack_config(
         value = config.get(name)
         if value is None or name == "layer_types":
             continue
+        if kind == "per_layer" and isinstance(value, list) and len(value) != base_layers and name in fields:
+            # a derived template's pattern of kinds transformers repeats to the depth (RecurrentGemma's
+            # block_types): written whole, one entry per layer
+            value = (value * (base_layers // max(len(value), 1) + 1))[:base_layers]
         if kind == "per_layer" and isinstance(value, list | str):
             if len(value) != base_layers:
                 raise OtdusError(f"config {name} has {len(value)} entries for {base_layers} layers")

@@ -11,6 +11,7 @@ copy-type methods only; its zero-init targets are proved on a tiny instance (arc
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 import warnings
@@ -64,7 +65,8 @@ def derive_template(config: dict) -> dict:
     per_layer = sorted(
         name
         for name, value in {**loaded_text, **text}.items()
-        if _per_layer(name, value, depth) and name != "layer_types"
+        if (_per_layer(name, value, depth) or _repeated_pattern(config, name, value, depth, kinds))
+        and name != "layer_types"
     )
     # lists of layer indices (mlp_only_layers ...): a copy is listed where its source layer is; a list of
     # other things of another length (Nemotron-H's mtp_layers_block_type: the kinds of the layers after the
@@ -118,6 +120,32 @@ def _per_layer(name: str, value: object, depth: int) -> bool:
     if isinstance(value, dict):
         return layer_keyed(value, depth)
     return isinstance(value, str) and len(value) == depth and ("pattern" in name or "layer" in name)
+
+
+def _repeated_pattern(config: dict, name: str, value: object, depth: int, kinds: list[str]) -> bool:
+    """A list of layer kinds of another length than the depth, which transformers repeats (or cuts) to
+    the depth (RecurrentGemma's block_types: ``(block_types * 100)[:num_hidden_layers]``): proved on the
+    meta device, where the list repeated to the depth builds the same layers, and that list reversed
+    builds others (so it is the field that sets them: not Nemotron-H's mtp_layers_block_type, the kinds
+    of layers after the stack). Written as the full list, one entry per output layer, like a per-layer
+    field; the written config's kinds are checked again at plan time (check_planned_kinds)."""
+    if not isinstance(value, list) or not value or len(value) == depth:
+        return False
+    if not all(isinstance(v, str) for v in value):
+        return False
+    full = (value * (depth // len(value) + 1))[:depth]
+    if full == full[::-1]:
+        return False  # a reversal that changes nothing proves nothing
+
+    def built(pattern: list[str]) -> list[str] | None:
+        changed = copy.deepcopy(config)
+        text_config(changed)[name] = pattern
+        try:
+            return config_layer_kinds(changed)
+        except OtdusError:
+            return None
+
+    return built(full) == kinds and built(full[::-1]) not in (None, kinds)
 
 
 def _meta_model(config: dict, rewritten: bool = False):
