@@ -71,6 +71,9 @@ def test_config_fields_naming_layers_follow_the_layer_map(tmp_path, model_type, 
         assert after["moe_layer_start_index"] == 1
     grown = load_causal_lm(tmp_path / "out")
     family = result.plan.source.family
+    # a dict keyed by small numbers that are not layers (id2label: 2 labels) is kept as it is
+    assert "id2label" not in family.per_layer_fields
+    assert after.get("id2label") == before.get("id2label")
     assert _kinds_of(grown) == [family.layer_kind({}, i) for i in sources]
     assert torch.equal(logits(grown, use_cache=False), base)
 

@@ -117,8 +117,8 @@ def _per_layer(name: str, value: object, depth: int) -> bool:
     string of one letter per layer named so (a pattern: not a 4-layer model's model_type "gpt2")."""
     if isinstance(value, list):
         return len(value) == depth
-    if isinstance(value, dict):
-        return layer_keyed(value, depth)
+    if isinstance(value, dict):  # named so: not id2label, keyed by label numbers
+        return "layer" in name and layer_keyed(value, depth)
     return isinstance(value, str) and len(value) == depth and ("pattern" in name or "layer" in name)
 
 
