@@ -125,3 +125,29 @@ def test_a_norm_named_module_holding_the_attention_is_named_by_its_parts():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(make_config("dbrx", attempts("dbrx")[0]))
     assert set(layer_kinds(list(model.transformer.blocks))) == {"DbrxAttention+DbrxFFN"}
+
+
+def test_a_refused_placement_names_placements_that_keep_the_kinds(tmp_path):
+    """ERNIE 4.5 MoE with experts on every other layer (moe_layer_interval=2): two copies side by side
+    cannot keep the alternation, so copy is refused, naming the placements that do keep it, each checked
+    in transformers; each named one expands."""
+    src = tmp_path / "src"
+    fields = {**attempts("ernie4_5_moe")[0], "moe_layer_interval": 2, "moe_layer_start_index": 0}
+    save_perturbed("ernie4_5_moe", fields, src, use_cache=False)
+    result = _expand_cli(src, tmp_path / "out", "--method", "copy", "--layers", "2")
+    line = one_error_line(result, message="place the new layers elsewhere: --method stack --layers 4 or ")
+    assert "--method solar --layers 2 keeps every layer's kind" in line and "--position top" not in line
+    no_output_left(tmp_path)
+    for method, layers in (("stack", 4), ("solar", 2)):
+        expand(str(src), tmp_path / method, ExpandOptions(method=method, layers=layers))
+
+
+def test_copies_are_placed_where_the_kinds_built_at_the_new_depth_fit():
+    from otdus_cli.arch.kind_placements import copies_fitting
+
+    # a b a b -> a b a a b b: copies of layers 2 and 3 after them (as far up as they fit)
+    assert copies_fitting(list("abab"), list("abaabb"), 2) == [2, 3]
+    assert copies_fitting(list("aabab"), list("aabaabb"), 2) == [3, 4]
+    # an alternation built at the new depth: no copy next to its source fits
+    assert copies_fitting(list("abab"), list("ababab"), 2) is None
+    assert copies_fitting(list("ab"), list("abab"), 1) is None  # not the new depth

@@ -241,26 +241,42 @@ def config_layer_kinds(config: dict, rewritten: bool = False, model=None) -> lis
 
 
 def check_planned_kinds(
-    family, source_config: dict, written_config: dict, layer_map: list, written_model=None
+    family, config: dict, written_config: dict, layer_map: list, written_model=None
 ) -> None:
     """The rewritten config builds, in transformers, the layer kinds the plan copies: each output layer
-    the kind of its source (OtdusError naming the first that differs). ``written_model``: the model of
+    the kind of its source (OtdusError naming the first that differs, and the placements that keep every
+    layer's kind: arch/kind_placements.py). ``config``: the base's; ``written_model``: the model of
     ``written_config`` on the meta device, where the caller built it already."""
-    planned = [family.layer_kind(source_config, lay.source) for lay in layer_map]
+    from otdus_cli.arch.kind_placements import kind_keeping_placements
+
+    text = text_config(config)
+    planned = [family.layer_kind(text, lay.source) for lay in layer_map]
     built = config_layer_kinds(written_config, rewritten=True, model=written_model)
     if len(built) != len(planned):
         raise OtdusError(
             f"the rewritten config builds {len(built)} layers in transformers, not {len(planned)}"
         )
     wrong = next((j for j, (a, b) in enumerate(zip(planned, built, strict=True)) if a != b), None)
-    if wrong is not None:
-        fields = ", ".join(family.per_layer_fields + family.index_fields) or "none"
+    if wrong is None:
+        return
+    fields = ", ".join(family.per_layer_fields + family.index_fields) or "none"
+    why = (
+        f"{family.name}: output layer {wrong} would be a {planned[wrong]} layer (a copy of base layer "
+        f"{layer_map[wrong].source}), but transformers builds a {built[wrong]} layer there from the "
+        f"rewritten config (per-layer fields rewritten: {fields})"
+    )
+    new = sum(lay.new for lay in layer_map)
+    found = kind_keeping_placements(family, config, new, built)
+    if found:
         raise OtdusError(
-            f"{family.name}: output layer {wrong} would be a {planned[wrong]} layer (a copy of base layer "
-            f"{layer_map[wrong].source}), but transformers builds a {built[wrong]} layer there from the "
-            f"rewritten config (per-layer fields rewritten: {fields}); place the new layers elsewhere "
-            "(e.g. --position top) or add an exact template"
+            f"{why}; place the new layers elsewhere: {' or '.join(found)} keeps every layer's kind"
         )
+    raise OtdusError(
+        f"{why}; no placement of {new} new layers keeps every layer's kind (otdus tried copies after each "
+        "base layer, --method stack and solar): transformers sets the kinds from each layer's index (a "
+        "period or range the config states) in a way the rewritten config cannot change; try another "
+        "number of layers, or add an exact template"
+    )
 
 
 def modules_of(model, path: str) -> list:
@@ -284,7 +300,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     check_layers_stored_whole(source, base_model, layer_list)
     written_model, _ = _meta_model(written_config, rewritten=True)
     check_no_depth_sized_tensors(source, base_model, written_model, layer_list)
-    check_planned_kinds(family, source.text_config, written_config, layer_map, written_model)
+    check_planned_kinds(family, source.config, written_config, layer_map, written_model)
     if not any(lay.zero_init for lay in layer_map) or family.zero_init_proof is None:
         return
     proved = family.zero_init_proof["kinds"]
