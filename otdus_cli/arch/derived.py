@@ -3,10 +3,12 @@
 The model class is built from the config on the meta device (no weights, no remote code: only
 model_types transformers ships); its decoder layer list, each layer's kind (attention / linear
 attention / Mamba, dense / MoE: the classes of its parts) and the config fields that follow the layers
-(one entry per layer, or lists of layer indices) are read off it. A new layer copies its source's kind;
-the rewritten config is built again by transformers at plan time to check that every output layer
-comes out of the kind planned (check_planned_kinds). Such a template knows no roles, so it allows
-copy-type methods only; its zero-init targets are proved on a tiny instance (arch/identity.py).
+(one entry per layer, a dict keyed by layer index, a pattern of kinds transformers repeats to the depth,
+lists of layer indices, one layer's index) are read off it. A new layer copies its source's kind; the
+rewritten config is built again by transformers at plan time to check that every output layer comes
+out of the kind planned (check_planned_kinds), and the checkpoint to hold each layer whole under its
+prefix (arch/layer_storage.py). Such a template knows no roles, so it allows copy-type methods only; its
+zero-init targets are proved on a tiny instance (arch/identity.py).
 """
 
 from __future__ import annotations
