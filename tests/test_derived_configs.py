@@ -1,6 +1,6 @@
 """Derived templates where a config or a checkpoint addresses layers outside the layer list.
 
-Tiny models built by the installed transformers as `make coverage` builds them (scripts/coverage.py):
+Tiny models built by the installed transformers with the sizes `make coverage` uses:
 Gemma 4's per_layer_config (a dict keyed by layer index), ERNIE 4.5 MoE's moe_layer_end_index (one
 layer's index) and RecurrentGemma's block_types (a pattern repeated to the depth) follow the layer map,
 so the output reloads with the base's logits and the planned kinds; a parameter of a layer stored
@@ -20,11 +20,20 @@ import torch
 from otdus_cli.arch.derived import layer_kinds
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
-from scripts.tiny_configs import TINY_PER_LAYER, attempts
 from tests.support.cli_checks import no_output_left, one_error_line
-from tests.support.tiny_models import load_causal_lm, logits, save_perturbed
+from tests.support.tiny_models import COMMON, HYBRID_BASE, load_causal_lm, logits, save_perturbed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+# tiny sizes with small expert counts (scripts/tiny_configs.py's TINY and TINY_MOE: tests may not import it)
+TINY = {
+    **COMMON,
+    **HYBRID_BASE,
+    **dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    **dict(shared_expert_intermediate_size=16, n_routed_experts=4, n_group=1, topk_group=1),
+}
+# per-layer token embeddings (Gemma 4: a second vocabulary-sized table, a slice per layer)
+PER_LAYER = dict(vocab_size_per_layer_input=96, hidden_size_per_layer_input=8, num_kv_shared_layers=0)
 
 
 def _expand_cli(src: Path, out: Path, *args: str):
@@ -54,7 +63,7 @@ def _kinds_of(model) -> list[str]:
 )
 def test_config_fields_naming_layers_follow_the_layer_map(tmp_path, model_type, fields, changed):
     src = tmp_path / "src"
-    base = save_perturbed(model_type, {**attempts(model_type)[0], **fields}, src, use_cache=False)
+    base = save_perturbed(model_type, {**TINY, **fields}, src, use_cache=False)
     result = expand(str(src), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
     sources = [lay.source for lay in result.plan.layer_map]
     assert sources == [0, 1, 1, 2, 3, 3]
@@ -81,9 +90,7 @@ def test_config_fields_naming_layers_follow_the_layer_map(tmp_path, model_type, 
 def test_a_layer_parameter_stored_outside_the_layer_is_refused(tmp_path):
     """Inkling 2 saves each layer's attention-residual queries as model.llm.attn_res.*_queries.{i}: a
     copied layer would load them at random, so the plan is refused naming them."""
-    from scripts.coverage import build
-
-    build("inkling2_text", tmp_path / "src")
+    save_perturbed("inkling2_text", {**TINY, "unpadded_vocab_size": 96}, tmp_path / "src", use_cache=False)
     result = _expand_cli(tmp_path / "src", tmp_path / "out", "--method", "copy")
     line = one_error_line(result, message="model.llm.attn_res.mlp_queries.0")
     assert "outside the layer's tensors (model.llm.layers.0.*)" in line
@@ -95,7 +102,7 @@ def test_a_tensor_sliced_per_layer_outside_the_layers_is_refused(tmp_path):
     """Gemma 4's per-layer input embeddings hold one slice per layer; copied as they are, the output
     would not load, so the plan is refused naming them."""
     src = tmp_path / "src"
-    save_perturbed("gemma4_text", {**attempts("gemma4_text")[0], **TINY_PER_LAYER}, src, use_cache=False)
+    save_perturbed("gemma4_text", {**TINY, **PER_LAYER}, src, use_cache=False)
     result = _expand_cli(src, tmp_path / "out", "--method", "copy")
     line = one_error_line(result, message="model.embed_tokens_per_layer.weight is [96, 32] in the base")
     assert "[96, 48] at the new depth" in line and "a slice per layer" in line
@@ -108,7 +115,7 @@ def test_a_rewritten_config_transformers_rejects_is_named_so():
     from otdus_cli.arch.derived import config_layer_kinds
     from otdus_cli.errors import OtdusError
 
-    bad = {**attempts("gemma4_text")[0], "model_type": "gemma4_text"}
+    bad = {**TINY, "model_type": "gemma4_text"}
     bad["per_layer_config"] = {"2": {"head_dim": 512}}
     bad["layer_types"] = ["sliding_attention"] * 3 + ["full_attention"]
     with pytest.raises(OtdusError, match="transformers cannot build the rewritten config"):
@@ -118,12 +125,13 @@ def test_a_rewritten_config_transformers_rejects_is_named_so():
 def test_a_norm_named_module_holding_the_attention_is_named_by_its_parts():
     """DBRX keeps each layer's attention inside norm_attn_norm (a norm, the attention, a norm): the
     layer's kind names the attention, not only its FFN; plain norms stay out of the name."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from scripts.tiny_configs import make_config
-
+    ffn = dict(hidden_size=32, ffn_hidden_size=48, moe_num_experts=4, moe_top_k=2)
+    attn = dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0)
+    config = AutoConfig.for_model("dbrx", d_model=32, n_heads=4, n_layers=4, attn_config=attn, ffn_config=ffn)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(make_config("dbrx", attempts("dbrx")[0]))
+        model = AutoModelForCausalLM.from_config(config)
     assert set(layer_kinds(list(model.transformer.blocks))) == {"DbrxAttention+DbrxFFN"}
 
 
@@ -132,7 +140,7 @@ def test_a_refused_placement_names_placements_that_keep_the_kinds(tmp_path):
     cannot keep the alternation, so copy is refused, naming the placements that do keep it, each checked
     in transformers; each named one expands."""
     src = tmp_path / "src"
-    fields = {**attempts("ernie4_5_moe")[0], "moe_layer_interval": 2, "moe_layer_start_index": 0}
+    fields = {**TINY, "moe_layer_interval": 2, "moe_layer_start_index": 0}
     save_perturbed("ernie4_5_moe", fields, src, use_cache=False)
     result = _expand_cli(src, tmp_path / "out", "--method", "copy", "--layers", "2")
     line = one_error_line(result, message="place the new layers elsewhere: --method stack --layers 4 or ")
