@@ -151,3 +151,22 @@ def test_depth_rules_follow_a_wrappers_text_config():
     ):
         with pytest.raises(OtdusError, match=message):
             check_depth_rules(bad, cfg, 6)
+
+
+def test_a_field_naming_one_layer_follows_the_layer_map():
+    """A range's first layer becomes the first output layer from it on, its last the last output layer up
+    to it (ERNIE 4.5 MoE: moe_layer_start_index <= i <= moe_layer_end_index); -1 (the last) stays, and
+    an index past the stack stays as far past it."""
+    cfg = {
+        "model_type": "ernie4_5_moe",
+        "num_hidden_layers": 4,
+        "moe_layer_start_index": 1,
+        "moe_layer_end_index": 2,
+        "loop_layer_index_end": -1,
+        "loop_layer_index_start": 6,
+    }
+    names = ("moe_layer_start_index", "moe_layer_end_index", "loop_layer_index_end", "loop_layer_index_start")
+    out = rewrite_config(cfg, layer_map(4, after=[0, 2]), index_fields=names)  # sources 0 0 1 2 2 3
+    assert [out[n] for n in names] == [2, 4, -1, 8]
+    out = rewrite_config(cfg, layer_map(4, after=[3, 3]), index_fields=names)  # sources 0 1 2 3 3 3
+    assert [out[n] for n in names] == [1, 2, -1, 8]

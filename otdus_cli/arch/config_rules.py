@@ -121,14 +121,22 @@ def _rewrite_stack_config(
         value = config.get(name)
         if value is None or name == "layer_types":
             continue
+        if kind == "per_layer" and isinstance(value, list) and len(value) != base_layers and name in fields:
+            # a derived template's pattern of kinds transformers repeats to the depth (RecurrentGemma's
+            # block_types): written whole, one entry per layer
+            value = (value * (base_layers // max(len(value), 1) + 1))[:base_layers]
         if kind == "per_layer" and isinstance(value, list | str):
             if len(value) != base_layers:
                 raise OtdusError(f"config {name} has {len(value)} entries for {base_layers} layers")
             picked = [value[i] for i in sources]
             out[name] = "".join(picked) if isinstance(value, str) else picked  # a pattern: a letter a layer
+        elif kind == "per_layer" and isinstance(value, dict):
+            out[name] = _rewrite_layer_keyed(name, value, sources, base_layers)
         elif kind == "index_list" and isinstance(value, list):
             listed = set(value)
             out[name] = [j for j, i in enumerate(sources) if i in listed]
+        elif kind == "index_list" and isinstance(value, int) and not isinstance(value, bool):
+            out[name] = _rewrite_layer_index(name, value, sources, base_layers)
         elif kind == "threshold" and isinstance(value, int):
             below = [j for j, i in enumerate(sources) if i < value]
             prefix = next((j for j, i in enumerate(sources) if i >= value), len(sources))
@@ -148,6 +156,40 @@ def _rewrite_stack_config(
             )
     _rewrite_sparse_step(config, out, sources)
     return out
+
+
+def layer_keyed(value: object, depth: int) -> bool:
+    """A dict keyed by layer index (Gemma 4's per_layer_config: ``{"3": {"head_dim": 512}}``), each key
+    a layer of the ``depth``."""
+    if not isinstance(value, dict) or not value:
+        return False
+    keys = [int(k) if isinstance(k, str) and k.isdigit() else k for k in value]
+    return all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < depth for k in keys)
+
+
+def _rewrite_layer_keyed(name: str, value: dict, sources: list[int], base_layers: int) -> dict:
+    """Each output layer gets its source layer's entry, keyed by its own index (as a string: JSON)."""
+    if not layer_keyed(value, base_layers):
+        raise OtdusError(
+            f"config {name} is keyed by other things than the indices of its {base_layers} layers"
+        )
+    by_layer = {int(k): v for k, v in value.items()}
+    return {str(j): copy.deepcopy(by_layer[i]) for j, i in enumerate(sources) if i in by_layer}
+
+
+def _rewrite_layer_index(name: str, value: int, sources: list[int], base_layers: int) -> int:
+    """A field naming one layer (ERNIE 4.5 MoE's moe_layer_start_index <= i <= moe_layer_end_index): a
+    range's last layer (a name with "end" or "last") becomes the last output layer whose source is at or
+    before it, any other the first output layer whose source is at or after it. A negative index counts
+    from the end and stays; one past the stack stays as far past it. What transformers then builds at
+    each index is checked against the plan (arch/derived.py: check_planned_kinds)."""
+    if value < 0:
+        return value
+    if value >= base_layers:
+        return value - base_layers + len(sources)
+    if "end" in name or "last" in name:
+        return max((j for j, i in enumerate(sources) if i <= value), default=-1)
+    return next((j for j, i in enumerate(sources) if i >= value), len(sources))
 
 
 def same_quotient(value: float, depth: int, new_depth: int) -> float:
@@ -309,6 +351,11 @@ def _check_stack_rules(config: dict, expected_layers: int, fields: dict[str, str
         value = config.get(name)
         if kind == "per_layer" and isinstance(value, list | str) and len(value) != expected_layers:
             raise OtdusError(f"rewritten config has {len(value)} {name} for {expected_layers} layers")
+        keyed = isinstance(value, dict) and value
+        if kind == "per_layer" and keyed and not layer_keyed(value, expected_layers):
+            raise OtdusError(
+                f"rewritten config {name} is keyed by other things than its {expected_layers} layers"
+            )
         if kind == "index_list" and isinstance(value, list):
             bad = [i for i in value if not isinstance(i, int) or not 0 <= i < expected_layers]
             if bad:

@@ -3,19 +3,23 @@
 The model class is built from the config on the meta device (no weights, no remote code: only
 model_types transformers ships); its decoder layer list, each layer's kind (attention / linear
 attention / Mamba, dense / MoE: the classes of its parts) and the config fields that follow the layers
-(one entry per layer, or lists of layer indices) are read off it. A new layer copies its source's kind;
-the rewritten config is built again by transformers at plan time to check that every output layer
-comes out of the kind planned (check_planned_kinds). Its zero-init targets are proved on a tiny instance
-(arch/identity.py); the roles OT-DUS and LESA need, where a kind's tensors are an exact template's, are
-matched and proved in arch/derived_roles.py.
+(one entry per layer, a dict keyed by layer index, a pattern of kinds transformers repeats to the depth,
+lists of layer indices, one layer's index) are read off it. A new layer copies its source's kind; the
+rewritten config is built again by transformers at plan time to check that every output layer comes
+out of the kind planned (check_planned_kinds), and the checkpoint to hold each layer whole under its
+prefix (arch/layer_storage.py). Its zero-init targets are proved on a tiny instance (arch/identity.py);
+the roles OT-DUS and LESA need, where a kind's tensors are an exact template's, are matched and proved
+in arch/derived_roles.py.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 import warnings
 
+from otdus_cli.arch.config_rules import layer_keyed
 from otdus_cli.arch.depth import stated_depth
 from otdus_cli.arch.hf_config import transformers_config
 from otdus_cli.arch.wrappers import text_config
@@ -71,14 +75,20 @@ def derive_template(config: dict) -> dict:
     per_layer = sorted(
         name
         for name, value in {**loaded_text, **text}.items()
-        if _per_layer(name, value, depth) and name != "layer_types"
+        if (_per_layer(name, value, depth) or _repeated_pattern(config, name, value, depth, kinds))
+        and name != "layer_types"
     )
     # lists of layer indices (mlp_only_layers ...): a copy is listed where its source layer is; a list of
     # other things of another length (Nemotron-H's mtp_layers_block_type: the kinds of the layers after the
     # stack) does not follow the depth (check_planned_kinds proves what transformers builds either way)
     index_fields, listing = [], []
     for name, value in text.items():
-        if "layer" not in name or not isinstance(value, list) or name in per_layer or name == "layer_types":
+        if "layer" not in name or name in per_layer or name == "layer_types":
+            continue
+        if "index" in name and isinstance(value, int) and not isinstance(value, bool):
+            index_fields.append(name)  # one layer's index (ERNIE 4.5 MoE's moe_layer_end_index)
+            continue
+        if not isinstance(value, list):
             continue
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             continue
@@ -118,15 +128,45 @@ def _shared_weights(layers: list) -> tuple[str, int, int] | None:
 
 
 def _per_layer(name: str, value: object, depth: int) -> bool:
-    """A list of one entry per layer, or a string of one letter per layer named so (a pattern: not a
-    4-layer model's model_type "gpt2")."""
+    """A list of one entry per layer, a dict keyed by layer index (Gemma 4's per_layer_config), or a
+    string of one letter per layer named so (a pattern: not a 4-layer model's model_type "gpt2")."""
     if isinstance(value, list):
         return len(value) == depth
+    if isinstance(value, dict):  # named so: not id2label, keyed by label numbers
+        return "layer" in name and layer_keyed(value, depth)
     return isinstance(value, str) and len(value) == depth and ("pattern" in name or "layer" in name)
 
 
+def _repeated_pattern(config: dict, name: str, value: object, depth: int, kinds: list[str]) -> bool:
+    """A list of layer kinds of another length than the depth, which transformers repeats (or cuts) to
+    the depth (RecurrentGemma's block_types: ``(block_types * 100)[:num_hidden_layers]``): proved on the
+    meta device, where the list repeated to the depth builds the same layers, and that list reversed
+    builds others (so it is the field that sets them: not Nemotron-H's mtp_layers_block_type, the kinds
+    of layers after the stack). Written as the full list, one entry per output layer, like a per-layer
+    field; the written config's kinds are checked again at plan time (check_planned_kinds)."""
+    if not isinstance(value, list) or not value or len(value) == depth:
+        return False
+    if not all(isinstance(v, str) for v in value):
+        return False
+    full = (value * (depth // len(value) + 1))[:depth]
+    if full == full[::-1]:
+        return False  # a reversal that changes nothing proves nothing
+
+    def built(pattern: list[str]) -> list[str] | None:
+        changed = copy.deepcopy(config)
+        text_config(changed)[name] = pattern
+        try:
+            return config_layer_kinds(changed)
+        except OtdusError:
+            return None
+
+    return built(full) == kinds and built(full[::-1]) not in (None, kinds)
+
+
 @quiet_transformers  # building some classes logs advice (BERT's "add is_decoder=True") on stderr
-def _meta_model(config: dict):
+def _meta_model(config: dict, rewritten: bool = False):
+    """transformers' model for ``config`` on the meta device, and its config; OtdusError saying which
+    config failed: the base's (no template can be derived) or the ``rewritten`` one otdus would write."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -137,9 +177,15 @@ def _meta_model(config: dict):
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(loaded, trust_remote_code=False)
     except Exception as exc:
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+        if rewritten:
+            raise OtdusError(
+                f"model_type={config.get('model_type')!r}: transformers cannot build the rewritten config "
+                f"otdus would write for this layer map ({why}); nothing was written"
+            ) from None
         raise OtdusError(
             f"model_type={config.get('model_type')!r} has no exact template and transformers could not build "
-            f"it to derive one ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
+            f"its config to derive one ({why})"
         ) from None
     return model, loaded
 
@@ -170,14 +216,7 @@ def layer_kinds(layers: list) -> list[str]:
     Qwen3NextSparseMoeBlock``); layers of one kind hold the same tensors (names and shapes), so a kind
     named alike with other tensors gets a short hash of them."""
     signatures = [tuple(sorted((n, tuple(p.shape)) for n, p in layer.named_parameters())) for layer in layers]
-    names = []
-    for layer in layers:
-        parts = [
-            type(child).__name__
-            for name, child in layer.named_children()
-            if "norm" not in name.lower() and any(True for _ in child.parameters())
-        ]
-        names.append("+".join(parts) or type(layer).__name__)
+    names = ["+".join(_parts(layer)) or type(layer).__name__ for layer in layers]
     by_name: dict[str, set] = {}
     for name, signature in zip(names, signatures, strict=True):
         by_name.setdefault(name, set()).add(signature)
@@ -187,31 +226,73 @@ def layer_kinds(layers: list) -> list[str]:
     ]
 
 
-def config_layer_kinds(config: dict) -> list[str]:
-    """The layer kinds of the model transformers builds from ``config`` (on the meta device)."""
-    model, _ = _meta_model(config)
+def _parts(module) -> list[str]:
+    """The classes of ``module``'s children that hold parameters, norms left out; a child named as a norm
+    that holds other sublayers (DBRX's norm_attn_norm: a norm, the attention, a norm) is not one, and its
+    own parts are named instead."""
+    parts: list[str] = []
+    for name, child in module.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if "norm" not in name.lower():
+            parts.append(type(child).__name__)
+        elif _holds_sublayers(child):
+            parts += _parts(child)
+    return parts
+
+
+def _holds_sublayers(module) -> bool:
+    return any(
+        "norm" not in n.lower() and any(True for _ in c.parameters()) for n, c in module.named_children()
+    )
+
+
+def config_layer_kinds(config: dict, rewritten: bool = False, model=None) -> list[str]:
+    """The layer kinds of the model transformers builds from ``config`` (on the meta device, unless
+    given as ``model``; a ``rewritten`` one: otdus's output config)."""
+    if model is None:
+        model, _ = _meta_model(config, rewritten)
     depth = stated_depth(text_config(config))
     return layer_kinds(modules_of(model, _layer_list(model, depth, config.get("model_type"))))
 
 
-def check_planned_kinds(family, source_config: dict, written_config: dict, layer_map: list) -> None:
+def check_planned_kinds(
+    family, config: dict, written_config: dict, layer_map: list, written_model=None
+) -> None:
     """The rewritten config builds, in transformers, the layer kinds the plan copies: each output layer
-    the kind of its source (OtdusError naming the first that differs)."""
-    planned = [family.layer_kind(source_config, lay.source) for lay in layer_map]
-    built = config_layer_kinds(written_config)
+    the kind of its source (OtdusError naming the first that differs, and the placements that keep every
+    layer's kind: arch/kind_placements.py). ``config``: the base's; ``written_model``: the model of
+    ``written_config`` on the meta device, where the caller built it already."""
+    from otdus_cli.arch.kind_placements import kind_keeping_placements
+
+    text = text_config(config)
+    planned = [family.layer_kind(text, lay.source) for lay in layer_map]
+    built = config_layer_kinds(written_config, rewritten=True, model=written_model)
     if len(built) != len(planned):
         raise OtdusError(
             f"the rewritten config builds {len(built)} layers in transformers, not {len(planned)}"
         )
     wrong = next((j for j, (a, b) in enumerate(zip(planned, built, strict=True)) if a != b), None)
-    if wrong is not None:
-        fields = ", ".join(family.per_layer_fields + family.index_fields) or "none"
+    if wrong is None:
+        return
+    fields = ", ".join(family.per_layer_fields + family.index_fields) or "none"
+    why = (
+        f"{family.name}: output layer {wrong} would be a {planned[wrong]} layer (a copy of base layer "
+        f"{layer_map[wrong].source}), but transformers builds a {built[wrong]} layer there from the "
+        f"rewritten config (per-layer fields rewritten: {fields})"
+    )
+    new = sum(lay.new for lay in layer_map)
+    found = kind_keeping_placements(family, config, new, built)
+    if found:
         raise OtdusError(
-            f"{family.name}: output layer {wrong} would be a {planned[wrong]} layer (a copy of base layer "
-            f"{layer_map[wrong].source}), but transformers builds a {built[wrong]} layer there from the "
-            f"rewritten config (per-layer fields rewritten: {fields}); place the new layers elsewhere "
-            "(e.g. --position top) or add an exact template"
+            f"{why}; place the new layers elsewhere: {' or '.join(found)} keeps every layer's kind"
         )
+    raise OtdusError(
+        f"{why}; no placement of {new} new layers keeps every layer's kind (otdus tried copies after each "
+        "base layer, --method stack and solar): transformers sets the kinds from each layer's index (a "
+        "period or range the config states) in a way the rewritten config cannot change; try another "
+        "number of layers, or add an exact template"
+    )
 
 
 def modules_of(model, path: str) -> list:
@@ -227,9 +308,15 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     every proved target is stored in the checkpoint under the name transformers' class gives it, and the
     expanded tiny instance gives the base's logits bit for bit (arch/identity.py: prove_plan)."""
     from otdus_cli.arch.identity import expert_forms, prove_plan
+    from otdus_cli.arch.layer_storage import check_layers_stored_whole, check_no_depth_sized_tensors
 
     family = source.family
-    check_planned_kinds(family, source.text_config, written_config, layer_map)
+    base_model, _ = _meta_model(source.config)
+    layer_list = _layer_list(base_model, source.depth, family.name)
+    check_layers_stored_whole(source, base_model, layer_list)
+    written_model, _ = _meta_model(written_config, rewritten=True)
+    check_no_depth_sized_tensors(source, base_model, written_model, layer_list)
+    check_planned_kinds(family, source.config, written_config, layer_map, written_model)
     if not any(lay.zero_init for lay in layer_map) or family.zero_init_proof is None:
         return
     proved = family.zero_init_proof["kinds"]

@@ -418,8 +418,10 @@ def family_for(config: dict, allow_unknown: bool = False) -> Family:
 
 
 # Config fields whose meaning depends on depth, and how each is rewritten (README: Output, config.json).
-#   per_layer: a list with one entry per layer; a new layer inherits its source layer's entry.
-#   index_list: a list of layer indices; an output layer is listed if its source layer was.
+#   per_layer: a list with one entry per layer (or a dict keyed by layer index); a new layer inherits
+#     its source layer's entry.
+#   index_list: a list of layer indices; an output layer is listed if its source layer was. One index
+#     (an int: a range's first or last layer) maps to the first (last) output layer of its source.
 #   threshold: "the first t layers"; becomes the number of output layers whose source is below t.
 #   refuse: a field we cannot rewrite faithfully; refuse the expansion if present and non-trivial.
 #   inverse_sqrt_depth: a factor the model divides by sqrt(depth) (MiniCPM3's scale_depth scales each

@@ -38,6 +38,13 @@ def saved_names(model, tensors: dict) -> dict[str, list[str]]:
     return out
 
 
+def revert_names(model, tensors: dict) -> list[str]:
+    """The names transformers saves ``tensors`` (full module names of ``model``) under, reverted together
+    (a fused tensor's parts with each other); their own names where it converts none."""
+    saved = _revert(model, dict(tensors))
+    return sorted(tensors if saved is None else saved)
+
+
 class SavedTogether(ValueError):
     """A tensor transformers saves inside a larger one, together with other tensors."""
 

@@ -1,0 +1,87 @@
+"""Whether a checkpoint keeps each decoder layer whole under its layer's names, for a derived template.
+
+otdus copies a layer by copying the tensors stored under its prefix (``model.layers.3.``) and copies
+everything else as it is. A class that keeps a layer's parameter elsewhere in the checkpoint (Inkling 2
+saves ``layers.{i}.attention_input.query`` as ``model.llm.attn_res.attn_queries.{i-1}``), or a tensor
+outside the layers with a slice per layer (Gemma 4's per-layer input embeddings), would leave new layers
+without their tensors: transformers would initialise them at random on load, a silently different
+model. Such a plan is refused at plan time, naming the tensors.
+"""
+
+from __future__ import annotations
+
+from otdus_cli.errors import OtdusError
+
+
+def check_layers_stored_whole(source, base_model, layer_list: str) -> None:
+    """Every parameter of a decoder layer of ``base_model`` (transformers' class on the meta device) is
+    stored under that layer's prefix in ``source``'s checkpoint, under its own name or the name
+    transformers saves it under (arch/saved_names.py); OtdusError naming the first that is not. One layer
+    of each kind is asked (layers of one kind hold the same tensors: io/stack.py checks it)."""
+    from otdus_cli.arch.derived import modules_of
+    from otdus_cli.arch.saved_names import revert_names
+
+    family = source.family
+    layers = modules_of(base_model, layer_list)
+    first: dict[str, int] = {}
+    for i in range(source.depth):
+        first.setdefault(family.layer_kind(source.text_config, i), i)
+    names = set(source.reader.names)
+    for i in first.values():
+        stored, prefix = set(source.layers[i].suffixes()), source.layers[i].prefix
+        module_prefix = f"{layer_list}.{i}."
+        # a checkpoint saved under the module names (transformers 4) holds them as they are
+        rest = {module_prefix + n: p for n, p in layers[i].named_parameters() if n not in stored}
+        if not rest:
+            continue
+        saved = revert_names(base_model, rest)
+        elsewhere = [n for n in saved if _under(n, prefix, module_prefix) not in stored]
+        if not elsewhere:
+            continue
+        outside = [n for n in elsewhere if n in names]
+        owner = _owner(base_model, rest, (outside or elsewhere)[0])
+        what = f"layer {i}'s {owner[len(module_prefix) :]}" if owner else f"a parameter of layer {i}"
+        if outside:
+            raise OtdusError(
+                f"{family.name}: transformers' {type(base_model).__name__} loads {what} from "
+                f"{', '.join(outside[:3])}, outside the layer's tensors ({prefix}*); otdus copies a "
+                "layer by its tensors, so new layers would load it at random (a different model): "
+                "expanding it needs an exact template that renumbers such tensors"
+            )
+        raise OtdusError(
+            f"{family.name}: the checkpoint holds {what} under none of the names transformers loads it "
+            f"from ({elsewhere[0]}), so a copied layer would load it at random; save the model again with "
+            "this transformers"
+        )
+
+
+def check_no_depth_sized_tensors(source, base_model, written_model, layer_list: str) -> None:
+    """No parameter outside the decoder layers changes shape with the depth (Gemma 4's
+    embed_tokens_per_layer holds a slice per layer): otdus copies those as they are, so the output
+    would not load; OtdusError naming the first."""
+    shapes = _outside_shapes(base_model, layer_list)
+    for name, shape in _outside_shapes(written_model, layer_list).items():
+        if name in shapes and shapes[name] != shape:
+            raise OtdusError(
+                f"{source.family.name}: {name} is {list(shapes[name])} in the base and "
+                f"{list(shape)} at the new depth: it holds a slice per layer outside the layers' tensors, "
+                "which otdus copies as they are; expanding it needs an exact template that copies those "
+                "slices"
+            )
+
+
+def _outside_shapes(model, layer_list: str) -> dict:
+    prefix = layer_list + "."
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if not n.startswith(prefix)}
+
+
+def _under(name: str, *prefixes: str) -> str | None:
+    """``name`` relative to the first of ``prefixes`` it starts with; None if none."""
+    return next((name[len(p) :] for p in prefixes if name.startswith(p)), None)
+
+
+def _owner(model, params: dict, saved: str) -> str | None:
+    """Which of ``params`` transformers saves under ``saved`` (each reverted alone)."""
+    from otdus_cli.arch.saved_names import saved_names
+
+    return next((n for n, names in saved_names(model, params).items() if saved in names), None)
