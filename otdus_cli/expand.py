@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from otdus_cli.arch.config_rules import (
     check_depth_rules,
-    rewrite_config,
+    family_config,
     validate_with_transformers,
 )
 from otdus_cli.arch.derived import WITHOUT_ZERO_INIT, check_derived_plan
@@ -145,14 +145,7 @@ def output_layout(
     the family's per-layer and index fields rewritten (a derived template's checked against
     transformers' own build), in ``dtype`` unless "auto"."""
     family = source.family
-    config = rewrite_config(
-        source.config,
-        layer_map,
-        family.derives_layer_types,
-        family.per_layer_fields,
-        family.derived_fields,
-        family.index_fields,
-    )
+    config = family_config(family, source.config, layer_map)
     if family.derived:
         check_derived_plan(source, config, layer_map)
     if dtype != "auto":

@@ -49,6 +49,18 @@ def transformers_derived(config: dict, names: tuple[str, ...]) -> dict[str, list
     return {name: list(value) for name, value in values.items() if isinstance(value, list | tuple)}
 
 
+def family_config(family, config: dict, layer_map: list[OutputLayer]) -> dict:
+    """rewrite_config with the fields ``family`` (arch/families.Family) says follow the layers."""
+    return rewrite_config(
+        config,
+        layer_map,
+        family.derives_layer_types,
+        family.per_layer_fields,
+        family.derived_fields,
+        family.index_fields,
+    )
+
+
 def rewrite_config(
     config: dict,
     layer_map: list[OutputLayer],

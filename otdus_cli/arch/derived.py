@@ -309,6 +309,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     expanded tiny instance gives the base's logits bit for bit (arch/identity.py: prove_plan)."""
     from otdus_cli.arch.identity import expert_forms, prove_plan
     from otdus_cli.arch.layer_storage import check_layers_stored_whole, check_no_depth_sized_tensors
+    from otdus_cli.plan.layer_map import index_ranges
 
     family = source.family
     base_model, _ = _meta_model(source.config)
@@ -325,7 +326,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
         kind = family.layer_kind(source.text_config, lay.source)
         if lay.zero_init and kind not in proved:
             kinds = [family.layer_kind(source.text_config, i) for i in range(source.depth)]
-            others = _ranges([i for i, k in enumerate(kinds) if k in proved])
+            others = index_ranges([i for i, k in enumerate(kinds) if k in proved])
             why = unproved.get(kind, "no zeroing was proved to make that kind an identity")
             works = f"copy a layer of a kind zero-init works for (base layers {others}); " if others else ""
             raise OtdusError(
@@ -357,7 +358,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
 def _works_after_last(source, count: int) -> bool:
     """Whether ``count`` zero-init copies of the last layer, after it, keep the base's logits on the tiny
     instance (so a refusal may suggest that placement: not where the depth itself enters the layers)."""
-    from otdus_cli.arch.config_rules import rewrite_config
+    from otdus_cli.arch.config_rules import family_config
     from otdus_cli.arch.identity import prove_plan
     from otdus_cli.plan.layer_map import OutputLayer
 
@@ -370,26 +371,8 @@ def _works_after_last(source, count: int) -> bool:
         OutputLayer(source.depth + k, last, True, (last,), "copy", True) for k in range(count)
     ]
     try:
-        written = rewrite_config(
-            source.config,
-            layer_map,
-            family.derives_layer_types,
-            family.per_layer_fields,
-            family.derived_fields,
-            family.index_fields,
-        )
+        written = family_config(family, source.config, layer_map)
     except OtdusError:
         return False
     sources = [lay.source for lay in layer_map]
     return prove_plan(source.config, written, family, sources, [lay.new for lay in layer_map]) is None
-
-
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5`` (none: "")."""
-    out: list[str] = []
-    for i in indices:
-        if out and out[-1].split("-")[-1] == str(i - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        else:
-            out.append(str(i))
-    return ", ".join(out)

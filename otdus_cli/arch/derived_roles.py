@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from otdus_cli.arch.families import CROSS_ATTENTION, FAMILIES, PARALLEL_BLOCKS, POST_NORM, Family
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
+from otdus_cli.plan.layer_map import index_ranges
 
 # float32 tolerance of the permutation check, relative to the layer output's largest magnitude
 PERMUTATION_TOLERANCE = 1e-5
@@ -471,7 +472,7 @@ def check_role_kinds(source, layer_map: list, method: str) -> None:
             why = unmatched.get(kind, "none")
             raise OtdusError(
                 f"--method lesa learns from the projections of every base layer, and base layers "
-                f"{_ranges(lacking)} of {family.name} ({kind}) have no roles ({why}); "
+                f"{index_ranges(lacking)} of {family.name} ({kind}) have no roles ({why}); "
                 "use ot between layers with roles, or copy, interpose, llama-pro, solar or stack"
             )
         parents = list(range(depth))
@@ -483,7 +484,7 @@ def check_role_kinds(source, layer_map: list, method: str) -> None:
             if kind is None:
                 continue
             fine = [i for i in range(depth - 1) if kinds[i] == kinds[i + 1] and kinds[i] in family.role_kinds]
-            where = f"--after with any of {_ranges(fine)}" if fine else "no layer pair of this model has them"
+            where = f"--after with any of {index_ranges(fine)}" if fine else "no layer pair here has them"
             raise OtdusError(
                 f"--method {method}: new layer {lay.index} would be built from base layers "
                 f"{', '.join(map(str, lay.parents))}, and {kind} layers have no roles "
@@ -500,14 +501,3 @@ def check_role_kinds(source, layer_map: list, method: str) -> None:
                 f"which the installed transformers saves that role of {family.name} layers (save the model "
                 "again with this transformers), or use copy, interpose, llama-pro, solar or stack"
             )
-
-
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "none"

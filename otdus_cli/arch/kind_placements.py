@@ -46,17 +46,10 @@ def kind_keeping_placements(family, config: dict, new: int, built: list[str]) ->
 
 
 def _keeps_kinds(family, config: dict, layer_map: list, kinds: list[str]) -> bool:
-    from otdus_cli.arch.config_rules import rewrite_config
+    from otdus_cli.arch.config_rules import family_config
     from otdus_cli.arch.derived import config_layer_kinds
 
-    written = rewrite_config(
-        config,
-        layer_map,
-        family.derives_layer_types,
-        family.per_layer_fields,
-        family.derived_fields,
-        family.index_fields,
-    )
+    written = family_config(family, config, layer_map)
     return config_layer_kinds(written, rewritten=True) == [kinds[lay.source] for lay in layer_map]
 
 

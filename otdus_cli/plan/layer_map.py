@@ -218,7 +218,7 @@ def check_parent_kinds(
         if len(set(kinds[i] for i in lay.parents)) > 1:
             mixed_gaps = set(mixed_kind_gaps(family, config, base_layers))
             fine = [i for i in range(base_layers - 1) if i not in mixed_gaps]
-            where = f"--after with any of {_ranges(fine)}" if fine else "no pair placement here"
+            where = f"--after with any of {index_ranges(fine)}" if fine else "no pair placement here"
             raise OtdusError(
                 f"--method {method}: new layer {lay.index} would be built from layers "
                 f"{', '.join(map(str, lay.parents))}, of different kinds in {family.name} ({mixed}); "
@@ -227,8 +227,8 @@ def check_parent_kinds(
             )
 
 
-def _ranges(values: list[int]) -> str:
-    """0,1,2,4 -> '0-2, 4'."""
+def index_ranges(values: list[int]) -> str:
+    """0,1,2,4 -> '0-2, 4' (none: "")."""
     runs: list[list[int]] = []
     for v in values:
         if runs and v == runs[-1][-1] + 1:
