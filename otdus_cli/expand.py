@@ -310,18 +310,18 @@ class _Engine:
         src = self.src.layers[lay.source]
         for suffix in src.suffixes():
             out = self._out_name(lay, suffix)
-            if lay.zero_init and self.src.family.is_zero_target(suffix):
-                if out in self.mine:
-                    self.progress(self.writer.write_zeros(out))
-            elif lay.zero_init and (value := self.src.family.identity_value(suffix)) is not None:
-                if out in self.mine:
-                    self._write_value(out, value)
-            else:
+            value = self.src.family.zero_init_value(suffix) if lay.zero_init else None
+            if value is None:
                 self._copy(src.name(suffix), out)
+            elif out in self.mine:
+                self._write_value(out, value)
 
     def _write_value(self, out: str, value: float) -> None:
-        """A tensor of a zero-init layer that holds ``value`` everywhere (a derived template's residual
-        scale at 1: arch/identity.py)."""
+        """A tensor of a zero-init layer that holds ``value`` everywhere (Family.zero_init_value): zeros
+        without torch; another value (a derived template's residual scale at 1: arch/identity.py)."""
+        if value == 0.0:
+            self.progress(self.writer.write_zeros(out))
+            return
         import torch  # proving that value imported it already
 
         self.progress(self.writer.write_tensor(out, torch.full(self.writer.slots[out].tensor.shape, value)))
@@ -337,12 +337,11 @@ class _Engine:
                 raise RuntimeError(f"builder {lay.builder} produced unknown tensor {suffix}")
             expected.discard(suffix)
             out = self._out_name(lay, suffix)
-            if lay.zero_init and self.src.family.is_zero_target(suffix):
-                self.progress(self.writer.write_zeros(out))
-            elif lay.zero_init and (value := self.src.family.identity_value(suffix)) is not None:
-                self._write_value(out, value)
-            else:
+            value = self.src.family.zero_init_value(suffix) if lay.zero_init else None
+            if value is None:
                 self.progress(self.writer.write_tensor(out, tensor))
+            else:
+                self._write_value(out, value)
             del tensor
         if expected:
             raise RuntimeError(f"builder {lay.builder} did not produce {sorted(expected)[0]}")

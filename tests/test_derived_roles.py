@@ -150,7 +150,7 @@ def test_the_permutation_proof_catches_a_wrong_head_split():
     from otdus_cli.arch.identity import tiny_instance
 
     config = {**COMMON, "model_type": "llama", "head_dim": 8}
-    model, _ = tiny_instance(config)
+    model, _, _ = tiny_instance(config)
     layer = model.model.layers[1]
     llama = next(f for f in FAMILIES if f.name == "llama")
     ids = torch.randint(0, 90, (1, 8), generator=torch.Generator().manual_seed(0))

@@ -309,7 +309,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     expanded tiny instance gives the base's logits bit for bit (arch/identity.py: prove_plan)."""
     from otdus_cli.arch.identity import expert_forms, prove_plan
     from otdus_cli.arch.layer_storage import check_layers_stored_whole, check_no_depth_sized_tensors
-    from otdus_cli.plan.layer_map import index_ranges
+    from otdus_cli.plan.layer_map import index_ranges, layer_kinds
 
     family = source.family
     base_model, _ = _meta_model(source.config)
@@ -325,7 +325,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     for lay in layer_map:
         kind = family.layer_kind(source.text_config, lay.source)
         if lay.zero_init and kind not in proved:
-            kinds = [family.layer_kind(source.text_config, i) for i in range(source.depth)]
+            kinds = layer_kinds(family, source.text_config, source.depth)
             others = index_ranges([i for i, k in enumerate(kinds) if k in proved])
             why = unproved.get(kind, "no zeroing was proved to make that kind an identity")
             works = f"copy a layer of a kind zero-init works for (base layers {others}); " if others else ""
@@ -360,16 +360,14 @@ def _works_after_last(source, count: int) -> bool:
     instance (so a refusal may suggest that placement: not where the depth itself enters the layers)."""
     from otdus_cli.arch.config_rules import family_config
     from otdus_cli.arch.identity import prove_plan
-    from otdus_cli.plan.layer_map import OutputLayer
+    from otdus_cli.plan.layer_map import interleave
 
     family, last = source.family, source.depth - 1
     proved = family.zero_init_proof["kinds"]
     kind = family.layer_kind(source.text_config, last)
     if kind not in proved:
         return False
-    layer_map = [OutputLayer(i, i, False, (i,), "base", False) for i in range(source.depth)] + [
-        OutputLayer(source.depth + k, last, True, (last,), "copy", True) for k in range(count)
-    ]
+    layer_map = interleave(source.depth, [last] * count, "copy", zero_init=True, pair=False)
     try:
         written = family_config(family, source.config, layer_map)
     except OtdusError:

@@ -31,9 +31,10 @@ import warnings
 from dataclasses import dataclass, field, replace
 
 from otdus_cli.arch.families import CROSS_ATTENTION, FAMILIES, PARALLEL_BLOCKS, POST_NORM, Family
+from otdus_cli.arch.identity import TinyInstance
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
-from otdus_cli.plan.layer_map import index_ranges
+from otdus_cli.plan.layer_map import index_ranges, layer_kinds
 
 # float32 tolerance of the permutation check, relative to the layer output's largest magnitude
 PERMUTATION_TOLERANCE = 1e-5
@@ -161,20 +162,20 @@ def shape_error(fam: Family, tensors: dict[str, list[int]], config: dict) -> str
     return None
 
 
-def derive_roles(config: dict, found: dict) -> RoleProof:
+def derive_roles(config: dict, found: dict, instance: TinyInstance | Exception) -> RoleProof:
     """Match every layer kind of the derived template ``found`` (arch/derived.py: derive_template) against
-    the exact templates' roles and prove the matches on the tiny instance (see module). Roles are optional
-    (copy-type methods and zero-init need none): a derivation that fails leaves every kind without."""
+    the exact templates' roles and prove the matches on the tiny ``instance`` (identity.tiny_instance).
+    Roles are optional (copy-type methods and zero-init need none): a derivation that fails leaves every
+    kind without."""
     try:
-        return _derive_roles(config, found)
+        return _derive_roles(config, found, instance)
     except Exception as exc:
         why = f"deriving its roles failed ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
         return RoleProof(unmatched=dict.fromkeys(found["kinds"], why))
 
 
-def _derive_roles(config: dict, found: dict) -> RoleProof:
+def _derive_roles(config: dict, found: dict, instance: TinyInstance | Exception) -> RoleProof:
     from otdus_cli.arch.derived import modules_of
-    from otdus_cli.arch.identity import tiny_instance
 
     proof = RoleProof()
     text = text_config(config)
@@ -203,12 +204,11 @@ def _derive_roles(config: dict, found: dict) -> RoleProof:
             )
             del matched[kind]
     template = next(iter(matched.values()))
-    try:
-        model, proof.instance = tiny_instance(config)
-    except Exception as exc:
-        why = f"no tiny instance to prove them on ({type(exc).__name__})"
+    if isinstance(instance, Exception):
+        why = f"no tiny instance to prove them on ({type(instance).__name__})"
         proof.unmatched |= dict.fromkeys(matched, why)
         return proof
+    model, proof.instance, _ = instance
     import torch
 
     tiny_text = model.config.get_text_config().to_dict()
@@ -463,7 +463,7 @@ def check_role_kinds(source, layer_map: list, method: str) -> None:
     family, depth = source.family, source.depth
     if family.role_kinds is None:
         return
-    kinds = [family.layer_kind(source.text_config, i) for i in range(depth)]
+    kinds = layer_kinds(family, source.text_config, depth)
     unmatched = (family.roles_proof or {}).get("unmatched", {})
     if method == "lesa":
         lacking = [i for i, kind in enumerate(kinds) if kind not in family.role_kinds]

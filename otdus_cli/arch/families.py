@@ -130,6 +130,12 @@ class Family:
         """The value other than 0 a zero-init layer holds in tensor ``suffix``, or None."""
         return next((value for p, value in self.identity_values if re.fullmatch(p, suffix)), None)
 
+    def zero_init_value(self, suffix: str) -> float | None:
+        """What a zero-init layer holds in tensor ``suffix`` everywhere instead of its source's: 0 for a
+        zero-init target, its identity value, or None (the source's tensor). expand writes it and the plan
+        proof (arch/identity.py) runs the model with it."""
+        return 0.0 if self.is_zero_target(suffix) else self.identity_value(suffix)
+
     def layer_regex(self) -> re.Pattern[str]:
         return re.compile(re.escape(self.layer_prefix).replace(r"\{i\}", r"(\d+)") + r"(.+)")
 
@@ -350,13 +356,14 @@ def derived_family(config: dict) -> Family:
 def _derived_family(config_json: str) -> Family:
     from otdus_cli.arch.derived import derive_template
     from otdus_cli.arch.derived_roles import derive_roles
-    from otdus_cli.arch.identity import prove_identity
+    from otdus_cli.arch.identity import prove_identity, tiny_instance
 
     config = json.loads(config_json)
     found = derive_template(config)
     kinds = tuple(found["kinds"])
-    proof = prove_identity(config, found["layer_list"], list(kinds))
-    roles = derive_roles(config, found)
+    instance = tiny_instance(config)  # both proofs run on it (each puts back what it changes)
+    proof = prove_identity(instance, found["layer_list"], list(kinds))
+    roles = derive_roles(config, found, instance)
     template = roles.template  # the exact template whose roles (traits, norms, fused tensors) it took
     return Family(
         f"derived:{found['model_type']}",

@@ -78,6 +78,8 @@ _SEQUENCE = 8
 # layer may reuse an earlier one's choice) are narrowed below _SEQUENCE on every proof instance: with
 # all tokens selected, a new layer that changes the choice handed on would still look like an identity
 _NARROW_SELECTION = {"index_topk": 3, "index_topk_blocks": 1}
+# a tiny instance: the model, how it was made, the names of its vectors transformers initialises to ones
+TinyInstance = tuple[object, str, set[str]]
 AS_GIVEN = "the config as given"  # how a proof's instance is described when nothing was shrunk
 
 
@@ -150,18 +152,18 @@ def expert_forms(name: str) -> list[str]:
 
 
 @quiet_transformers
-def prove_identity(config: dict, layer_list: str, kinds: list[str]) -> IdentityProof:
-    """Find and prove the zero-init targets of every layer kind of ``config``'s model (see module)."""
+def prove_identity(instance: TinyInstance | Exception, layer_list: str, kinds: list[str]) -> IdentityProof:
+    """Find and prove the zero-init targets of every layer kind on the tiny ``instance`` of a config's
+    model (tiny_instance; the exception when it could not be built) (see module)."""
     import torch
 
     proof = IdentityProof(layer_list=layer_list)
-    try:
-        model, proof.instance, ones = _tiny_instance(config)
-    except Exception as exc:
+    if isinstance(instance, Exception):
         proof.failure = (
-            f"no tiny instance to prove it on ({type(exc).__name__}: {' '.join(str(exc).split())})"
+            f"no tiny instance to prove it on ({type(instance).__name__}: {' '.join(str(instance).split())})"
         )
         return proof
+    model, proof.instance, ones = instance
     layers = modules_of(model, layer_list)
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(0))
@@ -304,7 +306,7 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
         for name, value in state.items():
             if name.startswith(f"{prefix}{i}."):
                 suffix = name[len(f"{prefix}{i}.") :]
-                target = _written_value(family, suffix) if zero_init[j] else None
+                target = family.zero_init_value(suffix) if zero_init[j] else None
                 out[f"{prefix}{j}.{suffix}"] = value if target is None else torch.full_like(value, target)
     vocab = base.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(1))
@@ -325,12 +327,6 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
     return None
 
 
-def _written_value(family, suffix: str) -> float | None:
-    """What expand writes into tensor ``suffix`` of a zero-init layer instead of its source's: 0 for a
-    zero-init target, a tensor's identity value, or None (a copy)."""
-    return 0.0 if family.is_zero_target(suffix) else family.identity_value(suffix)
-
-
 def _narrowed(config: dict) -> dict:
     """``config`` (and a wrapper's text config) with its token selections narrowed (_NARROW_SELECTION)."""
     out = {k: _NARROW_SELECTION.get(k, v) if isinstance(v, int) else v for k, v in config.items()}
@@ -349,21 +345,16 @@ def _tiny_config(config: dict, shrink: bool | None = None) -> tuple[object, bool
     config = _narrowed(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        loaded = transformers_config(config)
-        if shrink is not None:
-            shrunk = {k: _SHRUNK_WIDTHS.get(k, v) for k, v in config.items()}
-            return (transformers_config(shrunk), True) if shrink else (loaded, False)
-        with torch.device("meta"):
-            size = sum(
-                p.numel()
-                for p in AutoModelForCausalLM.from_config(loaded, trust_remote_code=False).parameters()
-            )
-        if size > MAX_PROOF_PARAMETERS:
+        if shrink is None:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(transformers_config(config), trust_remote_code=False)
+            shrink = sum(p.numel() for p in model.parameters()) > MAX_PROOF_PARAMETERS
+        if shrink:
             return transformers_config({k: _SHRUNK_WIDTHS.get(k, v) for k, v in config.items()}), True
-    return loaded, False
+        return transformers_config(config), False
 
 
-def _tiny_instance(config: dict) -> tuple[object, str, set[str]]:
+def _tiny_instance(config: dict) -> TinyInstance:
     """The tiny model, what it is (as given, or shrunk), and the names of its vectors transformers
     initialises to all ones (scales: their identity value is 1)."""
     import torch
@@ -585,8 +576,12 @@ class _LayerRun:
         return "its residual path itself changes the hidden state (more than the tensors that write into it)"
 
 
-def tiny_instance(config: dict):
-    """The tiny random instance the proofs run on, and how it was made (the role proof of
-    arch/derived_roles.py runs on the same one)."""
-    model, instance, _ = _tiny_instance(config)
-    return model, instance
+@quiet_transformers
+def tiny_instance(config: dict) -> TinyInstance | Exception:
+    """The tiny random instance the proofs of a derived template run on (the zero-init proof here, the
+    role proof of arch/derived_roles.py: built once for both, each puts back what it changes); the
+    exception when transformers cannot build it."""
+    try:
+        return _tiny_instance(config)
+    except Exception as exc:
+        return exc

@@ -22,11 +22,11 @@ def kind_keeping_placements(family, config: dict, new: int, built: list[str]) ->
     """The expand flags of placements of ``new`` layers that keep every layer's kind (each checked in
     transformers), given the kinds ``built`` at the new depth from the refused plan's config."""
     from otdus_cli.methods.registry import get_method
-    from otdus_cli.plan.layer_map import plan_layers
+    from otdus_cli.plan.layer_map import layer_kinds, plan_layers
 
     text = text_config(config)
     depth = stated_depth(text)
-    kinds = [family.layer_kind(text, i) for i in range(depth)]
+    kinds = layer_kinds(family, text, depth)
     candidates = []
     after = copies_fitting(kinds, built, new)
     if after is not None:

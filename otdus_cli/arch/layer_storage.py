@@ -20,12 +20,13 @@ def check_layers_stored_whole(source, base_model, layer_list: str) -> None:
     of each kind is asked (layers of one kind hold the same tensors: io/stack.py checks it)."""
     from otdus_cli.arch.derived import modules_of
     from otdus_cli.arch.saved_names import revert_names
+    from otdus_cli.plan.layer_map import layer_kinds
 
     family = source.family
     layers = modules_of(base_model, layer_list)
     first: dict[str, int] = {}
-    for i in range(source.depth):
-        first.setdefault(family.layer_kind(source.text_config, i), i)
+    for i, kind in enumerate(layer_kinds(family, source.text_config, source.depth)):
+        first.setdefault(kind, i)
     names = set(source.reader.names)
     for i in first.values():
         stored, prefix = set(source.layers[i].suffixes()), source.layers[i].prefix
