@@ -190,17 +190,23 @@ def _meta_model(config: dict, rewritten: bool = False):
     return model, loaded
 
 
-def _layer_list(model, depth: int, model_type: object) -> str:
-    """The decoder layers: the one module list of ``depth`` entries outside vision / audio towers."""
+def layer_lists(model, depth: int) -> list[str]:
+    """The module lists of ``depth`` entries outside vision / audio towers (the decoder layers, where
+    there is one)."""
     import torch
 
-    lists = [
+    return [
         name
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.ModuleList)
         and len(module) == depth
         and not any(part in name for part in NOT_TEXT)
     ]
+
+
+def _layer_list(model, depth: int, model_type: object) -> str:
+    """The decoder layers: the one module list of ``depth`` entries outside vision / audio towers."""
+    lists = layer_lists(model, depth)
     if len(lists) != 1:
         found = f"{len(lists)} ({', '.join(lists[:3])})" if lists else "none"
         raise OtdusError(

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from otdus_cli.arch.derived import NOT_TEXT
+from otdus_cli.arch.derived import layer_lists
 from otdus_cli.device import resolve_device
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
@@ -161,11 +161,7 @@ class StreamedModel:
         base = getattr(self.model, "base_model", None)
         depth = getattr(self.model.config.get_text_config(), "num_hidden_layers", None)
         if isinstance(base, nn.Module) and base is not self.model:
-            lists = [
-                name
-                for name, m in base.named_modules()
-                if isinstance(m, nn.ModuleList) and len(m) == depth and not any(p in name for p in NOT_TEXT)
-            ]
+            lists = layer_lists(base, depth)
             if len(lists) == 1:
                 holder, _, name = lists[0].rpartition(".")
                 return base, base.get_submodule(holder), name
@@ -222,6 +218,7 @@ class StreamedModel:
             embedded, kwargs = self._record(ids)
             acts.inputs.append(ids)
             acts.hidden.append(embedded.to(self.activation_device))
+            acts.carried.append(None)
             # masks and rotary tables depend only on the batch shape here (no padding, no cache);
             # explicit masks (eager attention) of many shapes are recomputed when needed instead of kept
             shape = tuple(ids.shape)
@@ -274,8 +271,6 @@ class StreamedModel:
             layer = self.weights.load_layer(index)
         try:
             done = tokens = 0
-            if len(acts.carried) < len(acts.hidden):
-                acts.carried += [None] * (len(acts.hidden) - len(acts.carried))
             for g, hidden in enumerate(acts.hidden):
                 kwargs = acts.layer_kwargs[g]
                 if kwargs is None:
