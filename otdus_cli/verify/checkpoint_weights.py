@@ -166,7 +166,8 @@ class CheckpointWeights:
             if not (untie and self.disk_name(target) in self._on_disk)
         }
         names = {id(m): n for n, m in model.named_modules()}
-        self.layer_prefixes = [self.disk_name(names[id(layer)] + ".") for layer in layers]
+        self._layer_names = [names[id(layer)] for layer in layers]  # each layer's module name
+        self.layer_prefixes = [self.disk_name(name + ".") for name in self._layer_names]
         self._load_conversions = LoadConversions(model)
         self._conversions: list[list[Conversion]] = []  # per layer: tensors transformers converts
         self._sources = self._layer_sources()
@@ -239,18 +240,16 @@ class CheckpointWeights:
         spelling, per-expert matrices of a fused tensor); the tensors transformers makes from others when
         loading go to ``self._conversions`` instead. Refuses unknown layouts."""
         on_disk, experts = self._on_disk, num_experts(self.text_config)
-        module_names = {id(m): n for n, m in self.model.named_modules()}
         out = []
-        for prefix, layer in zip(self.layer_prefixes, self.layers, strict=True):
+        for prefix, layer, built in zip(self.layer_prefixes, self.layers, self._layer_names, strict=True):
             sources: dict[str, tuple[str, ...]] = {}
             missing = []
             skip = non_persistent_keys(layer)
-            built = module_names.get(id(layer))
             for key, value in layer.state_dict(keep_vars=True).items():
                 if key in skip:
                     continue
                 found = _disk_sources(prefix, key, on_disk, experts)
-                if found is None and built is not None:
+                if found is None:
                     saved = self._saved_name(f"{built}.{key}", value)
                     found = (saved,) if saved else None
                 if found is None:
@@ -272,7 +271,7 @@ class CheckpointWeights:
         return out
 
     def _converted(
-        self, prefix: str, built: str | None, layer: nn.Module, missing: list[str], left: list[str]
+        self, prefix: str, built: str, layer: nn.Module, missing: list[str], left: list[str]
     ) -> list[Conversion]:
         """The conversions that make layer tensors ``missing`` (keys in ``layer``, built as ``built``)
         from checkpoint tensors ``left`` (see ``converted``); refuses where one stays missing."""
@@ -281,7 +280,7 @@ class CheckpointWeights:
             info = self.reader.meta(name)
             return tuple(info.shape), torch_dtype(info.dtype)
 
-        found = self._load_conversions.find(left, meta) if built is not None else []
+        found = self._load_conversions.find(left, meta)
         shapes = {f"{built}.{k}": tuple(v.shape) for k, v in layer.state_dict(keep_vars=True).items()}
         made = {name: shape for c in found for name, shape in c.outputs.items()}
         for key in missing:
