@@ -4,8 +4,8 @@ names, and :func:`apply` for plain PyTorch / transformers.Trainer.
 
 The set: every tensor of a new layer (the manifest's layer map) and every tensor the manifest lists
 as new (widen's expert copies and router weights); ``zero_init_only`` keeps, of the new layers, only
-the tensors zero-initialised at expansion; ``also`` adds the embeddings, the norms (every layer's
-and the final one) or the output head.
+the tensors expand initialised instead of copying (zeroed, or a residual scale set to 1); ``also``
+adds the embeddings, the norms (every layer's and the final one) or the output head.
 
 Each trainer's selection rule is applied here exactly as its source code applies it, and a setting
 is printed only when it selects this set and nothing else:
@@ -101,7 +101,12 @@ def select(
         zero_layers = {i for i, lay in new_layers.items() if lay.get("zero_init")}
         if not zero_layers or family is None:
             raise OtdusError("--zero-init-only: this output has no zero-initialised parameters")
-        chosen = {n for n, (i, sfx) in layer_of.items() if i in zero_layers and family.is_zero_target(sfx)}
+        # the residual scales a new layer holds at 1 (Doge's) are initialised as the zeroed tensors are
+        chosen = {
+            n
+            for n, (i, sfx) in layer_of.items()
+            if i in zero_layers and family.zero_init_value(sfx) is not None
+        }
     else:
         chosen = {n for n, (i, _) in layer_of.items() if i in new_layers}
         listed = set(manifest.get("new_parameters", []))

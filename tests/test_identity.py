@@ -24,6 +24,7 @@ from safetensors import safe_open
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
+from otdus_cli.trainable import output_set
 from otdus_cli.verify.compare import verify_expansion
 from tests.support.eval_sets import random_eval_set
 from tests.support.tiny_models import HYBRID_BASE, load_causal_lm, logits, save_perturbed
@@ -240,6 +241,11 @@ def test_residual_scales_of_a_new_layer_are_set_to_one(tmp_path, model_type, set
             for name in sorted(set_to_one):
                 value = out.get_tensor(f"model.layers.{layer}.{name}")
                 assert bool((value == 1).all()) == new, (layer, name)
+    # `otdus trainable --zero-init-only` names what expand initialised: the zeroed tensors and these scales
+    chosen = output_set(tmp_path / "out", zero_init_only=True).trainable
+    zeroed = {name for kind in kinds.values() for name in kind["zeroed"]}
+    assert {n.split(".", 3)[3] for n in chosen} == zeroed | set_to_one
+    assert {int(n.split(".")[2]) for n in chosen} == {2, 4}
 
 
 @pytest.mark.parametrize("through", ["llama-pro", "copy --zero-init"])

@@ -34,7 +34,8 @@ def trainable(
     zero_init_only: Annotated[
         bool,
         typer.Option(
-            "--zero-init-only", help="Of the new layers, only the tensors zero-initialised at expansion."
+            "--zero-init-only",
+            help="Of the new layers, only the tensors expand initialised (zeroed, or a residual scale at 1).",
         ),
     ] = False,
 ) -> None:
