@@ -3,7 +3,8 @@ against an exact template's and proved on a tiny instance (arch/derived_roles.py
 where they were not, per layer kind in a hybrid stack.
 
 ERNIE 4.5, Seed-OSS and Gemma (llama-like layers under their own class names, Gemma's norms scaling by
-1 + w; transformers 5 and 4.57.6 both ship them), EXAONE 3 (llama's layers, which transformers 5 saves
+1 + w; transformers 5 and 4.57.6 both ship them), VaultGemma and GLM (Gemma 2's and GLM-4's layers
+without their output norms), EXAONE 3 (llama's layers, which transformers 5 saves
 under other names: transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers
 with roles, MoE layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds
 twice the heads' rows) and GPT-2 (other names).
@@ -28,9 +29,17 @@ from tests.support.tiny_models import COMMON, HYBRID_CONFIGS, load_causal_lm, lo
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# llama's roles under other class names; Gemma's norms scale by 1 + w (the proof finds the offset)
-NORM_OFFSET = {"ernie4_5": 0.0, "seed_oss": 0.0, "gemma": 1.0}
-LLAMA_LIKE = tuple(NORM_OFFSET)
+# the template whose roles the layers take, and the norms' offset: llama's roles under other class names;
+# Gemma's norms scale by 1 + w (the proof finds the offset); VaultGemma's layers are Gemma 2's and GLM's
+# are GLM-4's, each without the output norms
+TEMPLATE = {
+    "ernie4_5": ("llama", 0.0),
+    "seed_oss": ("llama", 0.0),
+    "gemma": ("llama", 1.0),
+    "vaultgemma": ("gemma2", 1.0),
+    "glm": ("glm4", 0.0),
+}
+LLAMA_LIKE = tuple(TEMPLATE)
 # GLM-4.5 with two dense layers first (a pair OT can build from), then MoE layers
 GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense_replace": 2}
 
@@ -38,7 +47,8 @@ GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     root = tmp_path_factory.mktemp("derived_roles")
-    fields = {mt: dict(COMMON) for mt in LLAMA_LIKE} | {"glm4_moe": GLM4_MOE}
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
+    fields = {mt: dict(COMMON, **ids) for mt in LLAMA_LIKE} | {"glm4_moe": GLM4_MOE}
     return {mt: (root / mt, save_perturbed(mt, f, root / mt)) for mt, f in fields.items()}
 
 
@@ -62,8 +72,9 @@ def test_ot_and_lesa_on_a_derived_llama_like_template(models, tmp_path, model_ty
     manifest = json.loads((tmp_path / "out" / "otdus.json").read_text())
     assert manifest["function_preserving"]
     proof = manifest["source"]["roles_proof"]
-    assert proof["template"] == "llama" and "unmatched" not in proof
-    assert proof["norm_offset"] == family.norm_offset == NORM_OFFSET[model_type]
+    template, offset = TEMPLATE[model_type]
+    assert proof["template"] == template and "unmatched" not in proof
+    assert proof["norm_offset"] == family.norm_offset == offset
     assert set(proof["kinds"]) == set(family.role_kinds) and len(proof["kinds"]) == 1
     # the new layers are computed (not copies of a parent): their q projections differ from both parents'
     new = [lay for lay in result.plan.layer_map if lay.new]

@@ -41,6 +41,7 @@ PERMUTATION_TOLERANCE = 1e-5
 _SEQUENCE = 8
 _HIDDEN_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
 _HEAD_NORMS = ("q_norm", "k_norm")
+_OUTPUT_NORMS = ("attn_out_norm", "mlp_out_norm")  # a sublayer's output normed before the residual add
 
 
 @dataclass
@@ -94,9 +95,14 @@ def role_templates() -> list[Family]:
 
 def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
     """The template whose roles are exactly a layer's tensors (names -> shapes), or None and why not (with
-    the template whose roles explain most of them)."""
+    the template whose roles explain most of them). A pre-norm template's output norms are optional: a
+    layer without them (VaultGemma: Gemma 2's layer without its post-norms; GLM: GLM-4's) takes its
+    other roles, which the methods read as for a template that has none (llama's)."""
     closest: tuple[tuple[int, int], Family, list[str], list[str]] | None = None
     for fam in role_templates():
+        absent = {r for r in _OUTPUT_NORMS if r in fam.roles and f"{fam.roles[r]}.weight" not in tensors}
+        if absent and not fam.has(POST_NORM):
+            fam = replace(fam, roles={r: p for r, p in fam.roles.items() if r not in absent})
         paths = set(fam.roles.values())
         missing = [path for path in fam.roles.values() if f"{path}.weight" not in tensors]
         unexplained = [
