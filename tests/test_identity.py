@@ -46,7 +46,7 @@ CONFIGS = {
              "router_hidden_size": 16, "bos_token_id": 1, "eos_token_id": 2},
     "dbrx": {"vocab_size": 96, "d_model": 32, "n_heads": 4, "n_layers": 4, "max_seq_len": 64,
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-             "ffn_config": {"hidden_size": 32, "ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}},
+             "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}},
 }  # fmt: skip
 
 
