@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.safetensors_format import (
+    DATA_ALIGNMENT,
     KNOWN_CODES,
     MAX_HEADER_BYTES,
     build_header,
@@ -69,10 +70,9 @@ def test_a_header_otdus_builds_loads_in_the_library_bit_for_bit(tmp_path):
     entries.append(("empty", "F32", (0, 4)))
     tensors = {**{f"t.{c}": t for c, t in SAMPLES.items()}, "empty": torch.zeros(0, 4)}
     prefix, offsets = build_header(entries, {"format": "pt", "note": "ok"})
-    assert len(prefix) % 8 == 0  # data stays 8-byte aligned
     out = bytearray(prefix)
-    for (name, _, _), offset in zip(entries, offsets, strict=True):
-        assert offset == len(out)
+    for offset, (name, _, _) in sorted(zip(offsets, entries, strict=True)):
+        assert offset == len(out)  # no gap, no overlap
         out += _raw(tensors[name])
     path = tmp_path / "built.safetensors"
     path.write_bytes(bytes(out))
@@ -84,6 +84,20 @@ def test_a_header_otdus_builds_loads_in_the_library_bit_for_bit(tmp_path):
     infos, metadata = read_header(str(path))
     assert metadata == {"format": "pt", "note": "ok"}
     assert [infos[n].begin for n, _, _ in entries] == offsets
+
+
+@pytest.mark.parametrize("name_length", range(1, 9))
+def test_tensors_start_where_torch_would_allocate_them(name_length):
+    """The data buffer starts at a multiple of 64 bytes whatever the header's length (it was padded to
+    8: transformers maps the file, so a tensor kept the header's alignment, and DBRX's experts computed
+    otherwise than in memory), and so does every tensor whose size is a multiple of 64, an odd-sized
+    one listed before them included (it is laid out after them)."""
+    entries = [("n" * name_length, "F32", (3,)), ("w", "BF16", (32, 16)), ("b", "I8", (5,))]
+    entries.append(("v", "F32", (16,)))
+    prefix, offsets = build_header(entries, {"format": "pt"})
+    assert len(prefix) % DATA_ALIGNMENT == 0
+    assert offsets[1] % DATA_ALIGNMENT == 0 and offsets[3] % DATA_ALIGNMENT == 0
+    assert sorted(offsets)[:2] == [len(prefix), len(prefix) + 32 * 16 * 2]
 
 
 def test_a_file_the_library_writes_parses_to_its_byte_ranges(tmp_path):

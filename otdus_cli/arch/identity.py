@@ -383,8 +383,10 @@ def _tiny_instance(config: dict) -> TinyInstance:
 def _residual_writers(layer, widths: set[int]) -> list[tuple[str, list[str]]]:
     """Groups of tensor names that may write into the hidden width (or that of another state the layer
     hands on: ``widths``), each with the module that holds it: a linear map into it (weight and bias), a
-    fused expert tensor into it (and its bias), and a vector of its width held by a module that is not a
-    norm (a bias added to the residual stream outside a linear map: GPT-NeoX-Japanese's dense_bias,
+    fused expert tensor into it (and its bias), a matrix with an axis of its width held outside a linear
+    map (experts stored flat: DBRX's w1, v1, w2, one module running them all, so they are given back in
+    the order it holds them and w2 stays zeroed), and a vector of its width held by a module that is not
+    a norm (a bias added to the residual stream outside a linear map: GPT-NeoX-Japanese's dense_bias,
     JetMoE's MoE bias; or a scale of it: Doge's input_residual)."""
     import torch
 
@@ -410,8 +412,10 @@ def _residual_writers(layer, widths: set[int]) -> list[tuple[str, list[str]]]:
                 units.append(
                     (prefix, [dot + name] + ([dot + name + "_bias"] if name + "_bias" in own else []))
                 )
-            elif p.dim() == 1 and len(p) in widths and not _is_norm(module):
-                units.append((prefix, [dot + name]))
+            else:
+                flat_experts = p.dim() == 2 and widths & set(p.shape)  # [experts * ffn, hidden]
+                if flat_experts or (p.dim() == 1 and len(p) in widths and not _is_norm(module)):
+                    units.append((prefix, [dot + name]))
     return units
 
 

@@ -38,6 +38,12 @@ FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 CODE_OF_NAME: dict[str, str] = {name: code for code, (name, _) in _DTYPE_TABLE.items()}
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+# where the data buffer of a file otdus writes starts: a multiple of the alignment torch gives the
+# tensors it allocates (c10's 64 bytes). transformers loads a checkpoint's tensors as views of the
+# mapped file, so their addresses keep the file's alignment; CPU kernels round differently on data
+# aligned otherwise (DBRX's experts, a row slice multiplied by x.matmul(w.T), differ in the last bit
+# when 8 bytes off), and a checkpoint laid out otherwise would not compute what it computed in memory
+DATA_ALIGNMENT = 64
 
 
 def itemsize(code: str) -> int:
@@ -175,20 +181,24 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 def build_header(
     entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]
 ) -> tuple[bytes, list[int]]:
-    """Serialise a header for tensors laid out in the given order.
+    """Serialise a header for tensors laid out in the given order, but for those whose size is not a
+    multiple of DATA_ALIGNMENT, which go last: the format allows no gap between tensors, so this way
+    every other tensor starts at a multiple of it, as the data buffer does.
 
-    Returns the header bytes (length prefix included, padded to 8 bytes so data stays aligned)
-    and each tensor's absolute byte offset in the file.
+    Returns the header bytes (length prefix included, padded with spaces as the format allows so the
+    data starts at a multiple of DATA_ALIGNMENT) and each entry's absolute byte offset in the file.
     """
+    sizes = [math.prod(shape) * itemsize(code) for _, code, shape in entries]
+    layout = sorted(range(len(entries)), key=lambda k: sizes[k] % DATA_ALIGNMENT != 0)
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
-    relative: list[int] = []
-    for name, code, shape in entries:
-        nbytes = math.prod(shape) * itemsize(code)
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        relative.append(offset)
-        offset += nbytes
+    relative = [0] * len(entries)
+    for k in layout:
+        name, code, shape = entries[k]
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + sizes[k]]}
+        relative[k] = offset
+        offset += sizes[k]
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    blob += b" " * (-(8 + len(blob)) % DATA_ALIGNMENT)
     prefix = struct.pack("<Q", len(blob)) + blob
     return prefix, [len(prefix) + r for r in relative]
