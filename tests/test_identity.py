@@ -5,7 +5,8 @@ GraniteMoE's fused experts, EXAONE 3's transformer.h.N), a bias added to the res
 linear map (GPT-NeoX-Japanese's last layer), one layer kind no zeroing makes an identity beside kinds it
 does (RWKV's first layer), a residual scale that follows the depth (MiniCPM3), a residual path scaled
 by the layer's own parameters (Doge, Zaya: set to 1 in a new layer), a state handed from layer to layer
-besides the hidden states (Zaya's router states): zero-init keeps the logits bit for bit where it can,
+besides the hidden states (Zaya's router states), a residual stream of several streams of the hidden
+width (Qwen4-Exp's hyper-connections): zero-init keeps the logits bit for bit where it can,
 and verify says PARITY; where it cannot (a post-norm layer, layers that share one block's weights) one
 line says why and what works instead.
 """
@@ -21,6 +22,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from otdus_cli.arch.derived import layer_kinds
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.io.safetensors_format import DATA_ALIGNMENT
@@ -28,7 +30,7 @@ from otdus_cli.options import ExpandOptions
 from otdus_cli.trainable import output_set
 from otdus_cli.verify.compare import verify_expansion
 from tests.support.eval_sets import random_eval_set
-from tests.support.tiny_models import HYBRID_BASE, load_causal_lm, logits, save_perturbed
+from tests.support.tiny_models import HYBRID_BASE, HYBRID_LAYER_TYPES, load_causal_lm, logits, save_perturbed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -48,6 +50,16 @@ CONFIGS = {
     "dbrx": {"vocab_size": 96, "d_model": 32, "n_heads": 4, "n_layers": 4, "max_seq_len": 64,
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}},
+    # 2 residual streams of the hidden width; per-layer n-gram embeddings (PLE) on layer 2 (ids count from 1)
+    "qwen4_exp_text": {**FIELDS, "num_hidden_layers": 4, "layer_types": HYBRID_LAYER_TYPES,
+                       "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                       "linear_value_head_dim": 8, "linear_conv_kernel_dim": 2,
+                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                       "shared_expert_intermediate_size": 16, "hc_count": 2, "hc_lowrank": 8,
+                       "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8,
+                       "indexer_budget": 8, "indexer_compress_ratio": 4, "ple_layer_ids": [3],
+                       "heads_per_ngram": 2, "ngram_vocab_size_base": 97,
+                       "make_ngram_vocab_size_divisible_by": 8, "bos_token_id": 1, "eos_token_id": 2},
 }  # fmt: skip
 
 
@@ -315,3 +327,25 @@ def test_verify_proves_no_identity_where_a_residual_scale_is_not_one(tmp_path):
     save_file(tensors, weights, metadata={"format": "pt"})
     proof = static_check(tmp_path / "src", tmp_path / "out")
     assert not proof.preserving and "layer 2 is new and not an identity" in proof.reason, proof.reason
+
+
+@pytest.mark.skipif(not _shipped("qwen4_exp_text"), reason="this transformers has no Qwen4-Exp")
+def test_a_stream_of_several_hidden_width_streams_is_written_through_the_hidden_width(tmp_path):
+    """Qwen4-Exp's residual stream is hc_count streams of the hidden width side by side; its attention,
+    MoE and n-gram embedding (PLE) write hidden-width outputs that the layer's hyper-connections mix into
+    every stream. Only the maps into the stream's own width were candidates (the hyper-connections'
+    input_mix_weight_up), which zeroed make no identity: zero-init was refused. The maps into the hidden
+    width are zeroed now; the layer with PLE moves one place down with its index list rewritten."""
+    base = _save("qwen4_exp_text", tmp_path / "src")
+    result = expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", after=[1]))
+    grown = load_causal_lm(tmp_path / "out")
+    assert torch.equal(logits(grown, use_cache=False), base)
+    family, source = result.plan.source.family, result.plan.source
+    kinds = [family.layer_kind(source.text_config, lay.source) for lay in result.plan.layer_map]
+    assert layer_kinds(list(grown.model.layers)) == kinds
+    assert "PLELayer" in kinds[3] and grown.config.ple_layer_ids == [4]
+    proof = json.loads((tmp_path / "out" / "otdus.json").read_text())["source"]["zero_init_proof"]
+    zeroed = {name for kind in proof["kinds"].values() for name in kind["zeroed"]}
+    assert {"self_attn.o_proj.weight", "linear_attn.out_proj.weight", "ple.value_proj.weight"} <= zeroed
+    assert {"mlp.experts.down_proj", "mlp.shared_expert.down_proj.weight"} <= zeroed
+    assert not any("hyper_connection" in name for name in zeroed)

@@ -3,7 +3,9 @@
 For an architecture without an exact template (arch/derived.py) the candidates are the tensors that
 write into the residual stream: every linear map whose output has the model's hidden width (attention
 and MLP output projections, a Mamba mixer's out_proj, shared experts ...) and fused expert tensors
-with that width. On a tiny random instance of the class, one layer of each kind is run with all
+with that width; where the stream is several streams of the config's hidden size side by side
+(hyper-connections: Qwen4-Exp), the maps into that hidden size too, whose output the layer mixes into
+each stream. On a tiny random instance of the class, one layer of each kind is run with all
 candidates zeroed; its output must equal its input bit for bit. Candidates whose zeroing is not needed
 for that (a q_proj behind a zeroed o_proj) are then given back one at a time, so only the
 residual-writing ones are zeroed in a new layer: they are given back in the order the layer runs them
@@ -497,10 +499,18 @@ class _LayerRun:
 
     def widths(self) -> set[int]:
         """The widths of the states the layer reads and hands on: its hidden states' (an embedding may
-        be narrower: ELECTRA) and those of the other states it is handed."""
+        be narrower: ELECTRA), the hidden width where those are several streams of it, and those of the
+        other states it is handed."""
         if not self._seen:
             self.identity({})
-        return {self._seen["in"].shape[-1], *(t.shape[-1] for t in self._seen["states in"])}
+        stream = self._seen["in"].shape[-1]
+        widths = {stream, *(t.shape[-1] for t in self._seen["states in"])}
+        # a stream of several streams of the hidden width side by side (hyper-connections: Qwen4-Exp's
+        # hc_count streams) is written through maps into the hidden width, which the layer mixes in
+        hidden = getattr(self.model.config.get_text_config(), "hidden_size", None)
+        if isinstance(hidden, int) and 0 < hidden < stream and stream % hidden == 0:
+            widths.add(hidden)
+        return widths
 
     def identity(self, targets: dict[str, float], states: bool = True) -> bool:
         """Whether the layer hands on what it is handed (its hidden states, and unless not ``states`` the
