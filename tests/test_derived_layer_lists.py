@@ -4,9 +4,10 @@ arch/derived.py: layer_lists), beyond the causal-LM mapping's model_types and on
 Tiny models built here by the installed transformers: Emu3's text model (model_type emu3_text_model,
 which the mapping names only by its composite, emu3) expands function-preserving and verify says
 PARITY; LongCat-Flash's layers hold module lists of their own (two attentions, two MLPs, their norms),
-so its layer list is the outermost list of its depth. Where no single list of the depth exists, the
-refusal names what the model holds: XLM's parallel lists, Dory's depth its config class halves on
-loading, HRM's two stacks.
+so its layer list is the outermost list of its depth; xLSTM states its depth twice (num_hidden_layers,
+num_blocks), and both follow the new depth. Where no single list of the depth exists, the refusal names
+what the model holds: XLM's parallel lists, Dory's depth its config class halves on loading, HRM's two
+stacks.
 """
 
 from __future__ import annotations
@@ -172,3 +173,19 @@ def test_the_module_lists_found_are_named_where_none_has_the_depth():
     """HRM's num_hidden_layers counts layer calls (two stacks run in cycles), not layers."""
     why = _refusal("HrmTextConfig", {**COMMON, "num_hidden_layers": 2})
     assert "its module lists are model.L_module.layers (2), model.H_module.layers (2)" in why
+
+
+def test_the_depth_under_a_second_name_follows_the_new_depth(tmp_path):
+    """xLSTM states its depth twice (num_hidden_layers; num_blocks, the length of its block list, which
+    its config class sets from num_hidden_layers when absent): both are rewritten, and zero-init keeps the
+    logits bit for bit."""
+    src = tmp_path / "xlstm"
+    fields = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_heads=4, pad_token_id=0)
+    base = _save("xLSTMForCausalLM", "xLSTMConfig", fields, src)
+    assert json.loads((src / "config.json").read_text())["num_blocks"] == 4
+    expand(str(src), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["num_blocks"] == written["num_hidden_layers"] == 6
+    grown = load_causal_lm(tmp_path / "out")
+    assert len(grown.backbone.blocks) == 6
+    assert torch.equal(logits(grown, use_cache=False), base)

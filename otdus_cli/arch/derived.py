@@ -21,7 +21,7 @@ import warnings
 
 from otdus_cli.arch.causal_lm import build_causal_lm, causal_lm_class_name
 from otdus_cli.arch.config_rules import layer_keyed
-from otdus_cli.arch.depth import stated_depth
+from otdus_cli.arch.depth import depth_field, stated_depth
 from otdus_cli.arch.hf_config import transformers_config
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
@@ -91,6 +91,9 @@ def derive_template(config: dict) -> dict:
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             continue
         (index_fields if all(0 <= i < depth for i in value) else listing).append(name)
+    # the depth again under another name (xLSTM's num_blocks, the length of its block list): one past the
+    # last layer's index, which the index rewrite carries to the new depth
+    index_fields += [name for name in _depth_aliases(text, depth) if name not in per_layer]
     if listing:
         raise OtdusError(
             f"model_type={model_type!r}: config field {sorted(listing)[0]} lists layer numbers beyond its "
@@ -111,6 +114,29 @@ def derive_template(config: dict) -> dict:
         "per_layer_fields": per_layer,
         "index_fields": sorted(index_fields),
     }
+
+
+def _depth_aliases(text: dict, depth: int) -> list[str]:
+    """The fields of ``text`` (a stack's settings) besides its depth field that hold the depth too: those
+    its config class sets to the depth when they are absent (xLSTM's num_blocks follows
+    num_hidden_layers), learned by loading the config without the field at another depth."""
+    from otdus_cli.arch.config_rules import DEPTH_FIELDS
+
+    field = depth_field(text)
+    if field is None:
+        return []
+    found = []
+    for name, value in text.items():
+        if name == field or name in DEPTH_FIELDS or type(value) is not int or value != depth:
+            continue
+        probe = {k: v for k, v in text.items() if k != name} | {field: depth + 1}
+        try:
+            loaded = transformers_config(probe)
+        except Exception:  # a config the class rejects at another depth: no alias shown
+            continue
+        if getattr(loaded, name, None) == depth + 1:
+            found.append(name)
+    return found
 
 
 def _shared_weights(layers: list) -> tuple[str, int, int] | None:
