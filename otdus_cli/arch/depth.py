@@ -67,8 +67,8 @@ def _module_list_lengths(config: dict) -> list[int] | None:
     builds from ``config`` on the meta device; None when it cannot build one."""
     try:
         import torch
-        from transformers import AutoModelForCausalLM
 
+        from otdus_cli.arch.causal_lm import build_causal_lm
         from otdus_cli.arch.derived import NOT_TEXT
         from otdus_cli.arch.hf_config import transformers_config
 
@@ -76,7 +76,7 @@ def _module_list_lengths(config: dict) -> list[int] | None:
             warnings.simplefilter("ignore")
             loaded = transformers_config(config)
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(loaded, trust_remote_code=False)
+                model = build_causal_lm(loaded)
     except Exception:
         return None
     return [

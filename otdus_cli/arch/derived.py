@@ -19,8 +19,9 @@ import hashlib
 import re
 import warnings
 
+from otdus_cli.arch.causal_lm import build_causal_lm, causal_lm_class_name
 from otdus_cli.arch.config_rules import layer_keyed
-from otdus_cli.arch.depth import stated_depth
+from otdus_cli.arch.depth import depth_field, stated_depth
 from otdus_cli.arch.hf_config import transformers_config
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
@@ -38,12 +39,9 @@ NOT_TEXT = ("vision", "visual", "audio", "image", "speech")
 
 
 def derivable(model_type: str) -> bool:
-    """transformers ships this model_type with a causal-LM class (a plain LM or a wrapper with one)."""
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """transformers ships this model_type with a causal-LM class (a plain LM, a wrapper with one, or a
+    composite's text model: arch/causal_lm.py)."""
+    return causal_lm_class_name(model_type) is not None
 
 
 def derive_template(config: dict) -> dict:
@@ -93,6 +91,9 @@ def derive_template(config: dict) -> dict:
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             continue
         (index_fields if all(0 <= i < depth for i in value) else listing).append(name)
+    # the depth again under another name (xLSTM's num_blocks, the length of its block list): one past the
+    # last layer's index, which the index rewrite carries to the new depth
+    index_fields += [name for name in _depth_aliases(text, depth) if name not in per_layer]
     if listing:
         raise OtdusError(
             f"model_type={model_type!r}: config field {sorted(listing)[0]} lists layer numbers beyond its "
@@ -113,6 +114,29 @@ def derive_template(config: dict) -> dict:
         "per_layer_fields": per_layer,
         "index_fields": sorted(index_fields),
     }
+
+
+def _depth_aliases(text: dict, depth: int) -> list[str]:
+    """The fields of ``text`` (a stack's settings) besides its depth field that hold the depth too: those
+    its config class sets to the depth when they are absent (xLSTM's num_blocks follows
+    num_hidden_layers), learned by loading the config without the field at another depth."""
+    from otdus_cli.arch.config_rules import DEPTH_FIELDS
+
+    field = depth_field(text)
+    if field is None:
+        return []
+    found = []
+    for name, value in text.items():
+        if name == field or name in DEPTH_FIELDS or type(value) is not int or value != depth:
+            continue
+        probe = {k: v for k, v in text.items() if k != name} | {field: depth + 1}
+        try:
+            loaded = transformers_config(probe)
+        except Exception:  # a config the class rejects at another depth: no alias shown
+            continue
+        if getattr(loaded, name, None) == depth + 1:
+            found.append(name)
+    return found
 
 
 def _shared_weights(layers: list) -> tuple[str, int, int] | None:
@@ -168,14 +192,13 @@ def _meta_model(config: dict, rewritten: bool = False):
     """transformers' model for ``config`` on the meta device, and its config; OtdusError saying which
     config failed: the base's (no template can be derived) or the ``rewritten`` one otdus would write."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loaded = transformers_config(config)
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(loaded, trust_remote_code=False)
+                model = build_causal_lm(loaded)
     except Exception as exc:
         why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
         if rewritten:
@@ -191,30 +214,63 @@ def _meta_model(config: dict, rewritten: bool = False):
 
 
 def layer_lists(model, depth: int) -> list[str]:
-    """The module lists of ``depth`` entries outside vision / audio towers (the decoder layers, where
-    there is one)."""
+    """The outermost module lists of ``depth`` entries outside vision / audio towers (the decoder layers,
+    where there is one): a list inside an entry of another is that layer's parts (LongCat-Flash's two
+    attentions and two MLPs per layer), not a stack of its own."""
+    return [name for name, length in _outer_lists(model, depth) if length == depth]
+
+
+def _outer_lists(model, depth: int | None = None) -> list[tuple[str, int]]:
+    """The module lists outside vision / audio towers and their lengths, those inside an entry of another
+    (of ``depth`` entries, or of any length where None) left out."""
     import torch
 
-    return [
-        name
+    lists = [
+        (name, len(module))
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.ModuleList)
-        and len(module) == depth
-        and not any(part in name for part in NOT_TEXT)
+        if isinstance(module, torch.nn.ModuleList) and not any(part in name for part in NOT_TEXT)
     ]
+    outer = [name for name, length in lists if depth is None or length == depth]
+    return [(name, n) for name, n in lists if not any(name.startswith(o + ".") for o in outer)]
 
 
-def _layer_list(model, depth: int, model_type: object) -> str:
-    """The decoder layers: the one module list of ``depth`` entries outside vision / audio towers."""
+def _layer_list(model, depth: int, model_type: object, rewritten: bool = False) -> str:
+    """The decoder layers: the one module list of ``depth`` entries outside vision / audio towers;
+    OtdusError naming what the model holds instead (``rewritten``: built from the config otdus would
+    write)."""
     lists = layer_lists(model, depth)
-    if len(lists) != 1:
-        found = f"{len(lists)} ({', '.join(lists[:3])})" if lists else "none"
-        raise OtdusError(
-            f"model_type={model_type!r} ({type(model).__name__}): otdus looks for its decoder layers as "
-            f"the one list of {depth} modules outside vision and audio towers, and finds {found}; "
-            f"{_NEEDS_TEMPLATE}"
+    if len(lists) == 1:
+        return lists[0]
+    parents = {name.rpartition(".")[0] for name in lists}
+    if len(lists) > 1 and len(parents) == 1:
+        parent = parents.pop()
+        found = (
+            f"{len(lists)} lists side by side in {parent or 'the model'} "
+            f"({', '.join(name.rpartition('.')[2] for name in lists)}): layer i is the i-th entry of each, "
+            f"while otdus copies a layer as one module, its tensors under one name"
         )
-    return lists[0]
+    elif lists:
+        found = f"{len(lists)} ({', '.join(lists[:3])})"
+    else:
+        held = [f"{name} ({length})" for name, length in _outer_lists(model)]
+        found = (
+            f"none: its module lists are {', '.join(held[:6])}" if held else "none: it holds no module list"
+        )
+        loaded = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+        if rewritten:
+            found += (
+                f"; transformers takes the depth of the rewritten config, which states {depth} layers, from "
+                "other fields as well, which otdus does not rewrite"
+            )
+        elif isinstance(loaded, int) and loaded != depth:
+            found += (
+                f"; transformers' {type(model.config).__name__} reads the {depth} layers config.json states "
+                f"as {loaded} (it rewrites its depth fields on loading), which otdus cannot write back"
+            )
+    raise OtdusError(
+        f"model_type={model_type!r} ({type(model).__name__}): otdus looks for its decoder layers as the one "
+        f"list of {depth} modules outside vision and audio towers, and finds {found}; {_NEEDS_TEMPLATE}"
+    )
 
 
 def layer_kinds(layers: list) -> list[str]:
@@ -237,7 +293,7 @@ def _parts(module) -> list[str]:
     that holds other sublayers (DBRX's norm_attn_norm: a norm, the attention, a norm) is not one, and its
     own parts are named instead."""
     parts: list[str] = []
-    for name, child in module.named_children():
+    for name, child in _named_children(module):
         if not any(True for _ in child.parameters()):
             continue
         if "norm" not in name.lower():
@@ -249,8 +305,20 @@ def _parts(module) -> list[str]:
 
 def _holds_sublayers(module) -> bool:
     return any(
-        "norm" not in n.lower() and any(True for _ in c.parameters()) for n, c in module.named_children()
+        "norm" not in n.lower() and any(True for _ in c.parameters()) for n, c in _named_children(module)
     )
+
+
+def _named_children(module) -> list[tuple[str, object]]:
+    """``module``'s children, each entry of a child module list under the list's name (LongCat-Flash's
+    ``self_attn``: two attentions; ``input_layernorm``: two norms)."""
+    import torch
+
+    return [
+        (name, entry)
+        for name, child in module.named_children()
+        for entry in (child if isinstance(child, torch.nn.ModuleList) else [child])
+    ]
 
 
 def config_layer_kinds(config: dict, rewritten: bool = False, model=None) -> list[str]:
@@ -259,7 +327,7 @@ def config_layer_kinds(config: dict, rewritten: bool = False, model=None) -> lis
     if model is None:
         model, _ = _meta_model(config, rewritten)
     depth = stated_depth(text_config(config))
-    return layer_kinds(modules_of(model, _layer_list(model, depth, config.get("model_type"))))
+    return layer_kinds(modules_of(model, _layer_list(model, depth, config.get("model_type"), rewritten)))
 
 
 def check_planned_kinds(

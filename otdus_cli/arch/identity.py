@@ -39,6 +39,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 
+from otdus_cli.arch.causal_lm import build_causal_lm
 from otdus_cli.arch.derived import modules_of
 from otdus_cli.arch.hf_config import transformers_config
 from otdus_cli.verify.quiet import quiet_transformers
@@ -283,7 +284,6 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
     base's logits bit for bit. None when it does; else why not (a layer whose index enters its
     computation computes otherwise at its new position ...)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     try:
         base, instance, _ = _tiny_instance(config)
@@ -291,11 +291,7 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
         shrunk = instance != AS_GIVEN
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            grown = (
-                AutoModelForCausalLM.from_config(_tiny_config(written, shrunk)[0], trust_remote_code=False)
-                .float()
-                .eval()
-            )
+            grown = build_causal_lm(_tiny_config(written, shrunk)[0]).float().eval()
     except Exception as exc:
         return f"no tiny instance of the expanded model to prove it on ({type(exc).__name__})"
     prefix = family.zero_init_proof["layer_list"] + "."
@@ -342,14 +338,13 @@ def _tiny_config(config: dict, shrink: bool | None = None) -> tuple[object, bool
     """transformers' config for ``config`` if its model is small (or ``shrink`` is False), else with its
     widths shrunk; and whether it was shrunk."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     config = _narrowed(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if shrink is None:
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(transformers_config(config), trust_remote_code=False)
+                model = build_causal_lm(transformers_config(config))
             shrink = sum(p.numel() for p in model.parameters()) > MAX_PROOF_PARAMETERS
         if shrink:
             return transformers_config({k: _SHRUNK_WIDTHS.get(k, v) for k, v in config.items()}), True
@@ -360,14 +355,13 @@ def _tiny_instance(config: dict) -> TinyInstance:
     """The tiny model, what it is (as given, or shrunk), and the names of its vectors transformers
     initialises to all ones (scales: their identity value is 1)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     loaded, shrunk = _tiny_config(config)
     instance = "the config with its widths shrunk" if shrunk else AS_GIVEN
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(loaded, trust_remote_code=False).float().eval()
+        model = build_causal_lm(loaded).float().eval()
     vectors = {n: p for n, p in model.named_parameters() if p.dim() == 1 and p.is_floating_point()}
     ones = {n for n, p in vectors.items() if bool((p == 1).all())}
     with torch.no_grad():  # norms start at exactly 1 or 0; perturb them so a lucky identity shows
