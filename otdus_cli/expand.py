@@ -437,6 +437,7 @@ def expand(
             len(the_plan.layer_map),
             source.family.per_layer_fields,
             source.family.index_fields,
+            source.family.numbered_from_one,
         )
         return the_plan
 

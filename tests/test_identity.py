@@ -330,6 +330,24 @@ def test_verify_proves_no_identity_where_a_residual_scale_is_not_one(tmp_path):
 
 
 @pytest.mark.skipif(not _shipped("qwen4_exp_text"), reason="this transformers has no Qwen4-Exp")
+def test_a_list_of_layers_counted_from_one_is_renumbered_as_such(tmp_path):
+    """Qwen4-Exp's ple_layer_ids counts layers from 1 (the derivation learns it from the class: emptying the
+    list changes the kind of layer 3 for ids [4]); read from 0, the last layer's number was "beyond its 4
+    layers" and expanding was refused."""
+    base = _save(
+        "qwen4_exp_text",
+        tmp_path / "src",
+        ple_layer_ids=[4],
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    )
+    result = expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", after=[1]))
+    assert result.plan.source.family.numbered_from_one == ("ple_layer_ids",)
+    grown = load_causal_lm(tmp_path / "out")
+    assert grown.config.ple_layer_ids == [5] and grown.model.layers[4].ple is not None
+    assert torch.equal(logits(grown, use_cache=False), base)
+
+
+@pytest.mark.skipif(not _shipped("qwen4_exp_text"), reason="this transformers has no Qwen4-Exp")
 def test_a_stream_of_several_hidden_width_streams_is_written_through_the_hidden_width(tmp_path):
     """Qwen4-Exp's residual stream is hc_count streams of the hidden width side by side; its attention,
     MoE and n-gram embedding (PLE) write hidden-width outputs that the layer's hyper-connections mix into

@@ -58,6 +58,7 @@ def family_config(family, config: dict, layer_map: list[OutputLayer]) -> dict:
         family.per_layer_fields,
         family.derived_fields,
         family.index_fields,
+        family.numbered_from_one,
     )
 
 
@@ -68,6 +69,7 @@ def rewrite_config(
     per_layer_fields: tuple[str, ...] = (),
     derived_fields: tuple[str, ...] = (),
     index_fields: tuple[str, ...] = (),
+    numbered_from_one: tuple[str, ...] = (),
 ) -> dict:
     """A copy of `config` describing the expanded stack: where it states the depth (a multimodal
     wrapper's text_config, the top level, or both), the depth fields are rewritten.
@@ -77,9 +79,10 @@ def rewrite_config(
     ``per_layer_fields``: more fields with one entry per layer (Family.per_layer_fields).
     ``derived_fields``: depth fields transformers derives when absent (Family.derived_fields); written
     explicitly, each new layer taking its source layer's entry.
-    ``index_fields``: more fields listing layer indices (Family.index_fields).
+    ``index_fields``: more fields listing layer indices (Family.index_fields); ``numbered_from_one``: those
+    of them that count the layers from 1 (Family.numbered_from_one).
     """
-    fields = {**dict.fromkeys(per_layer_fields, "per_layer"), **dict.fromkeys(index_fields, "index_list")}
+    fields = _field_kinds(per_layer_fields, index_fields, numbered_from_one)
     check_leading_layers(config, layer_map)
     out = copy.deepcopy(config)
     for key in depth_parts(config):
@@ -90,6 +93,16 @@ def rewrite_config(
             stack = {**config[key], **transformers_derived(config[key], derived_fields)}
             out[key] = _rewrite_stack_config(stack, layer_map, derives_layer_types, fields)
     return out
+
+
+def _field_kinds(
+    per_layer_fields: tuple[str, ...], index_fields: tuple[str, ...], numbered_from_one: tuple[str, ...]
+) -> dict[str, str]:
+    """A family's own depth fields (beside DEPTH_FIELDS) by how they follow the layers."""
+    return {
+        **dict.fromkeys(per_layer_fields, "per_layer"),
+        **{name: "layer_numbers" if name in numbered_from_one else "index_list" for name in index_fields},
+    }
 
 
 def check_leading_layers(config: dict, layer_map: list[OutputLayer]) -> None:
@@ -147,6 +160,9 @@ def _rewrite_stack_config(
         elif kind == "index_list" and isinstance(value, list):
             listed = set(value)
             out[name] = [j for j, i in enumerate(sources) if i in listed]
+        elif kind == "layer_numbers" and isinstance(value, list):
+            listed = set(value)
+            out[name] = [j + 1 for j, i in enumerate(sources) if i + 1 in listed]
         elif kind == "index_list" and isinstance(value, int) and not isinstance(value, bool):
             out[name] = _rewrite_layer_index(name, value, sources, base_layers)
         elif kind == "threshold" and isinstance(value, int):
@@ -330,6 +346,7 @@ def check_depth_rules(
     expected_layers: int,
     per_layer_fields: tuple[str, ...] = (),
     index_fields: tuple[str, ...] = (),
+    numbered_from_one: tuple[str, ...] = (),
 ) -> None:
     """The written config describes ``expected_layers`` layers by otdus's own depth rules: wherever
     the source states the depth (the top level, a wrapper's text config, or both), every depth field
@@ -343,7 +360,7 @@ def check_depth_rules(
     imported anyway.
     """
     parts = depth_parts(source)
-    fields = {**dict.fromkeys(per_layer_fields, "per_layer"), **dict.fromkeys(index_fields, "index_list")}
+    fields = _field_kinds(per_layer_fields, index_fields, numbered_from_one)
     for key in parts:
         stack = written if key is None else written.get(key)
         if not isinstance(stack, dict):
@@ -368,8 +385,9 @@ def _check_stack_rules(config: dict, expected_layers: int, fields: dict[str, str
             raise OtdusError(
                 f"rewritten config {name} is keyed by other things than its {expected_layers} layers"
             )
-        if kind == "index_list" and isinstance(value, list):
-            bad = [i for i in value if not isinstance(i, int) or not 0 <= i < expected_layers]
+        if kind in ("index_list", "layer_numbers") and isinstance(value, list):
+            first = int(kind == "layer_numbers")
+            bad = [i for i in value if not isinstance(i, int) or not first <= i < expected_layers + first]
             if bad:
                 raise OtdusError(f"rewritten config {name} lists layer {bad[0]} of {expected_layers}")
         if kind == "threshold" and isinstance(value, int) and not 0 <= value <= expected_layers:

@@ -79,7 +79,7 @@ def derive_template(config: dict) -> dict:
     # lists of layer indices (mlp_only_layers ...): a copy is listed where its source layer is; a list of
     # other things of another length (Nemotron-H's mtp_layers_block_type: the kinds of the layers after the
     # stack) does not follow the depth (check_planned_kinds proves what transformers builds either way)
-    index_fields, listing = [], []
+    index_fields, listing, from_one = [], [], []
     for name, value in text.items():
         if "layer" not in name or name in per_layer or name == "layer_types":
             continue
@@ -90,7 +90,9 @@ def derive_template(config: dict) -> dict:
             continue
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             continue
-        (index_fields if all(0 <= i < depth for i in value) else listing).append(name)
+        first = 1 if _numbered_from_one(config, name, value, kinds) else 0
+        from_one += [name] if first else []
+        (index_fields if all(first <= i < depth + first for i in value) else listing).append(name)
     # the depth again under another name (xLSTM's num_blocks, the length of its block list): one past the
     # last layer's index, which the index rewrite carries to the new depth
     index_fields += [name for name in _depth_aliases(text, depth) if name not in per_layer]
@@ -113,7 +115,23 @@ def derive_template(config: dict) -> dict:
         },
         "per_layer_fields": per_layer,
         "index_fields": sorted(index_fields),
+        "numbered_from_one": sorted(from_one),
     }
+
+
+def _numbered_from_one(config: dict, name: str, value: list[int], kinds: list[str]) -> bool:
+    """Whether the list of layers ``name`` counts them from 1 (Qwen4-Exp's ple_layer_ids): the layers whose
+    kind changes when it lists none are those it lists, less one."""
+    if not value:
+        return False
+    changed = copy.deepcopy(config)
+    text_config(changed)[name] = []
+    try:
+        without = config_layer_kinds(changed)
+    except OtdusError:
+        return False
+    moved = {i for i, (kind, other) in enumerate(zip(kinds, without, strict=False)) if kind != other}
+    return bool(moved) and moved == {i - 1 for i in value}
 
 
 def _depth_aliases(text: dict, depth: int) -> list[str]:

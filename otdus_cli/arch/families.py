@@ -109,6 +109,8 @@ class Family:
     derived_fields: tuple[str, ...] = ()
     # config fields listing layer indices besides DEPTH_FIELDS' (found by a derived template)
     index_fields: tuple[str, ...] = ()
+    # those of them that count the layers from 1 (Qwen4-Exp's ple_layer_ids), found as index_fields are
+    numbered_from_one: tuple[str, ...] = ()
     # a derived template: how its zero-init targets were proved (IdentityProof.record), or why they
     # could not be (then zero_init is empty)
     zero_init_proof: dict | None = None
@@ -382,6 +384,7 @@ def _derived_family(config_json: str) -> Family:
         copy_only=True,
         per_layer_fields=tuple(found["per_layer_fields"]),
         index_fields=tuple(found["index_fields"]),
+        numbered_from_one=tuple(found["numbered_from_one"]),
         zero_init_proof=None if proof.failure else proof.record(),
         zero_init_note=proof.failure or "",
         identity_values=() if proof.failure else proof.value_patterns(),
