@@ -73,6 +73,9 @@ _SHRUNK_WIDTHS = {
     "mamba_n_groups": 1,
     "n_groups": 1,
     "vocab_size": 256,
+    # per-layer inputs (Gemma 3n, Gemma 4: a second table of vocab x depth x width, 2.3G entries in E2B)
+    "vocab_size_per_layer_input": 256,
+    "hidden_size_per_layer_input": 16,
 }
 _SEQUENCE = 8
 # token selections (DeepSeek sparse attention's indexer keeps the index_topk best keys per query; a later
