@@ -121,12 +121,13 @@ def test_slices_are_written_a_chunk_at_a_time(tmp_path, monkeypatch):
 
 
 def test_gemma3n_zero_init_is_refused_naming_why(tmp_path):
-    """Gemma 3n's layers mix their output into the AltUp streams and add a LAuReL branch of the normed
-    input: no zeroing makes one an identity, so zero-init is refused in one line."""
+    """Gemma 3n's layers add a LAuReL branch that passes the normed input on (and mix their output into
+    the AltUp streams): no zeroing makes one an identity, so zero-init is refused in one line naming it."""
     _save("gemma3n_text", tmp_path / "src")
     result = _expand_cli(tmp_path / "src", tmp_path / "out", "--method", "llama-pro")
     line = one_error_line(result, message="zero-init for derived:gemma3n_text")
     assert "per_layer_projection.weight" in line and "does not make layer 0" in line
+    assert "laurel (Gemma3nTextLaurelBlock) still outputs more than zero (it adds its own input back" in line
     no_output_left(tmp_path)
 
 
@@ -171,3 +172,17 @@ def test_a_layer_built_from_others_has_no_slice_and_is_refused():
     layer_map = interleave(4, [1], "average", zero_init=False, pair=True)
     with pytest.raises(OtdusError, match="output layer 2 is built by average from base layers 1, 2"):
         check_sliced_sources(family, layer_map, sliced)
+
+
+def test_the_proof_instance_of_a_full_size_config_shrinks_the_per_layer_table():
+    """Gemma 4 E2B's widths (its per-layer table: 262144 tokens x 256 a layer): the tiny instance the
+    proofs run on holds a per-layer table of the shrunk vocabulary and width, not the full one."""
+    from otdus_cli.arch.identity import MAX_PROOF_PARAMETERS, tiny_instance
+
+    e2b = dict(hidden_size=1536, intermediate_size=6144, vocab_size=262144, head_dim=256)
+    per_layer = dict(vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256)
+    config = {**TINY, **e2b, **per_layer, "model_type": "gemma4_text"}
+    model, instance, _ = tiny_instance(config)
+    assert instance == "the config with its widths shrunk"
+    assert list(model.model.embed_tokens_per_layer.weight.shape) == [256, 4 * 16]
+    assert sum(p.numel() for p in model.parameters()) < MAX_PROOF_PARAMETERS

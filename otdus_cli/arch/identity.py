@@ -597,6 +597,21 @@ class _LayerRun:
                     "which neither zeroing nor setting to 1 a scale of the layer (a vector transformers "
                     "initialises to ones) undoes"
                 )
+        # a sublayer that still outputs something with its tensors zeroed adds back its own input
+        # (Gemma 3n's LAuReL block: normed input + linear_right(linear_left(...)))
+        kept = next(
+            (
+                (n, m)
+                for n, m, out in outputs
+                if any(t.startswith(n + ".") for t in targets) and not _is_norm(m) and bool(out.any())
+            ),
+            None,
+        )
+        if kept is not None:
+            return (
+                f"with its tensors zeroed, {kept[0]} ({type(kept[1]).__name__}) still outputs more than zero "
+                "(it adds its own input back: a residual branch of its own), which enters the residual stream"
+            )
         return "its residual path itself changes the hidden state (more than the tensors that write into it)"
 
 
