@@ -107,6 +107,25 @@ def test_zero_init_keeps_the_logits_bit_for_bit(tmp_path):
         assert all(torch.equal(after[name][lay.index], before[name][lay.source]) for lay in layer_map)
 
 
+def test_the_static_check_compares_each_base_layers_slice(tmp_path):
+    """verify's static check: the per-layer tensors hold each base layer's slice where the expansion holds
+    that layer; a base layer's slice changed refutes it."""
+    from safetensors.torch import save_file
+
+    from otdus_cli.verify.proof import static_check
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    _save("gemma4_text", src)
+    expand(str(src), out, ExpandOptions(method="llama-pro", layers=2))
+    proof = static_check(src, out)
+    assert proof.preserving and proof.outside_equal, proof.reason
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.embed_tokens_per_layer.weight"][:, 3 * WIDTH] += 1  # base layer 2, at index 3
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    proof = static_check(src, out)
+    assert not proof.preserving and proof.reason == "embeddings, final norm or head differ from the base's"
+
+
 def test_slices_are_written_a_chunk_at_a_time(tmp_path, monkeypatch):
     """Written in chunks of a few rows, the output holds the same bytes as in one piece."""
     from otdus_cli.arch import layer_slices
