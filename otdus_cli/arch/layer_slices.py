@@ -101,7 +101,6 @@ def planned_slices(
 
 def write_slices(reader, writer: ShardedWriter, planned: LayerSlices) -> int:
     """Write ``planned`` from the source tensor, a chunk of rows at a time; the bytes written."""
-
     shape = reader.meta(planned.source).shape
     axis, width, sources = planned.axis, planned.width, planned.sources
 
