@@ -31,6 +31,7 @@ from otdus_cli.arch.config_rules import (
 )
 from otdus_cli.arch.derived import WITHOUT_ZERO_INIT, check_derived_plan
 from otdus_cli.arch.derived_roles import check_role_kinds
+from otdus_cli.arch.layer_slices import DepthSliced, LayerSlices, planned_slices, write_slices
 from otdus_cli.device import resolve_device
 from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError, doing
@@ -146,11 +147,10 @@ def output_layout(
     transformers' own build), in ``dtype`` unless "auto"."""
     family = source.family
     config = family_config(family, source.config, layer_map)
-    if family.derived:
-        check_derived_plan(source, config, layer_map)
+    sliced = check_derived_plan(source, config, layer_map) if family.derived else {}
     if dtype != "auto":
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
-    return config, _planned_tensors(source, layer_map, dtype)
+    return config, _planned_tensors(source, layer_map, dtype, sliced)
 
 
 if TYPE_CHECKING:
@@ -163,10 +163,18 @@ def _out_dtype(code: str, dtype: str) -> str:
     return CODE_OF_NAME[dtype]
 
 
-def _planned_tensors(source: SourceModel, layer_map: list[OutputLayer], dtype: str) -> list[PlannedTensor]:
+def _planned_tensors(
+    source: SourceModel, layer_map: list[OutputLayer], dtype: str, sliced: dict[str, DepthSliced]
+) -> list[PlannedTensor]:
+    """Every output tensor; those of ``sliced`` (a slice per layer) with one slice per output layer."""
+    sources = [lay.source for lay in layer_map]
+
     def planned(src_name: str, out_name: str) -> PlannedTensor:
         meta = source.reader.meta(src_name)
-        return PlannedTensor(out_name, _out_dtype(meta.dtype, dtype), meta.shape)
+        out_dtype = _out_dtype(meta.dtype, dtype)
+        if src_name in sliced:
+            return planned_slices(src_name, out_dtype, meta.shape, sliced[src_name], sources)
+        return PlannedTensor(out_name, out_dtype, meta.shape)
 
     out = [planned(n, n) for n in source.head]
     for lay in layer_map:
@@ -240,7 +248,9 @@ class _Engine:
             return
         raw = self.src.reader.raw(src_name)
         planned = self.writer.slots[out_name].tensor
-        if raw is not None and raw.dtype == planned.dtype:
+        if isinstance(planned, LayerSlices):  # a slice per layer: each output layer's from its source's
+            n = write_slices(self.src.reader, self.writer, planned)
+        elif raw is not None and raw.dtype == planned.dtype:
             n = self.writer.copy_raw(out_name, raw)
         else:
             n = self.writer.write_tensor(out_name, self.src.reader.get(src_name))

@@ -238,6 +238,7 @@ def wrapper_attempts(model_type: str) -> list[dict]:
     widths[getattr(text, "hidden_size", None)] = TINY["hidden_size"]
     widths.pop(None, None)
     parts = {name: tiny_tower(sub, widths) for name, sub in subs.items()}
+    parts |= _special_tokens_in_vocab(default)
     if text is default:  # the text model's fields at the top level (GIT, Phi-4 multimodal)
         return [{**fields, **parts} for fields in attempts(model_type)]
     if text_name is None or not text.model_type or text.model_type == model_type:
@@ -246,6 +247,25 @@ def wrapper_attempts(model_type: str) -> list[dict]:
         {text_name: {"model_type": text.model_type, **fields}, **parts}
         for fields in attempts(text.model_type)
     ]
+
+
+# the token ids coverage feeds a model are below this (scripts/coverage.py: logits_of); the wrapper's
+# special tokens (image, video, audio placeholders ...) go above it, inside the tiny vocabulary
+FED_IDS_BELOW = 90
+
+
+def _special_tokens_in_vocab(default) -> dict:
+    """A wrapper's special token ids (``image_token_id`` ...) beyond the tiny vocabulary, moved into its
+    top (ids no input of coverage holds): a forward from embeddings alone looks them up (Gemma 4's
+    placeholder masks), which fails outside the table. Ids are shared once the top is full."""
+    vocab = TINY["vocab_size"]
+    names = sorted(
+        k
+        for k, v in default.to_dict().items()
+        if re.search(r"_token_(id|index)$", k) and type(v) is int and v >= vocab
+    )
+    top = range(vocab - 1, FED_IDS_BELOW - 1, -1)
+    return {name: top[k % len(top)] for k, name in enumerate(names)}
 
 
 def tiny_tower(config, widths: dict[int, int] | None = None) -> dict:

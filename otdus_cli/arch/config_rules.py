@@ -176,6 +176,8 @@ def _rewrite_stack_config(
             # with explicit layer_types (what transformers reads) the threshold is kept as the
             # longest prefix it still describes, for loaders that read only the threshold
             out[name] = prefix
+        elif kind == "last_count" and isinstance(value, int) and not isinstance(value, bool):
+            out[name] = _rewrite_last_count(name, value, sources, base_layers)
         elif kind == "inverse_sqrt_depth" and isinstance(value, int | float) and not isinstance(value, bool):
             out[name] = same_quotient(value, base_layers, len(sources))
         elif kind == "refuse" and value:
@@ -218,6 +220,20 @@ def _rewrite_layer_index(name: str, value: int, sources: list[int], base_layers:
     if "end" in name or "last" in name:
         return max((j for j, i in enumerate(sources) if i <= value), default=-1)
     return next((j for j, i in enumerate(sources) if i >= value), len(sources))
+
+
+def _rewrite_last_count(name: str, value: int, sources: list[int], base_layers: int) -> int:
+    """A count of the last layers (num_kv_shared_layers): the output layers whose source is among them,
+    which must be the last ones (OtdusError otherwise)."""
+    last = [j for j, i in enumerate(sources) if i >= base_layers - value]
+    if last != list(range(len(sources) - len(last), len(sources))):
+        wrong = next(j for j in range(last[0], len(sources)) if j not in last)
+        raise OtdusError(
+            f"config {name}={value} marks the last {value} layers; this layer map puts output layer {wrong}, "
+            f"a copy of base layer {sources[wrong]}, among them, which the field cannot express: place new "
+            "layers before them, or copy only layers among them there"
+        )
+    return len(last)
 
 
 def same_quotient(value: float, depth: int, new_depth: int) -> float:
@@ -390,7 +406,11 @@ def _check_stack_rules(config: dict, expected_layers: int, fields: dict[str, str
             bad = [i for i in value if not isinstance(i, int) or not first <= i < expected_layers + first]
             if bad:
                 raise OtdusError(f"rewritten config {name} lists layer {bad[0]} of {expected_layers}")
-        if kind == "threshold" and isinstance(value, int) and not 0 <= value <= expected_layers:
+        if (
+            kind in ("threshold", "last_count")
+            and isinstance(value, int)
+            and not 0 <= value <= expected_layers
+        ):
             raise OtdusError(f"rewritten config {name}={value} exceeds the {expected_layers} layers")
 
 

@@ -394,13 +394,15 @@ def modules_of(model, path: str) -> list:
     return list(module)
 
 
-def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
+def check_derived_plan(source, written_config: dict, layer_map: list) -> dict:
     """A derived template's plan, checked before anything is written (OtdusError otherwise): every output
     layer is of its source's kind in what transformers builds from ``written_config``; with zero-init,
     every proved target is stored in the checkpoint under the name transformers' class gives it, and the
-    expanded tiny instance gives the base's logits bit for bit (arch/identity.py: prove_plan)."""
+    expanded tiny instance gives the base's logits bit for bit (arch/identity.py: prove_plan). Returns
+    the tensors outside the layers that hold a slice per layer (arch/layer_slices.py)."""
     from otdus_cli.arch.identity import expert_forms, prove_plan
-    from otdus_cli.arch.layer_storage import check_layers_stored_whole, check_no_depth_sized_tensors
+    from otdus_cli.arch.layer_slices import check_sliced_sources, depth_sliced_tensors
+    from otdus_cli.arch.layer_storage import check_layers_stored_whole
     from otdus_cli.plan.layer_map import index_ranges, layer_kinds
 
     family = source.family
@@ -408,10 +410,11 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
     layer_list = _layer_list(base_model, source.depth, family.name)
     check_layers_stored_whole(source, base_model, layer_list)
     written_model, _ = _meta_model(written_config, rewritten=True)
-    check_no_depth_sized_tensors(source, base_model, written_model, layer_list)
+    sliced = depth_sliced_tensors(source, base_model, written_model, layer_list, source.config)
+    check_sliced_sources(family, layer_map, sliced)
     check_planned_kinds(family, source.config, written_config, layer_map, written_model)
     if not any(lay.zero_init for lay in layer_map) or family.zero_init_proof is None:
-        return
+        return sliced
     proved = family.zero_init_proof["kinds"]
     unproved = family.zero_init_proof.get("unproved", {})
     for lay in layer_map:
@@ -445,6 +448,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> None:
         if moved and _works_after_last(source, sum(lay.new for lay in layer_map)):
             why += f"; new layers after the last one (--after {last}) leave every base layer's index as it is"
         raise OtdusError(f"zero-init for {family.name}: {why}; {WITHOUT_ZERO_INIT}")
+    return sliced
 
 
 def _works_after_last(source, count: int) -> bool:

@@ -437,6 +437,9 @@ def family_for(config: dict, allow_unknown: bool = False) -> Family:
 #   inverse_sqrt_depth: a factor the model divides by sqrt(depth) (MiniCPM3's scale_depth scales each
 #     residual branch by scale_depth / sqrt(num_hidden_layers)): rewritten so that quotient, and with it
 #     every layer's computation, stays the same.
+#   last_count: "the last t layers" (Gemma 3n / 4's num_kv_shared_layers: the last t layers reuse the
+#     key-value states of earlier ones); becomes the number of output layers whose source is among them,
+#     which must be the last output layers.
 #   trailing: the number of layers stored after the stack (DeepSeek-V3's multi-token prediction
 #     module, model.layers.{L}...): unchanged; io/stack.py keeps them after the new last layer.
 DEPTH_FIELDS: dict[str, str] = {
@@ -447,6 +450,7 @@ DEPTH_FIELDS: dict[str, str] = {
     "moe_layers": "index_list",
     "max_window_layers": "threshold",
     "first_k_dense_replace": "threshold",
+    "num_kv_shared_layers": "last_count",
     "num_nextn_predict_layers": "trailing",
     "scale_depth": "inverse_sqrt_depth",
 }

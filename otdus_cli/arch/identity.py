@@ -15,7 +15,8 @@ config's), its weights drawn at the scale of trained ones and its token selectio
 below the proof's length, so a layer that hands a later one another choice shows.
 
 Where no zeroing makes a kind an identity, a second construction is tried: a residual path scaled by the
-layer's own parameters (Doge: input_residual * x + f(x); Zaya: (x + residual_bias) * residual_scale)
+layer's own parameters (Doge: input_residual * x + f(x); Zaya: (x + residual_bias) * residual_scale) or
+by a buffer the checkpoint stores (Gemma 4: (x + f(x)) * layer_scalar, trained away from its initial 1)
 is an identity when those are at their identity value. The candidates are the vectors of the hidden
 width outside norms and linear maps (those the first construction zeroes); the ones transformers
 initialises to all ones are scales, set to 1, the others zeroed, and what the identity does not need is
@@ -75,6 +76,9 @@ _SHRUNK_WIDTHS = {
     "mamba_n_groups": 1,
     "n_groups": 1,
     "vocab_size": 256,
+    # per-layer inputs (Gemma 3n, Gemma 4: a second table of vocab x depth x width, 2.3G entries in E2B)
+    "vocab_size_per_layer_input": 256,
+    "hidden_size_per_layer_input": 16,
 }
 _SEQUENCE = 8
 # token selections (DeepSeek sparse attention's indexer keeps the index_topk best keys per query; a later
@@ -203,6 +207,7 @@ def _prove_kind(run: _LayerRun, index: int, kind: str, scales: set[str]) -> dict
     found = [n for _, n in sorted(_residual_writers(run.layer, run.widths()), key=lambda u: run.order(u[0]))]
     # a vector may be a bias into the stream, or scale the residual itself (Doge's input_residual), which
     # zeroed breaks the identity: without the vectors too, before giving up; then with the scales at 1
+    found += [[n] for n in sorted(scales & set(stored_buffers(run.layer)))]  # a scale buffer: layer_scalar
     matrices = [u for u in found if not (len(u) == 1 and run.params[u[0]].dim() == 1)]
     zeros = {name: 0.0 for unit in found for name in unit}
     tries = [(found, zeros), (matrices, zeros)]
@@ -297,9 +302,11 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
     prefix = family.zero_init_proof["layer_list"] + "."
     state = base.state_dict()
     out = {}
+    grown_shapes = {n: tuple(v.shape) for n, v in grown.state_dict().items()}
+    depth = len(modules_of(base, family.zero_init_proof["layer_list"]))
     for name, value in state.items():
         if not name.startswith(prefix):
-            out[name] = value
+            out[name] = _slices_for(value, grown_shapes.get(name), depth, sources)
     for j, i in enumerate(sources):
         for name, value in state.items():
             if name.startswith(f"{prefix}{i}."):
@@ -323,6 +330,15 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
             "their computation, or a later layer reuses what the layer before it hands on)"
         )
     return None
+
+
+def _slices_for(value, shape: tuple | None, base_depth: int, sources: list[int]):
+    """A tensor outside the layers as the grown model holds it: as it is, or where it holds a slice per
+    layer (arch/layer_slices.py), each output layer's from its source's."""
+    from otdus_cli.arch.layer_slices import select_slices, slices_of
+
+    sliced = None if shape is None else slices_of(tuple(value.shape), shape, base_depth, len(sources))
+    return value if sliced is None else select_slices(value, sliced, sources)
 
 
 def _narrowed(config: dict) -> dict:
@@ -363,6 +379,8 @@ def _tiny_instance(config: dict) -> TinyInstance:
         torch.manual_seed(0)
         model = build_causal_lm(loaded).float().eval()
     vectors = {n: p for n, p in model.named_parameters() if p.dim() == 1 and p.is_floating_point()}
+    # a scale held as a buffer the checkpoint stores (Gemma 4's layer_scalar: trained, ones at init)
+    vectors |= {n: b for n, b in stored_buffers(model).items() if bool((b == 1).all())}
     ones = {n for n, p in vectors.items() if bool((p == 1).all())}
     with torch.no_grad():  # norms start at exactly 1 or 0; perturb them so a lucky identity shows
         for p in vectors.values():
@@ -374,6 +392,12 @@ def _tiny_instance(config: dict) -> TinyInstance:
             if p.dim() > 1 and p.is_floating_point():
                 p.normal_(0.0, p.shape[-1] ** -0.5)
     return model, instance, ones
+
+
+def stored_buffers(module) -> dict:
+    """The floating-point buffers of ``module`` its checkpoint stores (persistent ones), by name."""
+    stored = module.state_dict(keep_vars=True)
+    return {n: b for n, b in module.named_buffers() if n in stored and b.is_floating_point()}
 
 
 def _residual_writers(layer, widths: set[int]) -> list[tuple[str, list[str]]]:
@@ -438,7 +462,7 @@ class _LayerRun:
     def __init__(self, model, layers: list, index: int, ids) -> None:
         self.model, self.layer, self.ids = model, layers[index], ids
         self.previous = layers[index - 1] if index else None
-        self.params = dict(self.layer.named_parameters())
+        self.params = {**dict(self.layer.named_parameters()), **stored_buffers(self.layer)}
         self._calls: dict[str, int] = {}
         self._seen: dict = {}
         self._carried: list[tuple[int, int | str]] | None = None
@@ -581,6 +605,21 @@ class _LayerRun:
                     "which neither zeroing nor setting to 1 a scale of the layer (a vector transformers "
                     "initialises to ones) undoes"
                 )
+        # a sublayer that still outputs something with its tensors zeroed adds back its own input
+        # (Gemma 3n's LAuReL block: normed input + linear_right(linear_left(...)))
+        kept = next(
+            (
+                (n, m)
+                for n, m, out in outputs
+                if any(t.startswith(n + ".") for t in targets) and not _is_norm(m) and bool(out.any())
+            ),
+            None,
+        )
+        if kept is not None:
+            return (
+                f"with its tensors zeroed, {kept[0]} ({type(kept[1]).__name__}) still outputs more than zero "
+                "(it adds its own input back: a residual branch of its own), which enters the residual stream"
+            )
         return "its residual path itself changes the hidden state (more than the tensors that write into it)"
 
 

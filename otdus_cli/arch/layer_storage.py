@@ -1,11 +1,11 @@
 """Whether a checkpoint keeps each decoder layer whole under its layer's names, for a derived template.
 
 otdus copies a layer by copying the tensors stored under its prefix (``model.layers.3.``) and copies
-everything else as it is. A class that keeps a layer's parameter elsewhere in the checkpoint (Inkling 2
-saves ``layers.{i}.attention_input.query`` as ``model.llm.attn_res.attn_queries.{i-1}``), or a tensor
-outside the layers with a slice per layer (Gemma 4's per-layer input embeddings), would leave new layers
-without their tensors: transformers would initialise them at random on load, a silently different
-model. Such a plan is refused at plan time, naming the tensors.
+everything else as it is (but for tensors with a slice per layer: arch/layer_slices.py). A class that
+keeps a layer's parameter elsewhere in the checkpoint (Inkling 2 saves ``layers.{i}.attention_input.query``
+as ``model.llm.attn_res.attn_queries.{i-1}``) would leave new layers without their tensors: transformers
+would initialise them at random on load, a silently different model. Such a plan is refused at plan time,
+naming the tensors.
 """
 
 from __future__ import annotations
@@ -54,26 +54,6 @@ def check_layers_stored_whole(source, base_model, layer_list: str) -> None:
             f"from ({elsewhere[0]}), so a copied layer would load it at random; save the model again with "
             "this transformers"
         )
-
-
-def check_no_depth_sized_tensors(source, base_model, written_model, layer_list: str) -> None:
-    """No parameter outside the decoder layers changes shape with the depth (Gemma 4's
-    embed_tokens_per_layer holds a slice per layer): otdus copies those as they are, so the output
-    would not load; OtdusError naming the first."""
-    shapes = _outside_shapes(base_model, layer_list)
-    for name, shape in _outside_shapes(written_model, layer_list).items():
-        if name in shapes and shapes[name] != shape:
-            raise OtdusError(
-                f"{source.family.name}: {name} is {list(shapes[name])} in the base and "
-                f"{list(shape)} at the new depth: it holds a slice per layer outside the layers' tensors, "
-                "which otdus copies as they are; expanding it needs an exact template that copies those "
-                "slices"
-            )
-
-
-def _outside_shapes(model, layer_list: str) -> dict:
-    prefix = layer_list + "."
-    return {n: tuple(p.shape) for n, p in model.named_parameters() if not n.startswith(prefix)}
 
 
 def _under(name: str, *prefixes: str) -> str | None:

@@ -14,9 +14,11 @@ verify match an expanded checkpoint's layers to its base's without a manifest.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 
 from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.io.safetensors_format import itemsize
 from otdus_cli.io.stack import LayerStack
 
 SCHEME = "sampled-sha256-v1"
@@ -41,6 +43,32 @@ def tensor_fingerprint(reader: CheckpointReader, name: str) -> str:
     else:
         for offset in _offsets(nbytes):
             h.update(reader.read_bytes(name, offset, BLOCK_BYTES))
+    return h.hexdigest()[:32]
+
+
+SLICE_ROWS = 64  # the rows (entries before the sliced axis) a layer's slice is sampled at
+
+
+def slice_fingerprint(reader: CheckpointReader, name: str, axis: int, width: int, layer: int) -> str:
+    """One layer's slice of a tensor that holds a slice per layer (``width`` entries along ``axis`` at
+    ``layer * width``: arch/layer_slices.py), so that slice 3 of a base and the slice of its copy at index
+    5 of an expansion agree: its bytes at up to ``SLICE_ROWS`` entries before the axis, spread evenly."""
+    meta = reader.meta(name)
+    shape, size = list(meta.shape), itemsize(meta.dtype)
+    outer, inner = math.prod(shape[:axis]), math.prod(shape[axis + 1 :])
+    depth, run = shape[axis] // width, width * inner * size  # a slice's bytes at one entry before the axis
+    rows = (
+        range(outer)
+        if outer <= SLICE_ROWS
+        else {round(k * (outer - 1) / (SLICE_ROWS - 1)) for k in range(SLICE_ROWS)}
+    )
+    h = hashlib.sha256(f"{meta.dtype}{width}{inner}".encode())
+    for row in sorted(rows):
+        start = (row * depth + layer) * run
+        for offset in _offsets(run):
+            h.update(
+                reader.read_bytes(name, start + offset, min(run, BLOCK_BYTES if run > FULL_BYTES else run))
+            )
     return h.hexdigest()[:32]
 
 

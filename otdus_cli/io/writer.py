@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -155,6 +156,27 @@ class ShardedWriter:
         _pwrite_all(self._fds[slot.file], memoryview(raw), slot.offset)
         self._wrote(slot.file, planned.nbytes)
         return planned.nbytes
+
+    def write_rows(self, name: str, pieces: Iterable[tuple[int, torch.Tensor]]) -> int:
+        """Write a tensor in pieces, each (its first row along dim 0, its rows), cast to the planned
+        dtype; together they must fill it exactly once. Returns bytes written."""
+        import torch
+
+        slot = self._slot(name)
+        planned = slot.tensor
+        row_bytes = planned.nbytes // planned.shape[0]
+        done = 0
+        for start, rows in pieces:
+            if tuple(rows.shape[1:]) != planned.shape[1:] or start + rows.shape[0] > planned.shape[0]:
+                raise RuntimeError(f"{name}: rows {start}+{tuple(rows.shape)} do not fit {planned.shape}")
+            data = rows.detach().to(device="cpu", dtype=torch_dtype(planned.dtype)).contiguous()
+            raw = data.reshape(-1).view(torch.uint8).numpy()
+            _pwrite_all(self._fds[slot.file], memoryview(raw), slot.offset + start * row_bytes)
+            self._wrote(slot.file, len(raw))
+            done += len(raw)
+        if done != planned.nbytes:
+            raise RuntimeError(f"{name}: {done} bytes written in pieces, {planned.nbytes} planned")
+        return done
 
     def copy_raw(self, name: str, source: TensorInfo) -> int:
         """Copy a tensor's bytes unchanged from a source shard (no decode, no re-encode)."""

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from otdus_cli.arch.families import family_for
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.fingerprint import SCHEME, group_fingerprint, tensor_fingerprint
+from otdus_cli.io.fingerprint import SCHEME, group_fingerprint, slice_fingerprint, tensor_fingerprint
 from otdus_cli.io.reader import CheckpointReader, file_sha256
 from otdus_cli.io.safetensors_format import itemsize
 from otdus_cli.io.stack import LayerStack, read_stack
@@ -248,7 +248,7 @@ def prove(base: LayerStack, expanded: LayerStack, claimed: Sequence[dict] | None
 
     outside = sorted(base.head + base.tail)
     outside_equal = outside == sorted(expanded.head + expanded.tail) and all(
-        tensor_fingerprint(base.reader, n) == tensor_fingerprint(expanded.reader, n) for n in outside
+        _outside_same(base, expanded, n, findings) for n in outside
     )
     reason = ""
     if not outside_equal:
@@ -263,6 +263,25 @@ def prove(base: LayerStack, expanded: LayerStack, claimed: Sequence[dict] | None
             reason = f"layer {bad.index} is {what} and not an identity (its output projections are not zero)"
     claims = None if claimed is None else map_claims_preserving(claimed, base.depth)
     return StaticProof(findings, outside_equal, reason == "", reason, claims)
+
+
+def _outside_same(base: LayerStack, expanded: LayerStack, name: str, findings: list[LayerFinding]) -> bool:
+    """A tensor outside the layers is the base's: the same, or, where it holds a slice per layer (Gemma
+    4's per-layer inputs: arch/layer_slices.py), each base layer's slice where the expansion holds that
+    layer (a new layer's slice feeds that layer alone, which the layer check judges)."""
+    from otdus_cli.arch.layer_slices import slices_of
+
+    before, after = base.reader.meta(name).shape, expanded.reader.meta(name).shape
+    sliced = slices_of(tuple(before), tuple(after), len(base.layers), len(expanded.layers))
+    if sliced is None:
+        return tensor_fingerprint(base.reader, name) == tensor_fingerprint(expanded.reader, name)
+    axis, width = sliced.axis, sliced.width
+    return all(
+        slice_fingerprint(base.reader, name, axis, width, f.copy_of)
+        == slice_fingerprint(expanded.reader, name, axis, width, f.index)
+        for f in findings
+        if f.base and f.copy_of is not None
+    )
 
 
 def map_claims_preserving(entries: Sequence[dict], base_depth: int) -> bool:
