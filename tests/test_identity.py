@@ -144,9 +144,9 @@ def test_a_kind_no_zeroing_makes_an_identity_leaves_the_other_kinds_zero_init(tm
 def test_a_refusal_suggests_new_layers_after_the_last_only_where_that_works(tmp_path):
     """RWKV halves its hidden state after every sixth layer (rescale_every=6): with 4 + 2 layers the sixth
     is new wherever it goes, so the refusal does not send the user to --after 3 (DiffLLaMA's does:
-    tests/test_hybrid.py)."""
+    tests/test_hybrid.py) but says how many new layers keep the logits (tests/test_zero_init_limits.py)."""
     _save("rwkv", tmp_path / "src", rescale_every=6)
-    with pytest.raises(OtdusError, match=r"hands on\); without zero-init"):
+    with pytest.raises(OtdusError, match=r"at most 1 new layer, placed anywhere, keeps both; without"):
         expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
     assert not (tmp_path / "out").exists()
 
