@@ -70,12 +70,22 @@ def test_the_first_layer_is_proved_an_identity_on_every_stream_it_hands_on(tmp_p
     assert kind["layer"] == 0 and "attention.output.dense.weight" in kind["zeroed"], kind
 
 
-def test_rwkv_keeps_its_logits_where_every_layer_keeps_its_rescaling_group(tmp_path):
-    """RWKV with rescale_every=2 and 4 layers: one new layer after base layer 3 leaves every base layer in
-    its group and the stream halved twice before the final norm, so the logits stay bit for bit."""
-    base = save_perturbed("rwkv", {**RWKV, "rescale_every": 2}, tmp_path / "src", use_cache=False)
-    expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="copy", after=[3], zero_init=True))
+@pytest.mark.parametrize(
+    ("every", "after", "written"),
+    [
+        (2, [3], 2),  # within the last group: every base layer keeps its group as it is
+        (2, [1, 3], 3),  # one new layer in each group of 2: groups of 3
+        (6, [1, 3], 7),  # 4 + 2 layers, never halved before: was refused (the sixth layer halved the stream)
+    ],
+)
+def test_rwkv_keeps_its_logits_where_every_layer_keeps_its_rescaling_group(tmp_path, every, after, written):
+    """RWKV (4 layers) rescales in groups of rescale_every layers in eval mode: where the new layers leave
+    every base layer in its group and the stream halved as often before the final norm, with
+    rescale_every rewritten to the group size that does so, the logits stay bit for bit."""
+    base = save_perturbed("rwkv", {**RWKV, "rescale_every": every}, tmp_path / "src", use_cache=False)
+    expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="copy", after=after, zero_init=True))
     grown = load_causal_lm(tmp_path / "out")
+    assert grown.config.rescale_every == written
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(grown(input_ids=ids, use_cache=False).logits, base)
@@ -98,14 +108,10 @@ def test_rwkv_keeps_its_logits_where_every_layer_keeps_its_rescaling_group(tmp_p
             "in eval mode transformers rescales the stack in groups of rescale_every=2 layers (layer i's "
             "output weights divided by 2 ** (i // 2), the hidden states halved after each group), which "
             "keeps the function only up to LayerNorm's eps (a stream scaled by 1/2 ** g meets an eps 4 ** g "
-            "times larger): a base layer that moves to another group, or a depth that halves the stream more "
-            "or less often than the base's 2 times before the final norm, changes the logits; at most 1 new "
-            "layer, after base layer 3, keeps both" + WITHOUT,
-        ),
-        (
-            "rwkv", {**RWKV, "rescale_every": 6}, ["--layers", "2"],
-            "than the base's 0 times before the final norm, changes the logits; at most 1 new layer, placed "
-            "anywhere, keeps both" + WITHOUT,
+            "times larger), so every base layer must stay in its group and the stream be halved 2 times "
+            "before the final norm, which no rescale_every gives for this placement; the same number of new "
+            "layers in every group keeps both (rescale_every rewritten; e.g. --after 1,3: one after each "
+            "group's last layer), as does at most 1 new layer after base layer 3" + WITHOUT,
         ),
         (
             "beam", None, ["--layers", "2"],

@@ -323,7 +323,8 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
         from otdus_cli.arch.wrappers import text_config
 
         kept = [None if new else i for i, new in zip(sources, zero_init, strict=True)]
-        return why_logits_differ(text_config(config), base, modules_of(base, prefix[:-1]), ids, kept)
+        layers = modules_of(base, prefix[:-1])
+        return why_logits_differ(text_config(config), text_config(written), base, layers, ids, kept)
     return None
 
 

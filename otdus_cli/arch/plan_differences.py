@@ -12,7 +12,9 @@ on the two models, and the placements that keep the logits:
   i's output weights by 2 ** (i // rescale_every) and halves the hidden states after every
   rescale_every-th layer). Exact in floating point but for LayerNorm's eps, which a scaled input sees
   larger: a base layer that moves to another group, or a depth that changes how often the stream is
-  halved before the final norm, changes the logits. Known from the config field (STACK_RESCALING).
+  halved before the final norm, changes the logits. config_rules rewrites the group size where one
+  keeps both (same_groups); where none does, this says which placements do. Known from the config field
+  (STACK_RESCALING).
 - else: a layer's index enters its computation (a factor, a rotation or a window by index), or a later
   layer reuses what the layer before it hands on (POSITION_DIFFERS).
 """
@@ -29,19 +31,20 @@ POSITION_DIFFERS = (
 STACK_RESCALING = ("rescale_every",)
 
 
-def why_logits_differ(config: dict, base, layers: list, ids, sources: list[int | None]) -> str:
+def why_logits_differ(config: dict, written: dict, base, layers: list, ids, sources: list[int | None]) -> str:
     """The reason the expanded model's logits differ from ``base``'s (a tiny instance of ``config``, the
-    base's text settings; ``layers``: its decoder layers; run on ``ids``; ``sources``: for each layer of
-    the expanded model, the base layer it is, None for a new one), with the placements that keep them."""
+    base's text settings; ``written``: the expanded model's; ``layers``: the base's decoder layers; run on
+    ``ids``; ``sources``: for each expanded layer, the base layer it is, None for a new one), with the
+    placements that keep them."""
     depth = len(layers)
     drawing = _layers_drawing(base, layers, ids)
     if drawing is not None:
         return _draws_message(drawing, depth)
     for name in STACK_RESCALING:
-        every = config.get(name)
-        if isinstance(every, int) and not isinstance(every, bool) and every > 0:
-            moved = any(i is not None and i // every != j // every for j, i in enumerate(sources))
-            if moved or len(sources) // every != depth // every:
+        every, size = config.get(name), written.get(name)
+        if isinstance(every, int) and not isinstance(every, bool) and every > 0 and isinstance(size, int):
+            moved = any(i is not None and i // every != j // size for j, i in enumerate(sources))
+            if size <= 0 or moved or len(sources) // size != depth // every:
                 return _rescaling_message(name, every, depth)
     return POSITION_DIFFERS
 
@@ -104,18 +107,16 @@ def _draws_message(drawing: list[int], depth: int) -> str:
 
 def _rescaling_message(name: str, every: int, depth: int) -> str:
     groups = depth // every
+    ends = ",".join(str(every * g + every - 1) for g in range(groups))
     room = every - 1 - depth % every
-    after = every * groups - 1
-    if room == 0:
-        keep = "no new layer keeps both here"
-    else:
-        where = "placed anywhere" if after < 0 else f"after base layer {after}"
-        plural = room > 1
-        keep = f"at most {room} new layer{'s' if plural else ''}, {where}, keep{'' if plural else 's'} both"
+    tail = f", as {'do' if room > 1 else 'does'} at most {room} new layer{'s' * (room > 1)}" if room else ""
+    tail += f" after base layer {every * groups - 1}" if room else ""
     return (
-        f"in eval mode transformers rescales the stack in groups of {name}={every} layers (layer i's output "
-        f"weights divided by 2 ** (i // {every}), the hidden states halved after each group), "
-        "which keeps the function only up to LayerNorm's eps (a stream scaled by 1/2 ** g meets an eps "
-        "4 ** g times larger): a base layer that moves to another group, or a depth that halves the stream "
-        f"more or less often than the base's {groups} times before the final norm, changes the logits; {keep}"
+        f"in eval mode transformers rescales the stack in groups of {name}={every} layers (layer i's "
+        f"output weights divided by 2 ** (i // {every}), the hidden states halved after each group), which "
+        "keeps the function only up to LayerNorm's eps (a stream scaled by 1/2 ** g meets an eps 4 ** g "
+        f"times larger), so every base layer must stay in its group and the stream be halved {groups} times "
+        f"before the final norm, which no {name} gives for this placement; the same number of new layers "
+        f"in every group keeps both ({name} rewritten; e.g. --after {ends}: one after each group's last "
+        f"layer){tail}"
     )
