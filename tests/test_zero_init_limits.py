@@ -17,14 +17,23 @@ import torch
 
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
-from scripts.coverage import build
-from scripts.tiny_configs import NEEDS
 from tests.support.cli_checks import no_output_left, one_error_line
 from tests.support.file_checks import run_cli
-from tests.support.tiny_models import load_causal_lm, save_perturbed
+from tests.support.tiny_models import COMMON, load_causal_lm, save_perturbed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
+TINY = {**COMMON, "head_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# Reformer's causal LM takes a decoder config only; its axial position shape multiplies to the length
+REFORMER = TINY | dict(
+    is_decoder=True, axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], num_buckets=2,
+    attn_layers=["local", "lsh", "local", "lsh"], local_attn_chunk_length=4, lsh_attn_chunk_length=4,
+)  # fmt: skip
+MOE = TINY | dict(
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    v_head_dim=8,
+)  # fmt: skip
 RWKV = dict(
     vocab_size=96, hidden_size=32, num_hidden_layers=4, attention_hidden_size=32, intermediate_size=48
 )
@@ -45,7 +54,7 @@ def test_reformer_keeps_its_logits_where_no_new_layer_shifts_the_random_draws(tm
     and one of LSH layer 3 after it keep the logits bit for bit with the generator in the same state. It
     was refused: the first layer's proof did not see its second stream (attention.output.dense was left
     in a new local layer), and the plan's proof ran base and expanded model on different draws."""
-    build("reformer", tmp_path / "src")
+    save_perturbed("reformer", REFORMER, tmp_path / "src", use_cache=False)
     base = _seeded_logits(tmp_path / "src")
     assert not torch.equal(base, _seeded_logits(tmp_path / "src", seed=1))  # the base itself draws
     placed = ExpandOptions(method="copy", after=[0, 3], zero_init=True)
@@ -58,9 +67,7 @@ def test_the_first_layer_is_proved_an_identity_on_every_stream_it_hands_on(tmp_p
     Y2 = X2 + feed_forward(Y1)). The first layer's proof saw only the one its output leads with, so it
     left attention.output.dense in a new layer and the plan's proof refused zero-init; now the states a
     layer hands on are learned from the first layer and the next where no layer comes before."""
-    fields = {**NEEDS["reformer"][0], "attn_layers": ["local"] * 4}
-    fields |= dict(vocab_size=96, hidden_size=32, num_attention_heads=4, attention_head_size=8,
-                   feed_forward_size=48, max_position_embeddings=64)  # fmt: skip
+    fields = {**REFORMER, "attn_layers": ["local"] * 4}
     save_perturbed("reformer", fields, tmp_path / "src", use_cache=False)
     base = _seeded_logits(tmp_path / "src")
     expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="copy", layers=2, zero_init=True))
@@ -95,7 +102,7 @@ def test_rwkv_keeps_its_logits_where_every_layer_keeps_its_rescaling_group(tmp_p
     ("model_type", "fields", "flags", "why"),
     [
         (
-            "reformer", None, ["--after", "1"],
+            "reformer", REFORMER, ["--after", "1"],
             "base layers 1, 3 draw random numbers from torch's global "
             "random generator as they run (unseeded random projections: Reformer's LSH hashing without "
             "hash_seed in config.json), so even the base's logits change from run to run, and a copy of one "
@@ -114,12 +121,12 @@ def test_rwkv_keeps_its_logits_where_every_layer_keeps_its_rescaling_group(tmp_p
             "group's last layer), as does at most 1 new layer after base layer 3" + WITHOUT,
         ),
         (
-            "beam", None, ["--layers", "2"],
+            "beam", MOE, ["--layers", "2"],
             "its residual path multiplies the hidden state by a = 0.57735, the same for every token and "
             "feature: a constant of transformers' code for the layer at this index",
         ),
         (
-            "deepseek_v4", None, ["--layers", "2"],
+            "deepseek_v4", MOE, ["--layers", "2"],
             "its residual path mixes the 4 parallel streams it carries (output = M x for each token, M "
             "computed from x: hyper-connections), and M is not the identity: the config's hc_eps=1e-06 is "
             "added to every weight of M, so it never is",
@@ -129,10 +136,7 @@ def test_rwkv_keeps_its_logits_where_every_layer_keeps_its_rescaling_group(tmp_p
 def test_a_refused_placement_names_the_mechanism(tmp_path, model_type, fields, flags, why):
     """One `error:` line, exit 2, nothing written; it names what makes the logits differ (the generator's
     draws, the rescaling groups, the constant residual factor, the stream mixing) and what works."""
-    if fields is None:
-        build(model_type, tmp_path / "src")
-    else:
-        save_perturbed(model_type, fields, tmp_path / "src", use_cache=False)
+    save_perturbed(model_type, fields, tmp_path / "src", use_cache=False)
     args = ["expand", tmp_path / "src", "--out", tmp_path / "out", "--method", "copy", "--zero-init", *flags]
     line = one_error_line(run_cli(*args))
     assert line.startswith(f"error: zero-init for derived:{model_type}: "), line
