@@ -180,12 +180,14 @@ def test_a_kind_no_zeroing_makes_an_identity_leaves_the_other_kinds_zero_init(tm
 
 
 def test_a_refusal_suggests_new_layers_after_the_last_only_where_that_works(tmp_path):
-    """RWKV halves its hidden state after every sixth layer (rescale_every=6): with 4 + 2 layers the sixth
-    is new wherever it goes, so the refusal does not send the user to --after 3 (DiffLLaMA's does:
-    tests/test_hybrid.py)."""
-    _save("rwkv", tmp_path / "src", rescale_every=6)
-    with pytest.raises(OtdusError, match=r"hands on\); without zero-init"):
-        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    """RWKV halves its hidden state after every second layer (rescale_every=2): a new layer after base
+    layer 2 moves layer 3 to another group, and 2 copies of layer 3 after it would halve the stream once
+    more, so the refusal does not send the user to --after 3 (DiffLLaMA's does: tests/test_hybrid.py) but
+    says which placements keep the logits (tests/test_zero_init_limits.py)."""
+    _save("rwkv", tmp_path / "src", rescale_every=2)
+    with pytest.raises(OtdusError, match=r"as does at most 1 new layer after base layer 3; without") as error:
+        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", after=[2]))
+    assert "leave every base layer's index" not in str(error.value)
     assert not (tmp_path / "out").exists()
 
 

@@ -180,6 +180,8 @@ def _rewrite_stack_config(
             out[name] = _rewrite_last_count(name, value, sources, base_layers)
         elif kind == "inverse_sqrt_depth" and isinstance(value, int | float) and not isinstance(value, bool):
             out[name] = same_quotient(value, base_layers, len(sources))
+        elif kind == "group_size" and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            out[name] = same_groups(value, layer_map, base_layers)
         elif kind == "refuse" and value:
             raise OtdusError(
                 f"config {name}={value}: layers stored after the decoder stack are not supported yet"
@@ -249,6 +251,21 @@ def same_quotient(value: float, depth: int, new_depth: int) -> float:
     raise OtdusError(
         f"config: no value of a depth-scaled field keeps {value} / sqrt({depth}) exactly at "
         f"{new_depth} layers"
+    )
+
+
+def same_groups(size: int, layer_map: list[OutputLayer], base_layers: int) -> int:
+    """The smallest group size from ``size`` up with which every base layer of the layer map lies in the
+    group it was in (index // size) and the stack holds as many whole groups; ``size`` where none does."""
+    kept = [(j, lay.source) for j, lay in enumerate(layer_map) if not lay.new]
+    depth = len(layer_map)
+    return next(
+        (
+            s
+            for s in range(size, depth + 2)
+            if all(j // s == i // size for j, i in kept) and depth // s == base_layers // size
+        ),
+        size,
     )
 
 

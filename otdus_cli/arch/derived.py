@@ -23,6 +23,7 @@ from otdus_cli.arch.causal_lm import build_causal_lm, causal_lm_class_name
 from otdus_cli.arch.config_rules import layer_keyed
 from otdus_cli.arch.depth import depth_field, stated_depth
 from otdus_cli.arch.hf_config import transformers_config
+from otdus_cli.arch.plan_differences import POSITION_DIFFERS
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.verify.quiet import quiet_transformers
@@ -445,7 +446,8 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> dict:
     if why:
         last = source.depth - 1
         moved = any(not lay.new and lay.index != lay.source for lay in layer_map)
-        if moved and _works_after_last(source, sum(lay.new for lay in layer_map)):
+        # a reason of its own (arch/plan_differences.py) names the placements that keep the logits
+        if why == POSITION_DIFFERS and moved and _works_after_last(source, sum(lay.new for lay in layer_map)):
             why += f"; new layers after the last one (--after {last}) leave every base layer's index as it is"
         raise OtdusError(f"zero-init for {family.name}: {why}; {WITHOUT_ZERO_INIT}")
     return sliced

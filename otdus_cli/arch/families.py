@@ -442,6 +442,10 @@ def family_for(config: dict, allow_unknown: bool = False) -> Family:
 #     which must be the last output layers.
 #   trailing: the number of layers stored after the stack (DeepSeek-V3's multi-token prediction
 #     module, model.layers.{L}...): unchanged; io/stack.py keeps them after the new last layer.
+#   group_size: layers count in groups of this many by index (RWKV's rescale_every: in eval mode the
+#     weights of group g are divided by 2 ** g and the stream halved after each group): rewritten to
+#     the smallest size that keeps every base layer in its group and the number of whole groups, where
+#     one does (the same number of new layers in every group); else kept (arch/plan_differences.py).
 DEPTH_FIELDS: dict[str, str] = {
     "layer_types": "per_layer",
     "no_rope_layers": "per_layer",
@@ -453,4 +457,5 @@ DEPTH_FIELDS: dict[str, str] = {
     "num_kv_shared_layers": "last_count",
     "num_nextn_predict_layers": "trailing",
     "scale_depth": "inverse_sqrt_depth",
+    "rescale_every": "group_size",
 }

@@ -87,6 +87,9 @@ _SEQUENCE = 8
 _NARROW_SELECTION = {"index_topk": 3, "index_topk_blocks": 1}
 # a tiny instance: the model, how it was made, the names of its vectors transformers initialises to ones
 TinyInstance = tuple[object, str, set[str]]
+# config fields added to every weight of a hyper-connection's stream-mixing matrix (after its softmax, in
+# each Sinkhorn step: DeepSeek V4's hc_eps), so that no weight setting makes the matrix the identity
+MIX_FLOORS = ("hc_eps",)
 AS_GIVEN = "the config as given"  # how a proof's instance is described when nothing was shrunk
 
 
@@ -317,18 +320,16 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(1))
     try:
         grown.load_state_dict(out, strict=True)
-        with torch.no_grad():
-            same = torch.equal(
-                base(input_ids=ids, use_cache=False).logits, grown(input_ids=ids, use_cache=False).logits
-            )
+        same = torch.equal(seeded_logits(base, ids), seeded_logits(grown, ids))
     except Exception as exc:
         return f"the expanded tiny model did not run ({type(exc).__name__})"
     if not same:
-        return (
-            "on a tiny instance the expanded model's logits differ from the base's although each new layer "
-            "is an identity: its layers compute differently at their new positions (their index enters "
-            "their computation, or a later layer reuses what the layer before it hands on)"
-        )
+        from otdus_cli.arch.plan_differences import why_logits_differ
+        from otdus_cli.arch.wrappers import text_config
+
+        kept = [None if new else i for i, new in zip(sources, zero_init, strict=True)]
+        layers = modules_of(base, prefix[:-1])
+        return why_logits_differ(text_config(config), text_config(written), base, layers, ids, kept)
     return None
 
 
@@ -339,6 +340,17 @@ def _slices_for(value, shape: tuple | None, base_depth: int, sources: list[int])
 
     sliced = None if shape is None else slices_of(tuple(value.shape), shape, base_depth, len(sources))
     return value if sliced is None else select_slices(value, sliced, sources)
+
+
+def seeded_logits(model, ids, seed: int = 0):
+    """The model's logits on ``ids``, run with torch's global random generator seeded with ``seed`` (and
+    left as it was): a model that draws random numbers in its forward (Reformer's LSH hashing without a
+    hash_seed) gives the same logits for the same draws, which is all its expansion can keep."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        return model(input_ids=ids, use_cache=False).logits
 
 
 def _narrowed(config: dict) -> dict:
@@ -461,7 +473,10 @@ class _LayerRun:
 
     def __init__(self, model, layers: list, index: int, ids) -> None:
         self.model, self.layer, self.ids = model, layers[index], ids
-        self.previous = layers[index - 1] if index else None
+        # the pair of layers whose hand-over shows which states a layer carries: this one and the one
+        # before; for the first (handed its states by the model: Reformer's two streams), it and the next
+        following = layers[min(1, len(layers) - 1)]
+        self.pair = (layers[index - 1], self.layer) if index else (self.layer, following)
         self.params = {**dict(self.layer.named_parameters()), **stored_buffers(self.layer)}
         self._calls: dict[str, int] = {}
         self._seen: dict = {}
@@ -488,7 +503,8 @@ class _LayerRun:
     def carried(self) -> list[tuple[int, int | str]]:
         """The states besides the hidden states that the layer before hands this one, as (their place in
         a layer's output, where this layer takes them: an argument's position or keyword): the tensors
-        the layer before returns that this one is called with, found in one run."""
+        the layer before returns that this one is called with (for the first layer: that it returns and
+        the next is called with), found in one run."""
         if self._carried is None:
             import torch
 
@@ -503,16 +519,23 @@ class _LayerRun:
                 places = [*enumerate(args), *kwargs.items()]
                 found.extend((returned[id(t)][0], where) for where, t in places if id(t) in returned)
 
-            hooks = [self.layer.register_forward_pre_hook(called, with_kwargs=True)]
-            if self.previous is not None:
-                hooks.append(self.previous.register_forward_hook(handed))
+            given: set[int | str] = set()  # where this layer is handed a tensor (the first: by the model)
+
+            def handed_here(_module, args, kwargs) -> None:
+                given.update(where for where, t in [*enumerate(args), *kwargs.items()] if torch.is_tensor(t))
+
+            before, after = self.pair
+            hooks = [self.layer.register_forward_pre_hook(handed_here, with_kwargs=True)]
+            if before is not after:
+                hooks.append(after.register_forward_pre_hook(called, with_kwargs=True))
+                hooks.append(before.register_forward_hook(handed))
             try:
                 with torch.no_grad():
                     self.model(input_ids=self.ids, use_cache=False)
             finally:
                 for hook in hooks:
                     hook.remove()
-            self._carried = found
+            self._carried = [(k, where) for k, where in found if where in given]
         return self._carried
 
     def widths(self) -> set[int]:
@@ -597,9 +620,28 @@ class _LayerRun:
                 "output = norm(x + f(x)); or a residual taken after a norm), which no zeroing makes an "
                 "identity"
             )
+        if x.shape == y.shape and x.dim() == 4 and _mixes_streams(x, y):
+            text = self.model.config.get_text_config()
+            values = {n: getattr(text, n, None) for n in MIX_FLOORS}
+            floors = [f"{n}={v:g}" for n, v in values.items() if isinstance(v, float) and v > 0]
+            never = ""
+            if floors:
+                never = f": the config's {floors[0]} is added to every weight of M, so it never is"
+            return (
+                f"its residual path mixes the {x.shape[2]} parallel streams it carries (output = M x for "
+                f"each token, M computed from x: hyper-connections), and M is not the identity{never}"
+            )
         if x.shape == y.shape and x.dim() >= 2 and bool((x != 0).all()):
             scale = y[..., :1, :] / x[..., :1, :]
             if torch.allclose(y, x * scale, rtol=1e-5, atol=1e-6):
+                a = scale.flatten()[0]
+                if torch.allclose(scale, a, rtol=1e-6, atol=0):  # one number: no tensor of the layer holds it
+                    return (
+                        f"its residual path multiplies the hidden state by a = {a.item():.6g}, the same for "
+                        "every token and feature: a constant of transformers' code for the layer at this "
+                        "index (Beam: sqrt((k - 1) / k) at its k-th residual add), which no weight setting "
+                        "makes 1"
+                    )
                 return (
                     "its residual path multiplies the hidden state by factors other than 1 (output = a * x), "
                     "which neither zeroing nor setting to 1 a scale of the layer (a vector transformers "
@@ -621,6 +663,16 @@ class _LayerRun:
                 "(it adds its own input back: a residual branch of its own), which enters the residual stream"
             )
         return "its residual path itself changes the hidden state (more than the tensors that write into it)"
+
+
+def _mixes_streams(x, y) -> bool:
+    """Whether ``y`` mixes the parallel streams of ``x`` (batch, tokens, streams, width): for each token,
+    y = M^T x for some streams x streams matrix M, to float32 precision."""
+    import torch
+
+    xs, ys = x.double().flatten(0, 1).transpose(1, 2), y.double().flatten(0, 1).transpose(1, 2)
+    mix = torch.linalg.lstsq(xs, ys).solution
+    return torch.allclose(xs @ mix, ys, rtol=1e-5, atol=1e-6)
 
 
 @quiet_transformers
