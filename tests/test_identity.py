@@ -335,7 +335,8 @@ def test_verify_proves_no_identity_where_a_residual_scale_is_not_one(tmp_path):
 def test_a_list_of_layers_counted_from_one_is_renumbered_as_such(tmp_path):
     """Qwen4-Exp's ple_layer_ids counts layers from 1 (the derivation learns it from the class: emptying the
     list changes the kind of layer 3 for ids [4]); read from 0, the last layer's number was "beyond its 4
-    layers" and expanding was refused."""
+    layers" and expanding was refused. verify's head pass ran the forward on placeholder embeddings, from
+    which it recovers the n-gram ids through the embedding table, which is not loaded there: it failed."""
     base = _save(
         "qwen4_exp_text",
         tmp_path / "src",
@@ -347,6 +348,9 @@ def test_a_list_of_layers_counted_from_one_is_renumbered_as_such(tmp_path):
     grown = load_causal_lm(tmp_path / "out")
     assert grown.config.ple_layer_ids == [5] and grown.model.layers[4].ple is not None
     assert torch.equal(logits(grown, use_cache=False), base)
+    # verify's head pass gives token ids: from embeddings alone the forward reads the embedding table
+    report = verify_expansion(tmp_path / "src", tmp_path / "out", random_eval_set())
+    assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict
 
 
 @pytest.mark.skipif(not _shipped("qwen4_exp_text"), reason="this transformers has no Qwen4-Exp")

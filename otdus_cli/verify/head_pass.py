@@ -49,9 +49,23 @@ def _unused_embeddings(model: StreamedModel, states: torch.Tensor) -> torch.Tens
 
 
 def takes_embeddings(model: StreamedModel) -> bool:
-    """Whether the family's forward takes ``inputs_embeds``; CPM-Ant's takes token ids only (it prepends
-    its prompt tokens to them, so its layers see more positions than the window has)."""
-    return "inputs_embeds" in inspect.signature(model.model.forward).parameters
+    """Whether the head pass can give the family's forward ``inputs_embeds``: CPM-Ant's takes token ids
+    only (it prepends its prompt tokens to them, so its layers see more positions than the window has);
+    Qwen4-Exp's with per-layer n-gram embeddings recovers the token ids from the input embeddings, which
+    the head pass does not load (found once, by a head pass on one position with the head loaded)."""
+    if "inputs_embeds" not in inspect.signature(model.model.forward).parameters:
+        return False
+    known = getattr(model, "_head_takes_embeddings", None)
+    if known is None:
+        model.weights.load_shell("head")
+        probe = torch.zeros(1, 1, int(model.text_config.hidden_size), dtype=model.dtype, device=model.device)
+        try:
+            head_logits(model, probe)
+            known = True
+        except Exception as exc:  # another failure (a placeholder of the wrong shape) is the real pass's
+            known = "meta" not in str(exc)
+        model._head_takes_embeddings = known
+    return known
 
 
 def head_logits(model: StreamedModel, states: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
