@@ -4,7 +4,8 @@ where they were not, per layer kind in a hybrid stack.
 
 ERNIE 4.5, Seed-OSS and Gemma (llama-like layers under their own class names, Gemma's norms scaling by
 1 + w; transformers 5 and 4.57.6 both ship them), VaultGemma and GLM (Gemma 2's and GLM-4's layers
-without their output norms), EXAONE 3 (llama's layers, which transformers 5 saves
+without their output norms), HunYuan dense (Qwen3's roles, its q/k norms named query_layernorm and
+key_layernorm), EXAONE 3 (llama's layers, which transformers 5 saves
 under other names: transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers
 with roles, MoE layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds
 twice the heads' rows) and GPT-2 (other names).
@@ -31,13 +32,14 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 # the template whose roles the layers take, and the norms' offset: llama's roles under other class names;
 # Gemma's norms scale by 1 + w (the proof finds the offset); VaultGemma's layers are Gemma 2's and GLM's
-# are GLM-4's, each without the output norms
+# are GLM-4's, each without the output norms; HunYuan's are Qwen3's with its q/k norms under other names
 TEMPLATE = {
     "ernie4_5": ("llama", 0.0),
     "seed_oss": ("llama", 0.0),
     "gemma": ("llama", 1.0),
     "vaultgemma": ("gemma2", 1.0),
     "glm": ("glm4", 0.0),
+    "hunyuan_v1_dense": ("qwen3", 0.0),
 }
 LLAMA_LIKE = tuple(TEMPLATE)
 # GLM-4.5 with two dense layers first (a pair OT can build from), then MoE layers
@@ -48,7 +50,8 @@ GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense
 def models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     root = tmp_path_factory.mktemp("derived_roles")
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
-    fields = {mt: dict(COMMON, **ids) for mt in LLAMA_LIKE} | {"glm4_moe": GLM4_MOE}
+    extra = {"hunyuan_v1_dense": {"head_dim": 8}}  # its config class leaves it None
+    fields = {mt: dict(COMMON, **ids, **extra.get(mt, {})) for mt in LLAMA_LIKE} | {"glm4_moe": GLM4_MOE}
     return {mt: (root / mt, save_perturbed(mt, f, root / mt)) for mt, f in fields.items()}
 
 

@@ -42,6 +42,8 @@ _SEQUENCE = 8
 _HIDDEN_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
 _HEAD_NORMS = ("q_norm", "k_norm")
 _OUTPUT_NORMS = ("attn_out_norm", "mlp_out_norm")  # a sublayer's output normed before the residual add
+# other names transformers' classes give a role's module (HunYuan's query_layernorm for q_norm)
+_ROLE_ALIASES = {"q_norm": ("self_attn.query_layernorm",), "k_norm": ("self_attn.key_layernorm",)}
 
 
 @dataclass
@@ -97,12 +99,22 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
     """The template whose roles are exactly a layer's tensors (names -> shapes), or None and why not (with
     the template whose roles explain most of them). A pre-norm template's output norms are optional: a
     layer without them (VaultGemma: Gemma 2's layer without its post-norms; GLM: GLM-4's) takes its
-    other roles, which the methods read as for a template that has none (llama's)."""
+    other roles, which the methods read as for a template that has none (llama's). A role's module may
+    go by another name (_ROLE_ALIASES); the permutation proof shows it plays the role."""
     closest: tuple[tuple[int, int], Family, list[str], list[str]] | None = None
     for fam in role_templates():
         absent = {r for r in _OUTPUT_NORMS if r in fam.roles and f"{fam.roles[r]}.weight" not in tensors}
         if absent and not fam.has(POST_NORM):
             fam = replace(fam, roles={r: p for r, p in fam.roles.items() if r not in absent})
+        renamed = {
+            role: alias
+            for role, path in fam.roles.items()
+            if f"{path}.weight" not in tensors
+            for alias in _ROLE_ALIASES.get(role, ())
+            if f"{alias}.weight" in tensors
+        }
+        if renamed:
+            fam = replace(fam, roles={**fam.roles, **renamed})
         paths = set(fam.roles.values())
         missing = [path for path in fam.roles.values() if f"{path}.weight" not in tensors]
         unexplained = [
