@@ -481,6 +481,7 @@ def test_shrink_runs_under_a_memory_limit_smaller_than_the_checkpoint(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # two ranks, each importing torch: make test-long (expand's twin stays in make test)
 def test_shrink_on_two_ranks_writes_the_bytes_of_one_process(tmp_path):
     """Rank 0 measures the scores once; both ranks plan with them and build a merged layer each."""
     from tests.support.ranks import one_process, same_output, two_ranks
