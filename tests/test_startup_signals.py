@@ -75,7 +75,14 @@ def assert_clean_stop(code: int, lines: list[str], parent: Path) -> None:
     assert sorted(p.name for p in parent.iterdir()) == ["src"]
 
 
-@pytest.mark.parametrize("trigger", ["torch._C", "numpy.linalg", "scipy.optimize"])
+@pytest.mark.parametrize(  # torch's in make test; numpy's and scipy's (a CLI process each) in test-long
+    "trigger",
+    [
+        "torch._C",
+        pytest.param("numpy.linalg", marks=pytest.mark.slow),
+        pytest.param("scipy.optimize", marks=pytest.mark.slow),
+    ],
+)
 def test_a_signal_inside_a_heavy_import_waits_for_the_import(stories, tmp_path, trigger):
     """`expand --method ot` imports torch, numpy and scipy after the claim on --out is taken."""
     src = tmp_path / "src"
