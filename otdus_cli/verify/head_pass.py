@@ -55,17 +55,15 @@ def takes_embeddings(model: StreamedModel) -> bool:
     the head pass does not load (found once, by a head pass on one position with the head loaded)."""
     if "inputs_embeds" not in inspect.signature(model.model.forward).parameters:
         return False
-    known = getattr(model, "_head_takes_embeddings", None)
-    if known is None:
+    if model.head_takes_embeddings is None:
         model.weights.load_shell("head")
         probe = torch.zeros(1, 1, int(model.text_config.hidden_size), dtype=model.dtype, device=model.device)
         try:
             head_logits(model, probe)
-            known = True
+            model.head_takes_embeddings = True
         except Exception as exc:  # another failure (a placeholder of the wrong shape) is the real pass's
-            known = "meta" not in str(exc)
-        model._head_takes_embeddings = known
-    return known
+            model.head_takes_embeddings = "meta" not in str(exc)
+    return model.head_takes_embeddings
 
 
 def head_logits(model: StreamedModel, states: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:

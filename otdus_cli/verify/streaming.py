@@ -107,6 +107,8 @@ class StreamedModel:
         if self_check not in ("off", "on", "whole-model"):
             raise ValueError(f"self_check must be off, on or whole-model, not {self_check!r}")
         self.self_check = self_check
+        # whether the head pass can give the forward placeholder embeddings (head_pass.takes_embeddings)
+        self.head_takes_embeddings: bool | None = None
         self._check_pending = self_check != "off"
         try:
             config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
