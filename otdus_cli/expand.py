@@ -156,6 +156,9 @@ def output_layout(
 if TYPE_CHECKING:
     import torch
 
+    from otdus_cli.arch.identity_values import IdentityValue
+    from otdus_cli.io.stack import SourceLayer
+
 
 def _out_dtype(code: str, dtype: str) -> str:
     if dtype == "auto" or code not in FLOAT_CODES:
@@ -324,17 +327,20 @@ class _Engine:
             if value is None:
                 self._copy(src.name(suffix), out)
             elif out in self.mine:
-                self._write_value(out, value)
+                self._write_value(out, value, src)
 
-    def _write_value(self, out: str, value: float) -> None:
-        """A tensor of a zero-init layer that holds ``value`` everywhere (Family.zero_init_value): zeros
-        without torch; another value (a derived template's residual scale at 1: arch/identity.py)."""
+    def _write_value(self, out: str, value: IdentityValue, source: SourceLayer) -> None:
+        """A tensor of a zero-init layer that holds ``value`` (Family.zero_init_value): zeros without
+        torch; another value (a derived template's residual scale at 1, an expert-choice bias that counts
+        the ``source`` layer's experts: arch/identity_values.py)."""
         if value == 0.0:
             self.progress(self.writer.write_zeros(out))
             return
-        import torch  # proving that value imported it already
+        from otdus_cli.arch.identity_values import value_tensor
 
-        self.progress(self.writer.write_tensor(out, torch.full(self.writer.slots[out].tensor.shape, value)))
+        shapes = {suffix: source.shape(suffix) for suffix in source.suffixes()}
+        held = value_tensor(value, tuple(self.writer.slots[out].tensor.shape), shapes)
+        self.progress(self.writer.write_tensor(out, held))
 
     def _build_layer(self, lay: OutputLayer, builder, device: torch.device) -> None:
         parents = [self.src.layers[i] for i in lay.parents]
@@ -351,7 +357,7 @@ class _Engine:
             if value is None:
                 self.progress(self.writer.write_tensor(out, tensor))
             else:
-                self._write_value(out, value)
+                self._write_value(out, value, parents[0])
             del tensor
         if expected:
             raise RuntimeError(f"builder {lay.builder} did not produce {sorted(expected)[0]}")

@@ -60,6 +60,11 @@ CONFIGS = {
                        "indexer_budget": 8, "indexer_compress_ratio": 4, "ple_layer_ids": [3],
                        "heads_per_ngram": 2, "ngram_vocab_size_base": 97,
                        "make_ngram_vocab_size_divisible_by": 8, "bos_token_id": 1, "eos_token_id": 2},
+    # 4 experts with weights and 2 zero-computation experts, which add their input back where chosen
+    "longcat_flash": {**FIELDS, "num_layers": 2, "num_key_value_heads": 4, "ffn_hidden_size": 48,
+                      "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                      "v_head_dim": 8, "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2,
+                      "expert_ffn_hidden_size": 16},
 }  # fmt: skip
 
 
@@ -119,6 +124,63 @@ def test_flat_expert_tensors_are_zeroed_and_the_written_checkpoint_computes_as_p
         ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
             assert torch.equal(grown(input_ids=ids).logits, in_memory(input_ids=ids).logits), seed
+
+
+def _longcat_with_choice_biases(folder: Path) -> torch.Tensor:
+    """A tiny LongCat-Flash saved with its expert-choice biases away from 0 (trained ones are), so a new
+    layer's cannot pass as a copy; its logits."""
+    from safetensors.torch import load_file, save_file
+
+    _save("longcat_flash", folder)
+    tensors = load_file(folder / "model.safetensors")
+    for name, value in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            value.copy_(torch.linspace(-0.3, 0.3, len(value)))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return _reloaded_logits(folder)
+
+
+def test_a_router_choosing_experts_without_weights_is_kept_from_them_by_its_choice_bias(tmp_path):
+    """LongCat-Flash's zero-computation experts add their input back wherever the router picks them: with
+    every tensor zeroed a layer was no identity (zero-init refused). A new layer's expert-choice bias now
+    holds 0 for the experts with weights and -2 for the others, counted in the checkpoint's own expert
+    tensors, so its top-k over scores in [0, 1] never picks those: logits bit for bit, verify PARITY."""
+    base = _longcat_with_choice_biases(tmp_path / "src")
+    manifest = _grows_exactly(tmp_path / "src", tmp_path / "out", base, layers=2)
+    (kind,) = manifest["source"]["zero_init_proof"]["kinds"].values()
+    bias = kind["set_to"]["mlp.router.e_score_correction_bias"]
+    assert bias == {
+        "experts with weights": 0.0,
+        "experts without weights": -2.0,
+        "counted by": bias["counted by"],
+    }
+    assert "mlp.experts.down_proj" in kind["zeroed"] and "mlp.experts.gate_up_proj" not in kind["zeroed"]
+    new = {lay["index"] for lay in manifest["layers"] if lay["new"]}
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as out:
+        for layer in range(4):
+            value = out.get_tensor(f"model.layers.{layer}.mlp.router.e_score_correction_bias")
+            expected = torch.tensor([0.0] * 4 + [-2.0] * 2) if layer in new else torch.linspace(-0.3, 0.3, 6)
+            assert torch.equal(value, expected), layer
+
+
+def test_a_choice_bias_added_to_unbounded_router_logits_is_refused(tmp_path, monkeypatch):
+    """-2 keeps experts out of a top-k only over scores in [0, 1]: a router adding the bias to its raw
+    logits (here small at its weights' scale) passes the proof as it is but not with its weights scaled
+    until softmax or sigmoid scores would saturate, and zero-init is refused saying so."""
+    from transformers.models.longcat_flash import modeling_longcat_flash as longcat
+
+    def raw_logits(router, hidden_states):
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        scores = 0.05 * torch.nn.functional.linear(hidden_states.float(), router.classifier.weight.float())
+        chosen = router.get_topk_indices(scores)
+        return scores, scores.gather(1, chosen), chosen
+
+    # another config than the other tests': the proof of one is cached for the process
+    _save("longcat_flash", tmp_path / "src", routed_scaling_factor=2.0)
+    monkeypatch.setattr(longcat.LongcatFlashTopkRouter, "forward", raw_logits)
+    with pytest.raises(OtdusError, match=r"is an identity only while its router's scores stay small"):
+        expand(str(tmp_path / "src"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_plan_is_proved_on_an_instance_as_large_as_the_base_one(tmp_path, monkeypatch):

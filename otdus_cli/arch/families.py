@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from otdus_cli.arch.identity_values import IdentityValue
 from otdus_cli.arch.wrappers import TEXT_FAMILY_ALIASES, text_config
 from otdus_cli.errors import OtdusError
 
@@ -116,8 +117,8 @@ class Family:
     zero_init_proof: dict | None = None
     zero_init_note: str = ""
     # a derived template: tensors a zero-init layer holds at a value other than 0, (pattern, value) (a
-    # residual scale at 1: arch/identity.py)
-    identity_values: tuple[tuple[str, float], ...] = ()
+    # residual scale at 1; an expert-choice bias: arch/identity_values.py)
+    identity_values: tuple[tuple[str, IdentityValue], ...] = ()
     # a derived template: its output configs are built by transformers at plan time to check that each
     # output layer is of its source layer's kind (arch/derived.py: check_planned_kinds)
     derived: bool = False
@@ -128,11 +129,11 @@ class Family:
     def is_zero_target(self, suffix: str) -> bool:
         return any(re.fullmatch(p, suffix) for p in self.zero_init)
 
-    def identity_value(self, suffix: str) -> float | None:
+    def identity_value(self, suffix: str) -> IdentityValue | None:
         """The value other than 0 a zero-init layer holds in tensor ``suffix``, or None."""
         return next((value for p, value in self.identity_values if re.fullmatch(p, suffix)), None)
 
-    def zero_init_value(self, suffix: str) -> float | None:
+    def zero_init_value(self, suffix: str) -> IdentityValue | None:
         """What a zero-init layer holds in tensor ``suffix`` everywhere instead of its source's: 0 for a
         zero-init target, its identity value, or None (the source's tensor). expand writes it and the plan
         proof (arch/identity.py) runs the model with it."""

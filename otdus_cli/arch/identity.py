@@ -38,11 +38,18 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from otdus_cli.arch.causal_lm import build_causal_lm
 from otdus_cli.arch.derived import modules_of
 from otdus_cli.arch.hf_config import transformers_config
+from otdus_cli.arch.identity_values import (
+    ExpertChoiceBias,
+    IdentityValue,
+    describe_value,
+    record_value,
+    value_tensor,
+)
 from otdus_cli.arch.layer_run import LayerRun, is_norm, stored_buffers
 from otdus_cli.verify.quiet import quiet_transformers
 
@@ -96,8 +103,9 @@ class IdentityProof:
     """What zeroing makes each layer kind an identity, and how that was shown (None: not shown)."""
 
     zeroed: dict[str, list[str]] = field(default_factory=dict)  # kind -> tensor names inside a layer
-    # kind -> tensor name -> the value other than 0 it is set to (a residual scale: 1), where needed
-    set_to: dict[str, dict[str, float]] = field(default_factory=dict)
+    # kind -> tensor name -> the value other than 0 it is set to (a residual scale: 1; an expert-choice
+    # bias), where needed
+    set_to: dict[str, dict[str, IdentityValue]] = field(default_factory=dict)
     # kind -> tensor name -> patterns of the names it is stored under (in memory, and as transformers saves)
     stored: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)  # kind -> the layer the proof ran on
@@ -110,6 +118,8 @@ class IdentityProof:
         """The proof as the manifest records it."""
         check = f"layer output equals its input bit for bit on {_SEQUENCE} random tokens, with these "
         check += "tensors zeroed" + (" and those under set_to set to that value" if self.set_to else "")
+        if any(isinstance(v, ExpertChoiceBias) for values in self.set_to.values() for v in values.values()):
+            check += f" (and again with the router's weights scaled {_SATURATION:g}-fold)"
         return {
             "check": check,
             "instance": self.instance,
@@ -118,7 +128,11 @@ class IdentityProof:
                 k: {
                     "layer": self.layers[k],
                     "zeroed": v,
-                    **({"set_to": self.set_to[k]} if self.set_to.get(k) else {}),
+                    **(
+                        {"set_to": {n: record_value(v) for n, v in self.set_to[k].items()}}
+                        if self.set_to.get(k)
+                        else {}
+                    ),
                     "stored": self.stored.get(k, {}),
                 }
                 for k, v in self.zeroed.items()
@@ -137,7 +151,7 @@ class IdentityProof:
             )
         )
 
-    def value_patterns(self) -> tuple[tuple[str, float], ...]:
+    def value_patterns(self) -> tuple[tuple[str, IdentityValue], ...]:
         """The tensors set to a value other than zero, as (pattern within a layer, value)."""
         return tuple(
             dict.fromkeys(
@@ -182,6 +196,11 @@ def prove_identity(instance: TinyInstance | Exception, layer_list: str, kinds: l
         try:
             targets = _prove_kind(LayerRun(model, layers, index, ids), index, kind, scales)
             proof.stored[kind] = _stored_forms(model, prefix, index, list(targets))
+            for n, value in targets.items():  # the expert tensor counted, under every name it is stored
+                if isinstance(value, ExpertChoiceBias):
+                    counted = value.counted_by[0]
+                    forms = _stored_forms(model, prefix, index, [counted])[counted]
+                    targets[n] = replace(value, counted_by=tuple(forms))
         except _NoIdentity as exc:
             proof.unproved[kind] = str(exc)
             continue
@@ -202,7 +221,7 @@ class _NoIdentity(Exception):
     """Why no zeroing makes a layer kind an identity (a sentence for the user)."""
 
 
-def _prove_kind(run: LayerRun, index: int, kind: str, scales: set[str]) -> dict[str, float]:
+def _prove_kind(run: LayerRun, index: int, kind: str, scales: set[str]) -> dict[str, IdentityValue]:
     """The tensors of the layer ``run`` runs, and the values (0, or 1 for a scale among ``scales``: the
     vectors transformers initialises to ones), that make it an identity; fewest first given back."""
     found = [n for _, n in sorted(_residual_writers(run.layer, run.widths()), key=lambda u: run.order(u[0]))]
@@ -211,9 +230,14 @@ def _prove_kind(run: LayerRun, index: int, kind: str, scales: set[str]) -> dict[
     found += [[n] for n in sorted(scales & set(stored_buffers(run.layer)))]  # a scale buffer: layer_scalar
     matrices = [u for u in found if not (len(u) == 1 and run.params[u[0]].dim() == 1)]
     zeros = {name: 0.0 for unit in found for name in unit}
-    tries = [(found, zeros), (matrices, zeros)]
+    tries: list[tuple[list[list[str]], dict[str, IdentityValue]]] = [(found, zeros), (matrices, zeros)]
     if any(name in scales for unit in found for name in unit):
         tries.append((found, {name: 1.0 if name in scales else 0.0 for name in zeros}))
+    # a router that also chooses experts without weights, which add their input back (LongCat-Flash's
+    # zero-computation experts): kept from choosing them by its expert-choice bias (arch/identity_values.py)
+    biases = _expert_choice_biases(run.layer)
+    if biases:
+        tries.append((found + [[n] for n in biases], {**zeros, **{n: v for n, (v, _) in biases.items()}}))
     # the other states it hands on (Zaya's router states) unchanged too where some try gets that; else the
     # hidden states alone, and the plan's proof on the whole tiny model judges the rest (HunYuan V4's
     # routing indices differ, yet the next layer computes the same)
@@ -226,7 +250,7 @@ def _prove_kind(run: LayerRun, index: int, kind: str, scales: set[str]) -> dict[
         every = [name for unit in matrices for name in unit]
         named = ", ".join(every) or "none"
         raise _NoIdentity(
-            f"zeroing the tensors that write into its residual stream ({named}) does not make layer "
+            f"zeroing the tensors that may write into its residual stream ({named}) does not make layer "
             f"{index} ({kind}) an identity: {run.why_not(_values(matrices, zeros))}"
         )
     units, values, states = chosen
@@ -235,10 +259,64 @@ def _prove_kind(run: LayerRun, index: int, kind: str, scales: set[str]) -> dict[
         trial = [u for u in kept if u is not unit]
         if run.identity(_values(trial, values), states):
             kept = trial
-    return _values(kept, values)
+    targets = _values(kept, values)
+    routers = [router for n, (_, router) in biases.items() if n in targets]
+    if routers and not _saturated_identity(run, targets, routers, states):
+        raise _NoIdentity(
+            f"layer {index} ({kind}) is an identity only while its router's scores stay small: with the "
+            f"router's weights ({routers[0]}) scaled {_SATURATION:g}-fold it chooses experts without weights "
+            "even with their expert-choice bias low, so the bias is added to unbounded scores"
+        )
+    return targets
 
 
-def _values(units: list[list[str]], values: dict[str, float]) -> dict[str, float]:
+# how much the router's weights are scaled to saturate its scores (softmax and sigmoid reach 0 and 1)
+_SATURATION = 100.0
+
+
+def _expert_choice_biases(layer) -> dict[str, tuple[ExpertChoiceBias, str]]:
+    """The vectors of ``layer`` that bias a router's choice among experts of which only the first have
+    weights, each with the value that keeps the others unchosen and the router's matrix: a vector held by
+    a module whose matrix has one row per choice, longer than the expert tensors of the layer are deep
+    (LongCat-Flash: e_score_correction_bias of 512 + 256 choices, down_proj of 512 experts)."""
+    experts = {n: p.shape[0] for n, p in layer.named_parameters() if p.dim() == 3 and p.shape[0] > 1}
+    stored = set(stored_buffers(layer))
+    out: dict[str, tuple[ExpertChoiceBias, str]] = {}
+    for prefix, module in layer.named_modules():
+        dot = prefix + "." if prefix else ""
+        vectors = dict(module.named_parameters(recurse=False))
+        vectors |= {n: b for n, b in module.named_buffers(recurse=False) if dot + n in stored}
+        rows = {n: p.shape[0] for n, p in module.named_parameters() if p.dim() == 2}
+        for name, vector in vectors.items():
+            if vector.dim() != 1 or not vector.is_floating_point():
+                continue
+            routers = [n for n, count in rows.items() if count == len(vector)]
+            fewer = {n: count for n, count in experts.items() if count < len(vector)}
+            if routers and fewer and len(set(fewer.values())) == 1:
+                out[dot + name] = (ExpertChoiceBias(counted_by=(next(iter(fewer)),)), dot + routers[0])
+    return out
+
+
+def _saturated_identity(
+    run: LayerRun, targets: dict[str, IdentityValue], routers: list[str], states: bool
+) -> bool:
+    """Whether the layer is still an identity with ``targets`` set and its ``routers``' weights scaled
+    _SATURATION-fold (put back after)."""
+    import torch
+
+    saved = {n: run.params[n].detach().clone() for n in routers}
+    try:
+        with torch.no_grad():
+            for n in routers:
+                run.params[n].mul_(_SATURATION)
+        return run.identity(targets, states)
+    finally:
+        with torch.no_grad():
+            for n, value in saved.items():
+                run.params[n].copy_(value)
+
+
+def _values(units: list[list[str]], values: dict[str, IdentityValue]) -> dict[str, IdentityValue]:
     return {name: values[name] for unit in units for name in unit}
 
 
@@ -251,7 +329,7 @@ def _drop_disagreeing_kinds(proof: IdentityProof) -> None:
         if both:
             proof.unproved[kind] = (
                 f"layer {proof.layers[kind]} ({kind}) is an identity with {both[0]} set to "
-                f"{values[both[0]]:g}, which a layer of another kind has zeroed"
+                f"{describe_value(values[both[0]])}, which a layer of another kind has zeroed"
             )
             for record in (proof.zeroed, proof.set_to, proof.stored, proof.layers):
                 record.pop(kind, None)
@@ -309,11 +387,14 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
         if not name.startswith(prefix):
             out[name] = _slices_for(value, grown_shapes.get(name), depth, sources)
     for j, i in enumerate(sources):
-        for name, value in state.items():
-            if name.startswith(f"{prefix}{i}."):
-                suffix = name[len(f"{prefix}{i}.") :]
-                target = family.zero_init_value(suffix) if zero_init[j] else None
-                out[f"{prefix}{j}.{suffix}"] = value if target is None else torch.full_like(value, target)
+        layer = {n[len(f"{prefix}{i}.") :]: v for n, v in state.items() if n.startswith(f"{prefix}{i}.")}
+        shapes = {suffix: tuple(v.shape) for suffix, v in layer.items()}
+        for suffix, value in layer.items():
+            target = family.zero_init_value(suffix) if zero_init[j] else None
+            held = (
+                value if target is None else value_tensor(target, tuple(value.shape), shapes).to(value.dtype)
+            )
+            out[f"{prefix}{j}.{suffix}"] = held
     vocab = base.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(1))
     try:

@@ -9,6 +9,8 @@ mixes the stream, or a sublayer adds its own input back.
 
 from __future__ import annotations
 
+from otdus_cli.arch.identity_values import IdentityValue, value_tensor
+
 # config fields added to every weight of a hyper-connection's stream-mixing matrix (after its softmax, in
 # each Sinkhorn step: DeepSeek V4's hc_eps), so that no weight setting makes the matrix the identity
 MIX_FLOORS = ("hc_eps",)
@@ -47,6 +49,7 @@ class LayerRun:
         following = layers[min(1, len(layers) - 1)]
         self.pair = (layers[index - 1], self.layer) if index else (self.layer, following)
         self.params = {**dict(self.layer.named_parameters()), **stored_buffers(self.layer)}
+        self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self._calls: dict[str, int] = {}
         self._seen: dict = {}
         self._carried: list[tuple[int, int | str]] | None = None
@@ -122,7 +125,7 @@ class LayerRun:
             widths.add(hidden)
         return widths
 
-    def identity(self, targets: dict[str, float], states: bool = True) -> bool:
+    def identity(self, targets: dict[str, IdentityValue], states: bool = True) -> bool:
         """Whether the layer hands on what it is handed (its hidden states, and unless not ``states`` the
         other states it is handed) with each of ``targets`` set to its value."""
         import torch
@@ -146,7 +149,7 @@ class LayerRun:
         try:
             with torch.no_grad():
                 for n, value in targets.items():
-                    self.params[n].fill_(value)
+                    self.params[n].copy_(value_tensor(value, tuple(self.params[n].shape), self.shapes))
                 self.model(input_ids=self.ids, use_cache=False)
         finally:
             for hook in hooks:
@@ -158,7 +161,7 @@ class LayerRun:
         pairs = pairs if states else pairs[:1]
         return all(a.shape == b.shape and torch.equal(a, b) for a, b in pairs)
 
-    def why_not(self, targets: dict[str, float]) -> str:
+    def why_not(self, targets: dict[str, IdentityValue]) -> str:
         """Why the layer is no identity with ``targets`` set, as one run shows it: its output comes out
         of a norm (post-norm), or is its input scaled, or else changed otherwise."""
         import torch

@@ -119,15 +119,6 @@ class _StagingBuffer:
         return self._buf[:nbytes].view(torch_dtype(info.dtype)).view(shape)
 
 
-def num_experts(text_config) -> int | None:
-    """Routed experts per MoE layer, None for a dense model."""
-    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
-        value = getattr(text_config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 class CheckpointWeights:
     """Fills the meta-device ``model`` (its real decoder ``layers``, taken out of their list ``layers_name``
     in ``layers_owner``) from ``reader``.
@@ -239,7 +230,7 @@ class CheckpointWeights:
         """For every layer, where each of its tensors comes from on disk (the same name, another
         spelling, per-expert matrices of a fused tensor); the tensors transformers makes from others when
         loading go to ``self._conversions`` instead. Refuses unknown layouts."""
-        on_disk, experts = self._on_disk, num_experts(self.text_config)
+        on_disk = self._on_disk
         out = []
         for prefix, layer, built in zip(self.layer_prefixes, self.layers, self._layer_names, strict=True):
             sources: dict[str, tuple[str, ...]] = {}
@@ -248,6 +239,9 @@ class CheckpointWeights:
             for key, value in layer.state_dict(keep_vars=True).items():
                 if key in skip:
                     continue
+                # a fused experts tensor holds its experts along the first axis (LongCat-Flash's gate_up_proj
+                # also the zero-computation experts', its down_proj not: the config's count fits neither)
+                experts = value.shape[0] if value.dim() == 3 else None
                 found = _disk_sources(prefix, key, on_disk, experts)
                 if found is None:
                     saved = self._saved_name(f"{built}.{key}", value)
@@ -351,9 +345,9 @@ class CheckpointWeights:
     ) -> None:
         """target <- a fused experts tensor ``name``, one per-expert matrix from disk at a time (never a
         stacked copy beside it)."""
-        n = num_experts(self.text_config) or 0
+        n = target.shape[0] if target.dim() == 3 else 0
         gate_up = key.endswith("gate_up_proj")  # [E, 2I, H]: expert e = cat(gate_e, up_e) along rows
-        if target.dim() != 3 or target.shape[0] != n or len(sources) != n * (2 if gate_up else 1):
+        if not n or len(sources) != n * (2 if gate_up else 1):
             raise OtdusError(
                 f"{self.folder.name}: {name} is stored as {len(sources)} per-expert tensors, config implies "
                 f"{tuple(target.shape)}"

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from otdus_cli.arch.families import family_for
+from otdus_cli.arch.identity_values import holds
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import SCHEME, group_fingerprint, slice_fingerprint, tensor_fingerprint
 from otdus_cli.io.reader import CheckpointReader, file_sha256
@@ -201,11 +202,12 @@ def _identity(stack: LayerStack, index: int) -> bool:
     targets = [s for s in layer.suffixes() if stack.family.is_zero_target(s)]
     # a derived template's residual scales at 1 (arch/identity.py): a layer is no identity without them
     values = [(s, v) for s in layer.suffixes() if (v := stack.family.identity_value(s)) is not None]
+    shapes = {s: layer.shape(s) for s in layer.suffixes()} if values else {}
     # o_proj and a down projection at least: a family without zero targets proves nothing
     return (
         len(targets) >= 2
         and all(_all_zero(stack.reader, layer.name(s)) for s in targets)
-        and all(bool((stack.reader.get(layer.name(s)) == v).all()) for s, v in values)
+        and all(holds(stack.reader.get(layer.name(s)), v, shapes) for s, v in values)
     )
 
 
