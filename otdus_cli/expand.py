@@ -380,6 +380,10 @@ def build_manifest(
         function_preserving=plan.function_preserving,
         layers=[ManifestLayer(**lay.to_json()) for lay in plan.layer_map],
         new_parameters=plan.new_parameter_names,
+        layer_slices={
+            t.name: {"axis": t.axis, "width": t.width} for t in plan.tensors if isinstance(t, LayerSlices)
+        }
+        or None,
         transport={str(k): v for k, v in sorted(stats.items())},
         method_sections={**_method_extras(plan), **reports},  # LESA: its leave-one-out check
         copied_files=finished.copied_files,

@@ -102,6 +102,9 @@ class Manifest(BaseModel):
     widen: WidenRecord | None = None
     layers: list[ManifestLayer]
     new_parameters: list[str] = []
+    # tensors outside the layers holding a slice per layer (arch/layer_slices.py): name -> the axis and
+    # width of a layer's slice; output layer i's slice is the one of its source layer (``layers``)
+    layer_slices: dict[str, dict[str, int]] | None = None
     shrink: dict[str, Any] | None = None  # what `otdus shrink` removed or merged, and the scores that chose
     transport: dict[str, Any] | None = None  # output layer -> its transport statistics
     # what the method adds (Method.manifest_extras; a builder's pre-pass report under its name),

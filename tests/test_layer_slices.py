@@ -83,6 +83,8 @@ def test_a_copy_takes_its_source_layers_slices(tmp_path, model_type):
         assert len(after[name]) == len(sources)
         for j, i in enumerate(sources):
             assert torch.equal(after[name][j], before[name][i]), (name, j)
+    recorded = json.loads((out / "otdus.json").read_text())["layer_slices"]
+    assert recorded == {name: {"axis": axis, "width": WIDTH} for name, axis in SLICED.items()}
     grown = load_causal_lm(out)
     assert grown.config.num_hidden_layers == 6 and torch.isfinite(logits(grown, use_cache=False)).all()
 
