@@ -14,7 +14,7 @@ from otdus_cli.verify.batching import group_windows
 from otdus_cli.verify.head_pass import iter_logits
 from otdus_cli.verify.self_check import forward_logits_layer_by_layer
 from otdus_cli.verify.streaming import StreamedModel
-from tests.support.tiny_models import DENSE_TYPES, MOE_TYPES, load_causal_lm, save_perturbed
+from tests.support.tiny_models import DENSE_TYPES, HYBRID_BASE, MOE_TYPES, load_causal_lm, save_perturbed
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
@@ -200,6 +200,8 @@ def test_shell_stages_never_hold_an_untied_embedding_and_head_together(tiny_mode
     assert _on_device(tied.model.get_input_embeddings()) and _on_device(tied.model.get_output_embeddings())
 
 
+# per-layer token embeddings (Gemma 4's second, smaller vocabulary table)
+PER_LAYER_INPUTS = dict(vocab_size_per_layer_input=96, hidden_size_per_layer_input=8, num_kv_shared_layers=0)
 # Inkling's input embeddings norm their output: a module with a parameter of its own inside the embedding
 INKLING = dict(
     vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -235,6 +237,23 @@ def test_the_head_stage_loads_every_tensor_outside_the_input_embeddings(tmp_path
     ids = _inputs(streamed.config.vocab_size)
     for ref, out in zip(_reference(tmp_path / "inkling", ids), streamed.logits(ids), strict=True):
         assert torch.equal(out, ref)
+
+
+def test_per_layer_inputs_made_from_the_tokens_are_each_window_s_own(tmp_path):
+    """Gemma 4 hands every decoder layer inputs made from the window's tokens (per-layer embeddings):
+    a window must not get those recorded for another window of its length, as it did when recorded
+    arguments were kept per batch shape (its logits were off by up to 0.5; the self-check, on the
+    first window only, could not see it)."""
+    from transformers import CONFIG_MAPPING
+
+    if "gemma4_text" not in CONFIG_MAPPING:
+        pytest.skip("transformers has no gemma4_text here")
+    fields = {**HYBRID_BASE, "num_hidden_layers": 2, **PER_LAYER_INPUTS}
+    save_perturbed("gemma4_text", fields, tmp_path / "gemma4", use_cache=False)
+    streamed = StreamedModel(tmp_path / "gemma4")  # one window a batch: two batches of one shape
+    inputs = _inputs(streamed.config.vocab_size, seed=4)
+    for ref, out in zip(_reference(tmp_path / "gemma4", inputs), streamed.logits(inputs), strict=True):
+        assert torch.equal(out, ref), f"max |diff| {(out - ref).abs().max().item():.3g}"
 
 
 def test_a_stored_copy_of_a_tied_head_is_used_as_transformers_uses_it(tiny_models, tmp_path):

@@ -185,3 +185,26 @@ def tensor_bytes(obj, seen: set[int] | None = None) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(tensor_bytes(v, seen) for v in obj)
     return 0
+
+
+def same_values(a, b) -> bool:
+    """Whether two recorded arguments (nested dicts/lists/tuples of tensors and plain values) hold the same
+    values: tensors of one dtype, shape and device, equal element for element; other objects equal, or
+    the same object where they cannot say (a NaN, an object without ``==``: not the same)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_values, a, b))
+    if a is b:
+        return True
+    try:
+        return (a == b) is True
+    except Exception:  # an object whose == raises: told apart
+        return False
