@@ -451,9 +451,9 @@ class CheckpointWeights:
             self.free_shell()
         self._spare.clear()  # the shell's memory instead of a spare layer's, never both
         skip = self._stage_skips.get(stage)
-        # the skipped module stays on meta with everything inside it (Inkling's embedding norm); what
-        # stays on meta is not loaded. (Parameters are told apart by what they are, never by id(): a
-        # replaced parameter's id is reused by the next one made, which then went unloaded.)
+        # the skipped module stays on meta with everything inside it (Inkling's embedding norm), and
+        # what stays on meta is not loaded: skipped parameters were once told apart by id(), which a
+        # parameter replaced by to_empty hands on to the next one made (the final norm's went unloaded)
         skipped = set(skip.modules()) if skip is not None else set()
         tied = self._tied
         # stand-ins own nothing and real layers are not children

@@ -91,7 +91,7 @@ class LayerStandIn(nn.Module):
         self._real_class = type(real).__name__
         # the real layer's parameters after hidden_states, for forwards that pass them by position
         # (GPT-2's blocks: past_key_values, cache_position, attention_mask ...)
-        self._first, *self._positional = inspect.signature(real.forward).parameters
+        self._first, *self._positional = [*inspect.signature(real.forward).parameters] or [None]
         # the real layer's submodules, parameters and buffers, which a stand-in does not hold
         self._real_parts = frozenset(real._modules) | frozenset(real._parameters) | frozenset(real._buffers)
         # attributes some forwards read from the layer object (attention_type, layer_idx, Nemotron-H's
