@@ -81,7 +81,8 @@ class LayerStandIn(nn.Module):
     mode "delegate": hand the call to the real layer (``LayerCalls.delegate``) and return what it returns.
     Outside "delegate", the hidden states are returned the way the real layers return them (a tensor or
     a tuple, with a ``LayerOutputRef`` for each other item), which the first recording learns from real
-    layer 0 (``LayerCalls.learn_output``).
+    layer 0 (``LayerCalls.learn_output``). A forward that does more with a layer than call it with the
+    hidden states (reads its weights, gives its first parameter a second stream) is refused in words.
     """
 
     def __init__(self, index: int, real: nn.Module, calls: LayerCalls):
