@@ -22,13 +22,17 @@ self-check inside verify compares its logits with transformers' own forward, bit
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
+from otdus_cli.bundled import STORIES260K
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
+from tests.support.cli_checks import one_error_line
 from tests.support.eval_sets import random_eval_set
+from tests.support.file_checks import run_cli
 from tests.support.tiny_models import COMMON, TINY_CONFIGS, VERIFY_BREADTH, save_perturbed
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
@@ -56,5 +60,62 @@ def test_a_config_asking_for_router_logits_holds_parity(tmp_path):
     fields = {**COMMON, **TINY_CONFIGS["qwen2_moe"], "output_router_logits": True}
     save_perturbed("qwen2_moe", fields, tmp_path / "base")
     expand(str(tmp_path / "base"), tmp_path / "out", ExpandOptions(method="llama-pro", layers=2))
+    report = verify_expansion(tmp_path / "base", tmp_path / "out", random_eval_set())
+    assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict
+
+
+# Reformer's causal LM takes a decoder config only; its axial position shape multiplies to the length.
+# Both with the bundled model's vocabulary, so that verify reads text with its tokenizer.
+REFORMER = {**COMMON, "vocab_size": 512, "head_dim": 8, "pad_token_id": 0, "eos_token_id": 2} | dict(
+    is_decoder=True, axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], num_buckets=2,
+    attn_layers=["local"] * 4, local_attn_chunk_length=4,
+)  # fmt: skip
+RWKV = dict(
+    vocab_size=512, hidden_size=32, num_hidden_layers=4, attention_hidden_size=32, intermediate_size=48
+)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields", "after", "why"),
+    [
+        # its layers take a second stream first (prev_attn_output) and the forward passes both by name
+        (
+            "reformer",
+            REFORMER,
+            [3, 3],
+            "decoder layer 0 (ReformerLayer) takes prev_attn_output before its hidden states, and the "
+            "model's forward passes both: two streams of states go through its layers",
+        ),
+        # in eval mode its forward divides some of its blocks' weights before running them
+        (
+            "rwkv",
+            {**RWKV, "rescale_every": 2},
+            [3],
+            "the model's forward reads attention of decoder layer 0 (RwkvBlock) itself, not only calling "
+            "the layer",
+        ),
+    ],
+)
+def test_a_forward_the_layer_by_layer_evaluator_cannot_follow_is_refused_in_one_line(
+    tmp_path, model_type, fields, after, why
+):
+    """`otdus verify` refuses a model whose forward does more with its decoder layers than call them with
+    the hidden states, in one `error:` line (exit 2) saying what it does: it failed with Reformer's
+    TypeError (the stand-ins called the real layer with the hidden states in its first parameter's
+    place) and RWKV's AttributeError (the stand-ins hold no block weights to rescale)."""
+    save_perturbed(model_type, fields, tmp_path / "base", use_cache=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES260K / name, tmp_path / "base" / name)
+    expand(
+        str(tmp_path / "base"), tmp_path / "out", ExpandOptions(method="copy", after=after, zero_init=True)
+    )
+    args = ["--base", tmp_path / "base", "--max-tokens", "200", "--device", "cpu"]
+    one_error_line(run_cli("verify", tmp_path / "out", *args), message=why)
+
+
+def test_rwkv_without_rescaling_holds_parity(tmp_path):
+    """RWKV with rescale_every 0: its forward only calls its blocks, and verify follows it."""
+    save_perturbed("rwkv", {**RWKV, "rescale_every": 0}, tmp_path / "base", use_cache=False)
+    expand(str(tmp_path / "base"), tmp_path / "out", ExpandOptions(method="copy", layers=2, zero_init=True))
     report = verify_expansion(tmp_path / "base", tmp_path / "out", random_eval_set())
     assert report.verdict.startswith("PARITY") and report.logits_equal, report.verdict

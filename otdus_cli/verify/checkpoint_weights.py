@@ -445,16 +445,19 @@ class CheckpointWeights:
             self.free_shell()
         self._spare.clear()  # the shell's memory instead of a spare layer's, never both
         skip = self._stage_skips.get(stage)
-        skipped = {id(p) for p in skip.parameters()} if skip is not None else set()
+        # the skipped module stays on meta with everything inside it (Inkling's embedding norm), and
+        # what stays on meta is not loaded: skipped parameters were once told apart by id(), which a
+        # parameter replaced by to_empty hands on to the next one made (the final norm's went unloaded)
+        skipped = set(skip.modules()) if skip is not None else set()
         tied = self._tied
-        # stand-ins own nothing and real layers are not children; the skipped module stays on meta
+        # stand-ins own nothing and real layers are not children
         for sub in self.model.modules():
-            if sub is not skip:
+            if sub not in skipped:
                 sub.to_empty(device=self.device, recurse=False)
                 hf_compat.restore_buffers(sub, self._buffer_values, recurse=False)
         with torch.no_grad(), self._staging.shards_open():
             for name, param in self.model.named_parameters(remove_duplicate=False):
-                if id(param) in skipped or param.is_meta or name in tied:
+                if param.is_meta or name in tied:
                     continue
                 # a tied group is read from its first name on disk (the head, if only it is stored)
                 group = [self.disk_name(n) for n in [name, *(t for t, s in tied.items() if s == name)]]

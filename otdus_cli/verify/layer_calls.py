@@ -67,6 +67,11 @@ class LayerCalls:
     delegate: Callable[[int, torch.Tensor, dict], object] | None = None
 
 
+class LayerReachedInto(OtdusError, AttributeError):
+    """The family's forward asked a stand-in for a part of the real layer (a submodule, a parameter):
+    an AttributeError still, so ``hasattr`` and ``getattr`` with a default see a plain absence."""
+
+
 class LayerStandIn(nn.Module):
     """Takes a decoder layer's place inside the family's forward.
 
@@ -76,16 +81,20 @@ class LayerStandIn(nn.Module):
     mode "delegate": hand the call to the real layer (``LayerCalls.delegate``) and return what it returns.
     Outside "delegate", the hidden states are returned the way the real layers return them (a tensor or
     a tuple, with a ``LayerOutputRef`` for each other item), which the first recording learns from real
-    layer 0 (``LayerCalls.learn_output``).
+    layer 0 (``LayerCalls.learn_output``). A forward that does more with a layer than call it with the
+    hidden states (reads its weights, gives its first parameter a second stream) is refused in words.
     """
 
     def __init__(self, index: int, real: nn.Module, calls: LayerCalls):
         super().__init__()
         self.index = index
         self._calls = calls
+        self._real_class = type(real).__name__
         # the real layer's parameters after hidden_states, for forwards that pass them by position
         # (GPT-2's blocks: past_key_values, cache_position, attention_mask ...)
-        self._positional = list(inspect.signature(real.forward).parameters)[1:]
+        self._first, *self._positional = [*inspect.signature(real.forward).parameters] or [None]
+        # the real layer's submodules, parameters and buffers, which a stand-in does not hold
+        self._real_parts = frozenset(real._modules) | frozenset(real._parameters) | frozenset(real._buffers)
         # attributes some forwards read from the layer object (attention_type, layer_idx, Nemotron-H's
         # block_type ...): every plain setting of the real layer, copied, not owned
         for name, value in real.__dict__.items():
@@ -93,12 +102,34 @@ class LayerStandIn(nn.Module):
             if plain and not name.startswith("_") and name not in ("training", "index"):
                 setattr(self, name, value)
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name not in self.__dict__.get("_real_parts", ()):
+                raise
+        raise LayerReachedInto(
+            f"the model's forward reads {name} of decoder layer {self.index} ({self._real_class}) itself, "
+            "not only calling the layer (as a forward that rescales its layers' weights does): the "
+            "layer-by-layer evaluator holds no layer outside its call, so it cannot evaluate this model",
+            name=name,
+            obj=self,
+        )
+
     def forward(self, hidden_states, *args, **kwargs):
         calls = self._calls
         if args:
             if len(args) > len(self._positional) or set(self._positional[: len(args)]) & set(kwargs):
                 raise OtdusError("decoder layer called with positional arguments its forward does not name")
             kwargs = {**dict(zip(self._positional, args, strict=False)), **kwargs}
+        if self._first in kwargs:
+            # the forward names the hidden states and gives the layer's first parameter something else
+            raise OtdusError(
+                f"decoder layer {self.index} ({self._real_class}) takes {self._first} before its hidden "
+                f"states, and the model's forward passes both: two streams of states go through its layers "
+                "(reversible layers), and the layer-by-layer evaluator carries one, so it cannot evaluate "
+                "this model"
+            )
         if calls.mode == "delegate":
             return calls.delegate(self.index, hidden_states, kwargs)
         if calls.mode == "record":
@@ -155,3 +186,26 @@ def tensor_bytes(obj, seen: set[int] | None = None) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(tensor_bytes(v, seen) for v in obj)
     return 0
+
+
+def same_values(a, b) -> bool:
+    """Whether two recorded arguments (nested dicts/lists/tuples of tensors and plain values) hold the same
+    values: tensors of one dtype, shape and device, equal element for element; other objects equal, or
+    the same object where they cannot say (a NaN, an object without ``==``: not the same)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_values, a, b))
+    if a is b:
+        return True
+    try:
+        return (a == b) is True
+    except Exception:  # an object whose == raises: told apart
+        return False

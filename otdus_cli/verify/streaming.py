@@ -44,6 +44,7 @@ from otdus_cli.verify.layer_calls import (
     LayerStandIn,
     refs_in,
     resolve_refs,
+    same_values,
     tensor_bytes,
 )
 from otdus_cli.verify.progress import LayerTicks, Progress
@@ -221,13 +222,19 @@ class StreamedModel:
             acts.inputs.append(ids)
             acts.hidden.append(embedded.to(self.activation_device))
             acts.carried.append(None)
-            # masks and rotary tables depend only on the batch shape here (no padding, no cache);
-            # explicit masks (eager attention) of many shapes are recomputed when needed instead of kept
+            # masks and rotary tables depend only on the batch shape here (no padding, no cache): one
+            # batch's serve every batch of its shape where equal to its own (not per-layer inputs made
+            # from the tokens: Gemma 4's); kwargs beyond the budget (explicit masks of eager attention,
+            # of many shapes) are recomputed when needed instead of kept
             shape = tuple(ids.shape)
-            if shape not in by_shape and kept_bytes + tensor_bytes(kwargs) <= self.kwargs_budget:
-                by_shape[shape] = kwargs
+            if shape in by_shape and same_values(by_shape[shape], kwargs):
+                acts.layer_kwargs.append(by_shape[shape])
+            elif kept_bytes + tensor_bytes(kwargs) <= self.kwargs_budget:
+                by_shape.setdefault(shape, kwargs)
                 kept_bytes += tensor_bytes(kwargs)
-            acts.layer_kwargs.append(by_shape.get(shape))
+                acts.layer_kwargs.append(kwargs)
+            else:
+                acts.layer_kwargs.append(None)
         if all(k is not None for k in acts.layer_kwargs):
             # the embeddings (GBs for large vocabularies) are not needed again: the layer loop holds
             # one layer and the activations; iter_logits loads the final norm and the head
