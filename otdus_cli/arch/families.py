@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from otdus_cli.arch.layer_storage import NumberedName
 from otdus_cli.arch.wrappers import TEXT_FAMILY_ALIASES, text_config
 from otdus_cli.errors import OtdusError
 
@@ -121,6 +122,10 @@ class Family:
     # a derived template: its output configs are built by transformers at plan time to check that each
     # output layer is of its source layer's kind (arch/derived.py: check_planned_kinds)
     derived: bool = False
+    # a derived template: per layer kind, the tensors of a layer transformers saves under a name numbered
+    # by the layer's index (name within the layer -> rule); those a checkpoint holds outside the layer's
+    # prefix are read as part of the layer (io/stack.py) and renumbered (arch/layer_storage.py)
+    numbered_names: dict[str, dict[str, NumberedName]] = field(default_factory=dict)
 
     def has(self, trait: str) -> bool:
         return trait in self.traits or (trait == MOE and self.moe)
@@ -389,6 +394,7 @@ def _derived_family(config_json: str) -> Family:
         zero_init_note=proof.failure or "",
         identity_values=() if proof.failure else proof.value_patterns(),
         derived=True,
+        numbered_names=found["numbered_names"],
     )
 
 
