@@ -133,6 +133,21 @@ def test_verify_reads_the_numbered_queries_back_by_layer(inkling2_zero_init):
             streamed.weights.free_layer(j)
 
 
+def test_verify_of_the_streamed_forward_refuses_in_one_line(inkling2_zero_init):
+    """Inkling 2's forward hands each layer block states made of earlier layers' outputs, which the
+    streamed evaluator's recorded layer arguments do not follow: its self-check refuses with one error
+    (its stand-ins used to lack the layers' class attribute attention_type: an unexpected AttributeError)."""
+    from otdus_cli.errors import OtdusError
+    from otdus_cli.verify.compare import verify_expansion
+    from otdus_cli.verify.metrics import EvalSet, Window
+
+    root, _, _ = inkling2_zero_init
+    ids = torch.randint(3, 90, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    windows = EvalSet("token", "random ids", [Window(ids, ids[1:], 0, 0)], [0], [0], 20)
+    with pytest.raises(OtdusError, match="self-check failed"):
+        verify_expansion(root / "src", root / "out", windows)
+
+
 def test_the_loop_models_copies_reload_whole_and_zero_init_is_refused(tmp_path):
     """Inkling 2 Loop stores its queries alike. Its loop starts at a multiple of the attention-residual
     block, so new layers come six at a time, and a sixth layer starts a block: zero-init is no identity
