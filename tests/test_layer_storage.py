@@ -109,6 +109,10 @@ def test_zero_init_copies_hold_their_sources_queries_under_their_own_numbers(ink
     assert set(index) == set(_tensors(root / "out"))
     new = {n for n in result.manifest["new_parameters"] if n.startswith((ATTN, MLP))}
     assert new == {f"{ATTN}1", f"{MLP}2", f"{ATTN}3", f"{MLP}4"}
+    # the card counts them in their layers (not as widened experts) and unfreezes each by its name
+    card = (root / "out" / "README.md").read_text()
+    assert "every tensor of the new layers 2, 4" in card and "widened" not in card
+    assert f"  - ^{ATTN}1$\n  - ^{MLP}2$\n  - ^model.llm.layers.4.\n" in card
 
 
 def test_verify_reads_the_numbered_queries_back_by_layer(inkling2_zero_init):
@@ -215,7 +219,9 @@ def test_a_query_stored_under_no_name_transformers_loads_is_still_refused(tmp_pa
 def test_a_numbered_name_is_the_one_number_that_follows_the_layer_index():
     rule = numbered_name(f"{ATTN}2", 3, f"{ATTN}9", 10)
     assert rule == NumberedName(ATTN, -1, "")
-    assert rule.name(0) == f"{ATTN}-1" and rule.matches(f"{ATTN}41") and not rule.matches(f"{MLP}4")
+    assert (
+        rule.name(0) == f"{ATTN}-1" and rule.index_of(f"{ATTN}41") == 42 and rule.index_of(f"{MLP}4") is None
+    )
     assert numbered_name("a.3.b.3.c", 3, "a.9.b.9.c", 9) is None  # two numbers follow the index
     assert numbered_name("a.out", 3, "a.out", 9) is None  # one name for every layer
     assert numbered_name("a.6.b", 3, "a.18.b", 9) is None  # twice the index: no constant offset

@@ -143,6 +143,16 @@ class Family:
         proof (arch/identity.py) runs the model with it."""
         return 0.0 if self.is_zero_target(suffix) else self.identity_value(suffix)
 
+    def numbered_tensor(self, name: str) -> tuple[int, str] | None:
+        """(layer index, name within the layer) of checkpoint tensor ``name`` where ``numbered_names``
+        numbers it as a layer's tensor stored outside the layer; None otherwise."""
+        rules = {(key, rule) for kind in self.numbered_names.values() for key, rule in kind.items()}
+        for key, rule in sorted(rules, key=str):
+            index = rule.index_of(name)
+            if index is not None:
+                return index, key
+        return None
+
     def layer_regex(self) -> re.Pattern[str]:
         return re.compile(re.escape(self.layer_prefix).replace(r"\{i\}", r"(\d+)") + r"(.+)")
 

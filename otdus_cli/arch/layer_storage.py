@@ -36,9 +36,10 @@ class NumberedName:
     def name(self, index: int) -> str:
         return f"{self.before}{index + self.offset}{self.after}"
 
-    def matches(self, name: str) -> bool:
-        """Whether ``name`` is numbered as this rule numbers layers (for some layer index)."""
-        return re.fullmatch(re.escape(self.before) + r"\d+" + re.escape(self.after), name) is not None
+    def index_of(self, name: str) -> int | None:
+        """The index of the layer whose tensor this rule names ``name``; None where it names none."""
+        m = re.fullmatch(re.escape(self.before) + r"(\d+)" + re.escape(self.after), name)
+        return None if m is None else int(m.group(1)) - self.offset
 
 
 def numbered_name(saved: str, index: int, other: str, other_index: int) -> NumberedName | None:
@@ -60,11 +61,14 @@ def numbered_name(saved: str, index: int, other: str, other_index: int) -> Numbe
 
 def numbered_outside(model, layer_list: str, kinds: list[str]) -> dict[str, dict[str, NumberedName]]:
     """For each layer kind of ``model`` (transformers' class on the meta device, its decoder layers the
-    module list ``layer_list``), the parameters transformers saves under a name of their own numbered by
-    the layer's index, each as its NumberedName: {kind: {name within the layer: rule}}; learned from the
-    names it saves the kind's first layer's parameters under and those of a layer at another index.
-    Which of them lie outside the layer's stored prefix the checkpoint tells (io/stack.py); a parameter
-    saved merged with others, or under a name no index numbers, has no rule."""
+    module list ``layer_list``), the parameters transformers saves outside the layer, each under a name
+    of its own numbered by the layer's index, as its NumberedName: {kind: {name within the layer: rule}};
+    learned from the names it saves the kind's first layer's parameters under and those of a layer at
+    another index. The layer's own saved prefix is the one most of its parameters are numbered under
+    (``model.llm.layers.{i}.`` for Inkling 2); a parameter saved merged with others, or under a name no
+    index numbers, has no rule (check_layers_stored_whole refuses it)."""
+    from collections import Counter
+
     from otdus_cli.arch.derived import modules_of
     from otdus_cli.arch.saved_names import revert_names, saved_names
 
@@ -81,12 +85,21 @@ def numbered_outside(model, layer_list: str, kinds: list[str]) -> dict[str, dict
         there = saved_names(model, {f"{layer_list}.{other}.{n}": p for n, p in params.items()})
         rules = {}
         for n in params:
-            a, b = saved.get(f"{layer_list}.{index}.{n}", []), there.get(f"{layer_list}.{other}.{n}", [])
+            # a parameter saved under its own name: the module's
+            a = saved.get(f"{layer_list}.{index}.{n}", [f"{layer_list}.{index}.{n}"])
+            b = there.get(f"{layer_list}.{other}.{n}", [f"{layer_list}.{other}.{n}"])
             rule = numbered_name(a[0], index, b[0], other) if len(a) == len(b) == 1 else None
             if rule is not None:
                 rules[n] = rule
-        if rules:
-            out[kind] = rules
+        layer = Counter(r.before for r in rules.values() if r.offset == 0 and r.after.startswith("."))
+        inside = layer.most_common(1)[0][0] if layer else None
+        outside = {
+            n: r
+            for n, r in rules.items()
+            if not (r.before == inside and r.offset == 0 and r.after[:1] == ".")
+        }
+        if outside:
+            out[kind] = outside
     return out
 
 

@@ -180,13 +180,12 @@ def numbered_outside_tensors(
         if found:
             out[i] = found
     claimed = {rule.name(i) for i, rules in out.items() for rule in rules.values()}
-    every = {(key, rule) for rules in family.numbered_names.values() for key, rule in rules.items()}
     for name in sorted(present - claimed):
-        key = next((key for key, rule in sorted(every, key=str) if rule.matches(name)), None)
-        if key is not None:
+        numbered = family.numbered_tensor(name)
+        if numbered is not None:
             raise OtdusError(
-                f"the checkpoint holds {name}, where transformers saves a layer's {key}, but for none of "
-                f"the {depth} layers config.json says"
+                f"the checkpoint holds {name}, where transformers saves a layer's {numbered[1]}, but for "
+                f"none of the {depth} layers config.json says"
             )
     return out
 
