@@ -137,6 +137,15 @@ def test_verify_reads_the_numbered_queries_back_by_layer(inkling2_zero_init):
             streamed.weights.free_layer(j)
 
 
+def test_a_shrunk_model_renumbers_the_queries_of_the_layers_after_the_removed_one(inkling2_zero_init):
+    root, _, _ = inkling2_zero_init
+    out = root / "shrunk"
+    result = _cli("shrink", str(root / "src"), "--out", str(out), "--select", "explicit", "--remove", "2")
+    assert result.exit_code == 0, result.output
+    _reload(out)
+    _queries_follow_sources(out, root / "src", [0, 1, 3])
+
+
 def test_verify_of_the_streamed_forward_refuses_in_one_line(inkling2_zero_init):
     """Inkling 2's forward hands each layer block states made of earlier layers' outputs, which the
     streamed evaluator's recorded layer arguments do not follow: its self-check refuses with one error
