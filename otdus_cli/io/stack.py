@@ -3,7 +3,8 @@
 Reading only headers, it checks what every later step relies on: the layer count of config.json
 matches the tensors present (compared before anything proportional to the count is built), and
 layers of one kind (the family says which may differ, e.g. dense layers in a MoE stack) hold the
-same tensors with the same dtypes and shapes.
+same tensors with the same dtypes and shapes. A layer's tensors a derived template finds stored outside
+its prefix, under names numbered by the layer (arch/layer_storage.py), are read as part of the layer.
 """
 
 from __future__ import annotations
