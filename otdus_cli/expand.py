@@ -82,9 +82,8 @@ class ExpansionPlan:
 
     @property
     def new_parameter_names(self) -> list[str]:
-        prefix = self.source.family.layer_prefix
         return [
-            prefix.format(i=lay.index) + s
+            self.source.output_name(lay.source, lay.index, s)
             for lay in self.layer_map
             if lay.new
             for s in self.source.layers[lay.source].suffixes()
@@ -182,8 +181,7 @@ def _planned_tensors(
     out = [planned(n, n) for n in source.head]
     for lay in layer_map:
         src = source.layers[lay.source]
-        prefix = source.family.layer_prefix.format(i=lay.index)
-        out += [planned(src.name(s), prefix + s) for s in src.suffixes()]
+        out += [planned(src.name(s), source.output_name(lay.source, lay.index, s)) for s in src.suffixes()]
     out += [planned(n, source.after_stack_name(n, len(layer_map))) for n in source.after_stack]
     out += [planned(n, n) for n in source.tail]
     return out
@@ -204,6 +202,11 @@ class ExpandResult:
     replaced: bool = False  # --force replaced an earlier (unchanged) otdus output at ``out``
 
 
+def _layer_names(source: SourceModel, lay: OutputLayer) -> set[str]:
+    """The names output layer ``lay`` stores its tensors under."""
+    return {source.output_name(lay.source, lay.index, s) for s in source.layers[lay.source].suffixes()}
+
+
 def _built(lay: OutputLayer) -> bool:
     return lay.builder not in ("base", "copy")
 
@@ -212,11 +215,10 @@ def rank_tensors(plan: ExpansionPlan, writer: ShardedWriter, world: World) -> tu
     """The output tensors this rank writes and the output layers it builds: a contiguous block of
     the built layers (balanced by their tensors' bytes), and every other tensor of the shard files
     it owns (file k: rank k mod world size)."""
-    prefix = plan.source.family.layer_prefix
+    source = plan.source
     built = [lay for lay in plan.layer_map if _built(lay)]
     sizes = {t.name: t.nbytes for t in plan.tensors}
-    suffixes = {lay.index: plan.source.layers[lay.source].suffixes() for lay in built}
-    names = {i: {prefix.format(i=i) + s for s in sfx} for i, sfx in suffixes.items()}
+    names = {lay.index: _layer_names(source, lay) for lay in built}
     block = shard([sum(sizes[n] for n in names[lay.index]) for lay in built], world)
     mine = {built[k].index for k in block}
     of_built = {n: i for i, group in names.items() for n in group}
@@ -317,7 +319,7 @@ class _Engine:
             self._copy(name, name)
 
     def _out_name(self, lay: OutputLayer, suffix: str) -> str:
-        return self.src.family.layer_prefix.format(i=lay.index) + suffix
+        return self.src.output_name(lay.source, lay.index, suffix)
 
     def _copy_layer(self, lay: OutputLayer) -> None:
         src = self.src.layers[lay.source]

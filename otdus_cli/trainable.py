@@ -75,10 +75,14 @@ def _layer_parser(config: dict):
 
     def parse(name: str) -> tuple[int, str] | None:
         hit = regex.fullmatch(name) if regex is not None else None
-        if hit is None:
-            generic = _GENERIC_LAYER.match(name)
-            return (int(generic.group(2)), generic.group(3)) if generic else None
-        return int(hit.group(1)), hit.group(2)
+        if hit is not None:
+            return int(hit.group(1)), hit.group(2)
+        # a layer's tensor stored outside it under a name numbered by it (Inkling 2's attn_res.*_queries.N)
+        outside = family.numbered_tensor(name) if family is not None else None
+        if outside is not None:
+            return outside
+        generic = _GENERIC_LAYER.match(name)
+        return (int(generic.group(2)), generic.group(3)) if generic else None
 
     return parse, family
 
@@ -182,7 +186,9 @@ def axolotl_patterns(chosen: TrainableSet) -> list[str]:
         if not _PLAIN_NAME.fullmatch(name):
             raise OtdusError(f"{name}: not a plain tensor name; use --format json or names")
         where = chosen.layer_of.get(name)
-        if where is not None and where[0] in whole:
+        # a whole layer's tensors under its prefix by one pattern; one stored outside it (a name numbered
+        # by the layer: Inkling 2's queries) by its own
+        if where is not None and where[0] in whole and name.endswith("." + where[1]):
             if where[0] not in prefixes:
                 prefixes.add(where[0])
                 patterns.append("^" + name[: len(name) - len(where[1])])

@@ -3,10 +3,9 @@
 Tiny models built by the installed transformers with the sizes `make coverage` uses:
 Gemma 4's per_layer_config (a dict keyed by layer index), ERNIE 4.5 MoE's moe_layer_end_index (one
 layer's index) and RecurrentGemma's block_types (a pattern repeated to the depth) follow the layer map,
-so the output reloads with the base's logits and the planned kinds; a parameter of a layer stored
-outside the layer's tensors (Inkling 2) is refused at plan time in one line: otdus would otherwise write
-a checkpoint whose new layers load those tensors at random. (Tensors outside the layers with a slice per
-layer, Gemma 4's per-layer embeddings: tests/test_layer_slices.py.)
+so the output reloads with the base's logits and the planned kinds. (Tensors outside the layers with a
+slice per layer, Gemma 4's per-layer embeddings: tests/test_layer_slices.py; a layer's parameters stored
+outside it under names numbered by the layer, Inkling 2's: tests/test_layer_storage.py.)
 """
 
 from __future__ import annotations
@@ -83,17 +82,6 @@ def test_config_fields_naming_layers_follow_the_layer_map(tmp_path, model_type, 
     assert after.get("id2label") == before.get("id2label")
     assert _kinds_of(grown) == [family.layer_kind({}, i) for i in sources]
     assert torch.equal(logits(grown, use_cache=False), base)
-
-
-def test_a_layer_parameter_stored_outside_the_layer_is_refused(tmp_path):
-    """Inkling 2 saves each layer's attention-residual queries as model.llm.attn_res.*_queries.{i}: a
-    copied layer would load them at random, so the plan is refused naming them."""
-    save_perturbed("inkling2_text", {**TINY, "unpadded_vocab_size": 96}, tmp_path / "src", use_cache=False)
-    result = _expand_cli(tmp_path / "src", tmp_path / "out", "--method", "copy")
-    line = one_error_line(result, message="model.llm.attn_res.mlp_queries.0")
-    assert "outside the layer's tensors (model.llm.layers.0.*)" in line
-    assert "loads layer 0's mlp_input.query" in line and "at random" in line
-    no_output_left(tmp_path)
 
 
 def test_a_rewritten_config_transformers_rejects_is_named_so():

@@ -6,10 +6,10 @@ attention / Mamba, dense / MoE: the classes of its parts) and the config fields 
 (one entry per layer, a dict keyed by layer index, a pattern of kinds transformers repeats to the depth,
 lists of layer indices, one layer's index) are read off it. A new layer copies its source's kind; the
 rewritten config is built again by transformers at plan time to check that every output layer comes
-out of the kind planned (check_planned_kinds), and the checkpoint to hold each layer whole under its
-prefix (arch/layer_storage.py). Its zero-init targets are proved on a tiny instance (arch/identity.py);
-the roles OT-DUS and LESA need, where a kind's tensors are an exact template's, are matched and proved
-in arch/derived_roles.py.
+out of the kind planned (check_planned_kinds), and the checkpoint to hold each layer's tensors under its
+prefix, or outside it under names numbered by the layer, which are renumbered (arch/layer_storage.py).
+Its zero-init targets are proved on a tiny instance (arch/identity.py); the roles OT-DUS and LESA need,
+where a kind's tensors are an exact template's, are matched and proved in arch/derived_roles.py.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from otdus_cli.arch.causal_lm import build_causal_lm, causal_lm_class_name
 from otdus_cli.arch.config_rules import layer_keyed
 from otdus_cli.arch.depth import depth_field, stated_depth
 from otdus_cli.arch.hf_config import transformers_config
+from otdus_cli.arch.layer_storage import numbered_outside
 from otdus_cli.arch.plan_differences import POSITION_DIFFERS
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
@@ -47,8 +48,9 @@ def derivable(model_type: str) -> bool:
 
 def derive_template(config: dict) -> dict:
     """What transformers' class for ``config`` says about its decoder stack: ``{"model_type", "class",
-    "layer_list", "kinds", "tensors", "per_layer_fields", "index_fields", "derives_layer_types"}``;
-    OtdusError when it has none we can use."""
+    "layer_list", "kinds", "tensors", "per_layer_fields", "index_fields", "derives_layer_types",
+    "numbered_names"}`` (the last: arch/layer_storage.py's numbered_outside); OtdusError when it has none
+    we can use."""
     model_type = config.get("model_type")
     text = text_config(config)
     depth = stated_depth(text)
@@ -70,6 +72,7 @@ def derive_template(config: dict) -> dict:
         )
     layers = modules_of(model, layer_list)
     kinds = layer_kinds(layers)
+    numbered = numbered_outside(model, layer_list, kinds)
     loaded_text = loaded.get_text_config().to_dict()
     per_layer = sorted(
         name
@@ -117,6 +120,7 @@ def derive_template(config: dict) -> dict:
         "per_layer_fields": per_layer,
         "index_fields": sorted(index_fields),
         "numbered_from_one": sorted(from_one),
+        "numbered_names": numbered,
     }
 
 
@@ -397,13 +401,14 @@ def modules_of(model, path: str) -> list:
 
 def check_derived_plan(source, written_config: dict, layer_map: list) -> dict:
     """A derived template's plan, checked before anything is written (OtdusError otherwise): every output
-    layer is of its source's kind in what transformers builds from ``written_config``; with zero-init,
+    layer is of its source's kind in what transformers builds from ``written_config``, and its tensors
+    stored outside the layer go under the names transformers saves them under at its index; with zero-init,
     every proved target is stored in the checkpoint under the name transformers' class gives it, and the
     expanded tiny instance gives the base's logits bit for bit (arch/identity.py: prove_plan). Returns
     the tensors outside the layers that hold a slice per layer (arch/layer_slices.py)."""
     from otdus_cli.arch.identity import expert_forms, prove_plan
     from otdus_cli.arch.layer_slices import check_sliced_sources, depth_sliced_tensors
-    from otdus_cli.arch.layer_storage import check_layers_stored_whole
+    from otdus_cli.arch.layer_storage import check_layers_stored_whole, check_numbered_names
     from otdus_cli.plan.layer_map import index_ranges, layer_kinds
 
     family = source.family
@@ -411,6 +416,7 @@ def check_derived_plan(source, written_config: dict, layer_map: list) -> dict:
     layer_list = _layer_list(base_model, source.depth, family.name)
     check_layers_stored_whole(source, base_model, layer_list)
     written_model, _ = _meta_model(written_config, rewritten=True)
+    check_numbered_names(source, written_model, layer_list, layer_map)
     sliced = depth_sliced_tensors(source, base_model, written_model, layer_list, source.config)
     check_sliced_sources(family, layer_map, sliced)
     check_planned_kinds(family, source.config, written_config, layer_map, written_model)

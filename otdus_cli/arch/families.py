@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from otdus_cli.arch.identity_values import IdentityValue
+from otdus_cli.arch.layer_storage import NumberedName
 from otdus_cli.arch.wrappers import TEXT_FAMILY_ALIASES, text_config
 from otdus_cli.errors import OtdusError
 
@@ -122,6 +123,10 @@ class Family:
     # a derived template: its output configs are built by transformers at plan time to check that each
     # output layer is of its source layer's kind (arch/derived.py: check_planned_kinds)
     derived: bool = False
+    # a derived template: per layer kind, the tensors of a layer transformers saves under a name numbered
+    # by the layer's index (name within the layer -> rule); those a checkpoint holds outside the layer's
+    # prefix are read as part of the layer (io/stack.py) and renumbered (arch/layer_storage.py)
+    numbered_names: dict[str, dict[str, NumberedName]] = field(default_factory=dict)
 
     def has(self, trait: str) -> bool:
         return trait in self.traits or (trait == MOE and self.moe)
@@ -138,6 +143,16 @@ class Family:
         zero-init target, its identity value, or None (the source's tensor). expand writes it and the plan
         proof (arch/identity.py) runs the model with it."""
         return 0.0 if self.is_zero_target(suffix) else self.identity_value(suffix)
+
+    def numbered_tensor(self, name: str) -> tuple[int, str] | None:
+        """(layer index, name within the layer) of checkpoint tensor ``name`` where ``numbered_names``
+        numbers it as a layer's tensor stored outside the layer; None otherwise."""
+        rules = {(key, rule) for kind in self.numbered_names.values() for key, rule in kind.items()}
+        for key, rule in sorted(rules, key=str):
+            index = rule.index_of(name)
+            if index is not None:
+                return index, key
+        return None
 
     def layer_regex(self) -> re.Pattern[str]:
         return re.compile(re.escape(self.layer_prefix).replace(r"\{i\}", r"(\d+)") + r"(.+)")
@@ -390,6 +405,7 @@ def _derived_family(config_json: str) -> Family:
         zero_init_note=proof.failure or "",
         identity_values=() if proof.failure else proof.value_patterns(),
         derived=True,
+        numbered_names=found["numbered_names"],
     )
 
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
 
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.io.safetensors_format import itemsize
-from otdus_cli.io.stack import LayerStack
+from otdus_cli.io.stack import LayerStack, SourceLayer
 
 SCHEME = "sampled-sha256-v1"
 FULL_BYTES = 1 << 20
@@ -72,12 +71,13 @@ def slice_fingerprint(reader: CheckpointReader, name: str, axis: int, width: int
     return h.hexdigest()[:32]
 
 
-def group_fingerprint(reader: CheckpointReader, prefix: str, suffixes: Iterable[str]) -> str:
+def group_fingerprint(layer: SourceLayer) -> str:
     """One fingerprint for a decoder layer: its tensors by name relative to the layer (so layer 3 of a
-    base and its copy at index 5 of an expansion agree)."""
+    base and its copy at index 5 of an expansion agree; a tensor stored outside the layer, under a name
+    numbered by it, by its name within the layer)."""
     h = hashlib.sha256()
-    for suffix in sorted(suffixes):
-        h.update(f"{suffix}={tensor_fingerprint(reader, prefix + suffix)};".encode())
+    for suffix in sorted(layer.suffixes()):
+        h.update(f"{suffix}={tensor_fingerprint(layer.reader, layer.name(suffix))};".encode())
     return h.hexdigest()[:32]
 
 
@@ -86,6 +86,6 @@ def stack_fingerprints(stack: LayerStack) -> dict:
     reader = stack.reader
     return {
         "scheme": SCHEME,
-        "layers": [group_fingerprint(reader, lay.prefix, lay.suffixes()) for lay in stack.layers],
+        "layers": [group_fingerprint(lay) for lay in stack.layers],
         "other": {name: tensor_fingerprint(reader, name) for name in stack.head + stack.tail},
     }

@@ -3,7 +3,8 @@
 Reading only headers, it checks what every later step relies on: the layer count of config.json
 matches the tensors present (compared before anything proportional to the count is built), and
 layers of one kind (the family says which may differ, e.g. dense layers in a MoE stack) hold the
-same tensors with the same dtypes and shapes.
+same tensors with the same dtypes and shapes. A layer's tensors a derived template finds stored outside
+its prefix, under names numbered by the layer (arch/layer_storage.py), are read as part of the layer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from otdus_cli.arch.depth import stated_depth
 from otdus_cli.arch.dims import check_dimensions
 from otdus_cli.arch.families import DEPTH_FIELDS, Family
+from otdus_cli.arch.layer_storage import NumberedName
 from otdus_cli.arch.wrappers import text_config, text_model_prefix
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
@@ -24,19 +26,30 @@ if TYPE_CHECKING:
 
 
 class SourceLayer:
-    """A decoder layer of a checkpoint, read lazily (implements methods.base.ParentLayer)."""
+    """A decoder layer of a checkpoint, read lazily (implements methods.base.ParentLayer): its tensors
+    under its prefix, by their names after it, and those stored outside it under a name numbered by the
+    layer (a derived template's: arch/layer_storage.py), by their names within the layer's module."""
 
-    def __init__(self, reader: CheckpointReader, prefix: str, index: int, suffixes: list[str]):
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        prefix: str,
+        index: int,
+        suffixes: list[str],
+        outside: dict[str, NumberedName] | None = None,
+    ):
         self.reader = reader
         self.prefix = prefix
         self.index = index
-        self._suffixes = suffixes
+        self.outside = dict(outside or {})
+        self._suffixes = [*suffixes, *sorted(self.outside)]
 
     def suffixes(self) -> list[str]:
         return list(self._suffixes)
 
     def name(self, suffix: str) -> str:
-        return self.prefix + suffix
+        rule = self.outside.get(suffix)
+        return rule.name(self.index) if rule is not None else self.prefix + suffix
 
     def get(self, suffix: str) -> torch.Tensor:
         """One tensor for a builder; non-finite weights would flow into every layer built from it."""
@@ -76,6 +89,13 @@ class LayerStack:
     def text_config(self) -> dict:
         """The decoder stack's settings (a multimodal wrapper's text config)."""
         return text_config(self.reader.config)
+
+    def output_name(self, source: int, index: int, suffix: str) -> str:
+        """Where an output that places base layer ``source`` at ``index`` stores its tensor ``suffix``:
+        under the layer prefix of ``index``, or for a tensor stored outside the layer, under the name its
+        rule numbers ``index`` with."""
+        rule = self.layers[source].outside.get(suffix)
+        return rule.name(index) if rule is not None else self.family.layer_prefix.format(i=index) + suffix
 
     def after_stack_name(self, name: str, new_depth: int) -> str:
         """``name`` of a layer stored after the stack, renumbered to follow a stack of ``new_depth``."""
@@ -128,8 +148,12 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
             f"checkpoint has tensors for layer {extra[0]} but config says {depth} layers"
             + (f" (and {trailing} stored after them)" if trailing else "")
         )
+    outside = numbered_outside_tensors(family, config, depth, others)
+    claimed = {rule.name(i) for i, rules in outside.items() for rule in rules.values()}
+    others = [n for n in others if n not in claimed]
     layers = [
-        SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i])) for i in range(depth)
+        SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i]), outside.get(i))
+        for i in range(depth)
     ]
     check_layers_alike(layers, family, config)
     others.sort()
@@ -138,6 +162,33 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
     stack = LayerStack(reader, family, layers, head, tail, after_stack)
     check_dimensions(stack, config)
     return stack
+
+
+def numbered_outside_tensors(
+    family: Family, config: dict, depth: int, others: list[str]
+) -> dict[int, dict[str, NumberedName]]:
+    """The tensors among ``others`` (the checkpoint's names under no layer's prefix) that hold a layer's
+    parameter under a name numbered by the layer (``family.numbered_names``: Inkling 2's
+    ``attn_res.attn_queries.{i-1}``), by layer index: {index: {name within the layer: rule}}. OtdusError
+    for one numbered so for no layer of the stack (a layer beyond the depth config.json states)."""
+    if not family.numbered_names:
+        return {}
+    present = set(others)
+    out: dict[int, dict[str, NumberedName]] = {}
+    for i in range(depth):
+        rules = family.numbered_names.get(family.layer_kind(config, i), {})
+        found = {key: rule for key, rule in rules.items() if rule.name(i) in present}
+        if found:
+            out[i] = found
+    claimed = {rule.name(i) for i, rules in out.items() for rule in rules.values()}
+    for name in sorted(present - claimed):
+        numbered = family.numbered_tensor(name)
+        if numbered is not None:
+            raise OtdusError(
+                f"the checkpoint holds {name}, where transformers saves a layer's {numbered[1]}, but for "
+                f"none of the {depth} layers config.json says"
+            )
+    return out
 
 
 _NUMBERED = re.compile(r"(.+?\.)(\d+)\.")

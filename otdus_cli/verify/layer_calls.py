@@ -96,8 +96,15 @@ class LayerStandIn(nn.Module):
         # the real layer's submodules, parameters and buffers, which a stand-in does not hold
         self._real_parts = frozenset(real._modules) | frozenset(real._parameters) | frozenset(real._buffers)
         # attributes some forwards read from the layer object (attention_type, layer_idx, Nemotron-H's
-        # block_type ...): every plain setting of the real layer, copied, not owned
-        for name, value in real.__dict__.items():
+        # block_type ...): every plain setting of the real layer, copied, not owned; its class's too
+        # (Inkling 2's attention_type), but for those every module has
+        settings = {
+            name: value
+            for cls in reversed(type(real).__mro__)
+            if not issubclass(nn.Module, cls)
+            for name, value in vars(cls).items()
+        }
+        for name, value in {**settings, **real.__dict__}.items():
             plain = isinstance(value, str | int | float | bool) or value is None
             if plain and not name.startswith("_") and name not in ("training", "index"):
                 setattr(self, name, value)

@@ -120,7 +120,7 @@ def check_recorded_base(manifest: dict | None, base: LayerStack) -> list[str]:
     if len(layers) != base.depth:
         raise WrongBase(f"{where} has {base.depth} layers; the expansion was made from {len(layers)}")
     for layer, recorded in zip(base.layers, layers, strict=True):
-        if group_fingerprint(base.reader, layer.prefix, layer.suffixes()) != recorded:
+        if group_fingerprint(layer) != recorded:
             raise WrongBase(
                 f"{not_it}: its layer {layer.index} differs from the recorded fingerprint "
                 "(modified or retrained since?)"
@@ -215,13 +215,11 @@ def prove(base: LayerStack, expanded: LayerStack, claimed: Sequence[dict] | None
     """Match expanded layers to base layers and decide whether the base function is preserved."""
     indices_of: dict[str, list[int]] = {}
     for lay in base.layers:
-        indices_of.setdefault(group_fingerprint(base.reader, lay.prefix, lay.suffixes()), []).append(
-            lay.index
-        )
+        indices_of.setdefault(group_fingerprint(lay), []).append(lay.index)
     findings: list[LayerFinding] = []
     consumed = -1
     for j, layer in enumerate(expanded.layers):
-        matches = indices_of.get(group_fingerprint(expanded.reader, layer.prefix, layer.suffixes()), [])
+        matches = indices_of.get(group_fingerprint(layer), [])
         claim = ""
         if claimed is not None:
             entry = claimed[j]
