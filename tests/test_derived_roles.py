@@ -8,7 +8,8 @@ without their output norms), HunYuan dense (Qwen3's roles, its q/k norms named q
 key_layernorm), EXAONE 3 (llama's layers, which transformers 5 saves
 under other names: transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers
 with roles, MoE layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds
-twice the heads' rows) and GPT-2 (other names).
+twice the heads' rows), GPT-2 (other names), and Arcee and Nemotron (llama's layers with an ungated MLP:
+up and down alone).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from otdus_cli.arch.derived_roles import _permutation_error, match_template, shape_error
-from otdus_cli.arch.families import family_for
+from otdus_cli.arch.families import UNGATED_MLP, family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
@@ -40,7 +41,12 @@ TEMPLATE = {
     "vaultgemma": ("gemma2", 1.0),
     "glm": ("glm4", 0.0),
     "hunyuan_v1_dense": ("qwen3", 0.0),
+    "arcee": ("llama", 0.0),
+    "nemotron": ("llama", 1.0),
 }
+# llama's layers with an MLP of up and down alone (act(up x) into down): Arcee's RMSNorm, Nemotron's
+# LayerNorm with a bias that scales by 1 + w
+UNGATED = ("arcee", "nemotron")
 LLAMA_LIKE = tuple(TEMPLATE)
 # GLM-4.5 with two dense layers first (a pair OT can build from), then MoE layers
 GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense_replace": 2}
@@ -79,6 +85,7 @@ def test_ot_and_lesa_on_a_derived_llama_like_template(models, tmp_path, model_ty
     assert proof["template"] == template and "unmatched" not in proof
     assert proof["norm_offset"] == family.norm_offset == offset
     assert set(proof["kinds"]) == set(family.role_kinds) and len(proof["kinds"]) == 1
+    assert family.has(UNGATED_MLP) == (model_type in UNGATED)
     # the new layers are computed (not copies of a parent): their q projections differ from both parents'
     new = [lay for lay in result.plan.layer_map if lay.new]
     assert all(lay.builder == method for lay in new)
@@ -174,14 +181,17 @@ def test_the_permutation_proof_catches_a_wrong_head_split():
 
 
 def test_names_and_shapes_decide_the_match():
-    """Every tensor must be a role's (a per-layer extra is not); every role must be there; shapes are the
-    config's as the methods read it."""
+    """Every tensor must be a role's (a per-layer extra is not); every role must be there (but the output
+    norms and the MLP's gate); shapes are the config's as the methods read it."""
     from otdus_cli.arch.families import LLAMA_ROLES
 
     layer = {f"{p}.weight": [4] for p in LLAMA_ROLES.values()}
     assert match_template(layer)[0].name == "llama"
     assert match_template({**layer, "self_attn.sinks": [4]})[0] is None
-    assert match_template({k: v for k, v in layer.items() if "gate" not in k})[0] is None
+    # without its gate, an ungated MLP (up and down alone); without up or down, no match
+    ungated = match_template({k: v for k, v in layer.items() if "gate" not in k})[0]
+    assert ungated.name == "llama" and "gate" not in ungated.roles and ungated.has(UNGATED_MLP)
+    assert match_template({k: v for k, v in layer.items() if "up_proj" not in k})[0] is None
     fam = family_for({**COMMON, "model_type": "llama"})
     shapes = {
         "self_attn.q_proj.weight": [32, 32],

@@ -4,7 +4,8 @@ OT-DUS and LESA compute new tensors role by role. A template read off transforme
 (arch/derived.py) names no roles, so each of its layer kinds is matched against the roles of the exact
 dense templates (families.py): a kind takes a template's roles when every role's weight is in its
 layers, every tensor of its layers is a role's weight or bias, and the shapes are those the config
-gives as the methods read it (q rows = num_attention_heads x head_dim ...). It then inherits that
+gives as the methods read it (q rows = num_attention_heads x head_dim ...); a template's output norms
+and its MLP's gate may be absent (match_template). It then inherits that
 template's traits and norm offset, so each method's ``refuses`` table applies as for the template.
 
 The match is proved on the tiny instance zero-init is proved on (arch/identity.py), one layer per kind:
@@ -30,7 +31,14 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field, replace
 
-from otdus_cli.arch.families import CROSS_ATTENTION, FAMILIES, PARALLEL_BLOCKS, POST_NORM, Family
+from otdus_cli.arch.families import (
+    CROSS_ATTENTION,
+    FAMILIES,
+    PARALLEL_BLOCKS,
+    POST_NORM,
+    UNGATED_MLP,
+    Family,
+)
 from otdus_cli.arch.identity import TinyInstance
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
@@ -99,13 +107,18 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
     """The template whose roles are exactly a layer's tensors (names -> shapes), or None and why not (with
     the template whose roles explain most of them). A pre-norm template's output norms are optional: a
     layer without them (VaultGemma: Gemma 2's layer without its post-norms; GLM: GLM-4's) takes its
-    other roles, which the methods read as for a template that has none (llama's). A role's module may
+    other roles, which the methods read as for a template that has none (llama's). So is a gated
+    template's gate where the layer has up and down alone (an ungated MLP: the methods then read up and
+    down, UNGATED_MLP). A role's module may
     go by another name (_ROLE_ALIASES); the permutation proof shows it plays the role."""
     closest: tuple[tuple[int, int], Family, list[str], list[str]] | None = None
     for fam in role_templates():
         absent = {r for r in _OUTPUT_NORMS if r in fam.roles and f"{fam.roles[r]}.weight" not in tensors}
         if absent and not fam.has(POST_NORM):
             fam = replace(fam, roles={r: p for r, p in fam.roles.items() if r not in absent})
+        if _ungated(fam, tensors):
+            roles = {r: p for r, p in fam.roles.items() if r != "gate"}
+            fam = replace(fam, roles=roles, traits=fam.traits | {UNGATED_MLP})
         renamed = {
             role: alias
             for role, path in fam.roles.items()
@@ -136,6 +149,17 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
         None,
         f"its tensors are no exact template's roles (closest, {fam.name}: "
         f"{'; '.join(p for p in parts if p)})",
+    )
+
+
+def _ungated(fam: Family, tensors: dict[str, list[int]]) -> bool:
+    """Whether the layer is ``fam``'s with an MLP of up and down alone (Arcee's, Nemotron's: act(up x)
+    into down): the template's own gate is not among its tensors, its up and down are. Its MLP neurons
+    are still (up row, down column) pairs, which the permutation proof checks."""
+    if "gate" not in fam.roles or "gate" in {p for parts in fam.fused.values() for p in parts}:
+        return False
+    return f"{fam.roles['gate']}.weight" not in tensors and all(
+        f"{fam.roles[r]}.weight" in tensors for r in ("up", "down")
     )
 
 

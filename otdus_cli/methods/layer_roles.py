@@ -15,13 +15,21 @@ from dataclasses import dataclass
 
 import torch
 
+from otdus_cli.arch.families import UNGATED_MLP
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import ParentLayer
 from otdus_cli.transport.plan import TransportPlan
 
 # The roles of a dense decoder layer that the OT formulas need; every dense family template provides
-# them (Phi-3 through its fused qkv / gate_up tensors).
+# them (Phi-3 through its fused qkv / gate_up tensors), all but gate where its MLP has none (UNGATED_MLP).
 DENSE_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def dense_roles(family) -> tuple[str, ...]:
+    """The projections a ``family`` layer holds: DENSE_ROLES, without gate for an ungated MLP."""
+    return tuple(r for r in DENSE_ROLES if r != "gate" or not family.has(UNGATED_MLP))
+
+
 NORM_ROLES = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")
 
 # role -> {"weight": tensor, "bias": tensor} (a role without bias has no "bias" key)
@@ -65,7 +73,7 @@ class RoleLayout:
         family,
         config: dict,
         suffixes: list[str],
-        required: tuple[str, ...] = DENSE_ROLES,
+        required: tuple[str, ...] | None = None,  # None: dense_roles(family)
         roles: dict[str, str] | None = None,
         method: str = "ot",
     ):
@@ -82,7 +90,7 @@ class RoleLayout:
             part: fused for fused, parts in family.fused.items() if fused in self.where for part in parts
         }
         self.roles = set(self.where) | set(self.fused_in)
-        lacking = [r for r in required if r not in self.roles]
+        lacking = [r for r in (dense_roles(family) if required is None else required) if r not in self.roles]
         if lacking:
             raise OtdusError(
                 f"--method {method} needs the {'/'.join(lacking)} tensors, which this {family.name} layer "
