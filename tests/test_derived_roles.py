@@ -192,6 +192,12 @@ def test_names_and_shapes_decide_the_match():
     ungated = match_template({k: v for k, v in layer.items() if "gate" not in k})[0]
     assert ungated.name == "llama" and "gate" not in ungated.roles and ungated.has(UNGATED_MLP)
     assert match_template({k: v for k, v in layer.items() if "up_proj" not in k})[0] is None
+    # a tensor outside the attention and the MLP (a sublayer of its own) is an extra; inside, it is not;
+    # of the templates that match, the one with the fewest extras (Gemma 2's layer is not llama's + 2)
+    assert match_template({**layer, "per_layer_projection.weight": [4]})[0].name == "llama"
+    assert match_template({**layer, "mlp.act_fn.alpha": [1]})[0] is None
+    gemma2 = {f"{p}.weight": [4] for p in family_for({"model_type": "gemma2"}).roles.values()}
+    assert match_template(gemma2)[0].name == "gemma2"
     fam = family_for({**COMMON, "model_type": "llama"})
     shapes = {
         "self_attn.q_proj.weight": [32, 32],
@@ -208,6 +214,31 @@ def test_names_and_shapes_decide_the_match():
     assert "self_attn.k_proj.weight has shape [16, 32]" in shape_error(
         fam, shapes, {**COMMON, "num_key_value_heads": 4}
     )
+
+
+def test_tensors_outside_attention_and_mlp_are_averaged_extras(tmp_path):
+    """HyperCLOVA X (transformers 5): llama's layer plus a norm on each sublayer's output (post_norm1,
+    post_norm2) outside its attention and MLP; they are its extras, which OT and LESA average, and the
+    proof on the tiny instance still decides its roles."""
+    src = tmp_path / "hyperclovax"
+    base = save_perturbed(
+        "hyperclovax", {**COMMON, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}, src
+    )
+    for method in ("ot", "lesa"):
+        result = expand(str(src), tmp_path / method, ExpandOptions(method=method, layers=2))
+        proof = result.manifest["source"]["roles_proof"]
+        assert proof["template"] == "llama" and "unmatched" not in proof
+        (kind,) = proof["kinds"].values()
+        assert kind["extras"] == ["post_norm1.weight", "post_norm2.weight"]
+        assert torch.equal(logits(load_causal_lm(tmp_path / method)), base)
+    # computed, not copied: the new layers' post_norm1 is the average of their parents'
+    from otdus_cli.io.reader import CheckpointReader
+
+    new = next(lay for lay in result.plan.layer_map if lay.new)
+    norm = "model.layers.{}.post_norm1.weight"
+    r, a = CheckpointReader(tmp_path / "lesa"), CheckpointReader(src)
+    want = (a.get(norm.format(new.parents[0])) + a.get(norm.format(new.parents[1]))) * 0.5
+    assert torch.equal(r.get(norm.format(new.index)), want)
 
 
 def test_plan_says_whose_roles_and_refuses_a_pair_without(models, tmp_path):

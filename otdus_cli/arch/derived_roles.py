@@ -3,10 +3,11 @@
 OT-DUS and LESA compute new tensors role by role. A template read off transformers' class
 (arch/derived.py) names no roles, so each of its layer kinds is matched against the roles of the exact
 dense templates (families.py): a kind takes a template's roles when every role's weight is in its
-layers, every tensor of its layers is a role's weight or bias, and the shapes are those the config
+layers, every tensor of its attention and MLP is a role's weight or bias (tensors outside them, a
+sublayer of its own, are its extras: the methods average them), and the shapes are those the config
 gives as the methods read it (q rows = num_attention_heads x head_dim ...); a template's output norms
-and its MLP's gate may be absent (match_template). It then inherits that
-template's traits and norm offset, so each method's ``refuses`` table applies as for the template.
+and its MLP's gate may be absent (match_template). It then inherits that template's traits and norm
+offset, so each method's ``refuses`` table applies as for the template.
 
 The match is proved on the tiny instance zero-init is proved on (arch/identity.py), one layer per kind:
 
@@ -60,6 +61,8 @@ class RoleProof:
 
     template: Family | None = None  # the exact template whose roles the proved kinds took
     layers: dict[str, int] = field(default_factory=dict)  # proved kind -> the layer the proof ran on
+    # proved kind -> its tensors outside the attention and MLP that are no role (extra_tensors)
+    extras: dict[str, list[str]] = field(default_factory=dict)
     unmatched: dict[str, str] = field(default_factory=dict)  # kind -> why it has no roles
     instance: str = ""
     # the roles' module paths in transformers' class, where the template's roles (as saved) differ
@@ -68,18 +71,21 @@ class RoleProof:
     def record(self) -> dict:
         """The proof as the manifest records it."""
         return {
-            "check": "names: every tensor of the layer is a role's weight or bias of the template, shapes "
-            "as the config gives them; proof: permuting one layer's attention heads (by KV group and "
-            "within it), value-head dimensions and MLP neurons by these roles leaves its output "
-            f"unchanged (float32, relative tolerance {PERMUTATION_TOLERANCE:g}, {_SEQUENCE} random "
-            "tokens); its norms scale by w (norm_offset 0) or 1 + w (1); a pre-norm layer's norms read "
-            "the residual stream in sequence",
+            "check": "names: every tensor of the layer's attention and MLP is a role's weight or bias of "
+            "the template (the others, its extras, are averaged), shapes as the config gives them; proof: "
+            "permuting one layer's attention heads (by KV group and within it), value-head dimensions and "
+            "MLP neurons by these roles leaves its output unchanged (float32, relative tolerance "
+            f"{PERMUTATION_TOLERANCE:g}, {_SEQUENCE} random tokens); its norms scale by w (norm_offset 0) "
+            "or 1 + w (1); a pre-norm layer's norms read the residual stream in sequence",
             "instance": self.instance,
             "template": self.template.name if self.template else None,
             "roles": dict(self.template.roles) if self.template else {},
             "norm_offset": self.template.norm_offset if self.template else None,
             **({"modules": dict(self.modules)} if self.modules else {}),
-            "kinds": {kind: {"layer": layer} for kind, layer in self.layers.items()},
+            "kinds": {
+                kind: {"layer": layer, **({"extras": self.extras[kind]} if self.extras.get(kind) else {})}
+                for kind, layer in self.layers.items()
+            },
             **({"unmatched": dict(self.unmatched)} if self.unmatched else {}),
         }
 
@@ -110,7 +116,10 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
     other roles, which the methods read as for a template that has none (llama's). So is a gated
     template's gate where the layer has up and down alone (an ungated MLP: the methods then read up and
     down, UNGATED_MLP). A role's module may
-    go by another name (_ROLE_ALIASES); the permutation proof shows it plays the role."""
+    go by another name (_ROLE_ALIASES); the permutation proof shows it plays the role. Tensors outside the
+    template's attention and MLP modules may be no role (extra_tensors: a sublayer of its own, Gemma 4's
+    per-layer input); of the templates that match, the one with the fewest such tensors is taken."""
+    matched: list[tuple[int, Family]] = []
     closest: tuple[tuple[int, int], Family, list[str], list[str]] | None = None
     for fam in role_templates():
         absent = {r for r in _OUTPUT_NORMS if r in fam.roles and f"{fam.roles[r]}.weight" not in tensors}
@@ -128,18 +137,17 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
         }
         if renamed:
             fam = replace(fam, roles={**fam.roles, **renamed})
-        paths = set(fam.roles.values())
         missing = [path for path in fam.roles.values() if f"{path}.weight" not in tensors]
-        unexplained = [
-            name
-            for name in tensors
-            if not (name.rsplit(".", 1)[0] in paths and name.rsplit(".", 1)[-1] in ("weight", "bias"))
-        ]
-        if not missing and not unexplained:
-            return fam, ""
+        unexplained = _unexplained(fam, tensors)
+        extra = extra_tensors(fam, unexplained)
+        if not missing and len(extra) == len(unexplained):
+            matched.append((len(extra), fam))
+            continue
         score = (len(unexplained), len(missing))
         if closest is None or score < closest[0]:
             closest = (score, fam, missing, unexplained)
+    if matched:
+        return min(matched, key=lambda m: m[0])[1], ""
     assert closest is not None
     _, fam, missing, unexplained = closest
     if len(unexplained) == len(tensors):
@@ -150,6 +158,24 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
         f"its tensors are no exact template's roles (closest, {fam.name}: "
         f"{'; '.join(p for p in parts if p)})",
     )
+
+
+def _unexplained(fam: Family, names) -> list[str]:
+    """The tensors of ``names`` that are no role's weight or bias."""
+    paths = set(fam.roles.values())
+    return [
+        name
+        for name in names
+        if not (name.rsplit(".", 1)[0] in paths and name.rsplit(".", 1)[-1] in ("weight", "bias"))
+    ]
+
+
+def extra_tensors(fam: Family, names) -> list[str]:
+    """The tensors of ``names`` outside ``fam``'s attention and MLP modules (the first part of a role's
+    path, self_attn and mlp): no per-head or per-neuron parameter can hide there, and the permutation
+    proof would still show one. The methods average them plainly (OT: no alignment defined for them)."""
+    modules = {path.split(".")[0] for path in fam.roles.values() if "." in path}
+    return [name for name in names if name.split(".")[0] not in modules]
 
 
 def _ungated(fam: Family, tensors: dict[str, list[int]]) -> bool:
@@ -276,6 +302,7 @@ def _derive_roles(config: dict, found: dict, instance: TinyInstance | Exception)
             proof.unmatched[kind] = f"{template.name}'s roles by name, but on the tiny instance {why}"
         else:
             proof.layers[kind] = index
+            proof.extras[kind] = _unexplained(matched[kind], found["tensors"][kind])
     if not proof.layers:
         return proof
     # norms that scale by w or by 1 + w (Gemma's): the kinds that take roles share one
