@@ -8,8 +8,10 @@ without their output norms), HunYuan dense (Qwen3's roles, its q/k norms named q
 key_layernorm), EXAONE 3 (llama's layers, which transformers 5 saves
 under other names: transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers
 with roles, MoE layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds
-twice the heads' rows), GPT-2 (other names), and Arcee and Nemotron (llama's layers with an ungated MLP:
-up and down alone).
+twice the heads' rows), GPT-2 (other names), Arcee and Nemotron (llama's layers with an ungated MLP:
+up and down alone), OLMo (llama's layers, norms without weight), HyperCLOVA X (llama's layers and a norm
+on each sublayer's output outside them) and NanoChat (all three: norms without weight, an ungated MLP of
+fc1 and fc2).
 """
 
 from __future__ import annotations
@@ -43,10 +45,14 @@ TEMPLATE = {
     "hunyuan_v1_dense": ("qwen3", 0.0),
     "arcee": ("llama", 0.0),
     "nemotron": ("llama", 1.0),
+    "olmo": ("llama", 0.0),
 }
 # llama's layers with an MLP of up and down alone (act(up x) into down): Arcee's RMSNorm, Nemotron's
 # LayerNorm with a bias that scales by 1 + w
 UNGATED = ("arcee", "nemotron")
+# llama's layers whose norms hold no weight (OLMo's LayerNorm without parameters)
+WEIGHTLESS = ("olmo",)
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
 LLAMA_LIKE = tuple(TEMPLATE)
 # GLM-4.5 with two dense layers first (a pair OT can build from), then MoE layers
 GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense_replace": 2}
@@ -55,9 +61,9 @@ GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     root = tmp_path_factory.mktemp("derived_roles")
-    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
     extra = {"hunyuan_v1_dense": {"head_dim": 8}}  # its config class leaves it None
-    fields = {mt: dict(COMMON, **ids, **extra.get(mt, {})) for mt in LLAMA_LIKE} | {"glm4_moe": GLM4_MOE}
+    fields = {mt: dict(COMMON, **TOKEN_IDS, **extra.get(mt, {})) for mt in LLAMA_LIKE}
+    fields["glm4_moe"] = GLM4_MOE
     return {mt: (root / mt, save_perturbed(mt, f, root / mt)) for mt, f in fields.items()}
 
 
@@ -86,6 +92,9 @@ def test_ot_and_lesa_on_a_derived_llama_like_template(models, tmp_path, model_ty
     assert proof["norm_offset"] == family.norm_offset == offset
     assert set(proof["kinds"]) == set(family.role_kinds) and len(proof["kinds"]) == 1
     assert family.has(UNGATED_MLP) == (model_type in UNGATED)
+    (kind,) = proof["kinds"].values()
+    weightless = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    assert kind.get("weightless_norms") == (weightless if model_type in WEIGHTLESS else None)
     # the new layers are computed (not copies of a parent): their q projections differ from both parents'
     new = [lay for lay in result.plan.layer_map if lay.new]
     assert all(lay.builder == method for lay in new)
@@ -221,9 +230,7 @@ def test_tensors_outside_attention_and_mlp_are_averaged_extras(tmp_path):
     post_norm2) outside its attention and MLP; they are its extras, which OT and LESA average, and the
     proof on the tiny instance still decides its roles."""
     src = tmp_path / "hyperclovax"
-    base = save_perturbed(
-        "hyperclovax", {**COMMON, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}, src
-    )
+    base = save_perturbed("hyperclovax", {**COMMON, **TOKEN_IDS}, src)
     for method in ("ot", "lesa"):
         result = expand(str(src), tmp_path / method, ExpandOptions(method=method, layers=2))
         proof = result.manifest["source"]["roles_proof"]
@@ -239,6 +246,20 @@ def test_tensors_outside_attention_and_mlp_are_averaged_extras(tmp_path):
     r, a = CheckpointReader(tmp_path / "lesa"), CheckpointReader(src)
     want = (a.get(norm.format(new.parents[0])) + a.get(norm.format(new.parents[1]))) * 0.5
     assert torch.equal(r.get(norm.format(new.index)), want)
+
+
+def test_an_ungated_mlp_under_other_names_with_norms_without_weight(tmp_path):
+    """NanoChat (transformers 5): llama's attention, an MLP of fc1 and fc2 alone, norms without weight;
+    OT (zero-init, and computed without it) and LESA build it, and the outputs load."""
+    src = tmp_path / "nanochat"
+    base = save_perturbed("nanochat", {**COMMON, **TOKEN_IDS}, src)
+    for method, zero_init in (("ot", True), ("ot", False), ("lesa", True)):
+        out = tmp_path / f"{method}-{zero_init}"
+        result = expand(str(src), out, ExpandOptions(method=method, layers=2, zero_init=zero_init))
+        family = result.plan.source.family
+        assert family.roles["up"] == "mlp.fc1" and not {"gate", "attn_norm"} & set(family.roles)
+        got = logits(load_causal_lm(out))
+        assert torch.equal(got, base) if zero_init else got.isfinite().all() and not torch.equal(got, base)
 
 
 def test_plan_says_whose_roles_and_refuses_a_pair_without(models, tmp_path):

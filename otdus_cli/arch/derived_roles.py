@@ -51,8 +51,14 @@ _SEQUENCE = 8
 _HIDDEN_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
 _HEAD_NORMS = ("q_norm", "k_norm")
 _OUTPUT_NORMS = ("attn_out_norm", "mlp_out_norm")  # a sublayer's output normed before the residual add
-# other names transformers' classes give a role's module (HunYuan's query_layernorm for q_norm)
-_ROLE_ALIASES = {"q_norm": ("self_attn.query_layernorm",), "k_norm": ("self_attn.key_layernorm",)}
+# other names transformers' classes give a role's module (HunYuan's query_layernorm for q_norm, NanoChat's
+# fc1 and fc2 for an ungated MLP's up and down)
+_ROLE_ALIASES = {
+    "q_norm": ("self_attn.query_layernorm",),
+    "k_norm": ("self_attn.key_layernorm",),
+    "up": ("mlp.fc1",),
+    "down": ("mlp.fc2",),
+}
 
 
 @dataclass
@@ -63,6 +69,8 @@ class RoleProof:
     layers: dict[str, int] = field(default_factory=dict)  # proved kind -> the layer the proof ran on
     # proved kind -> its tensors outside the attention and MLP that are no role (extra_tensors)
     extras: dict[str, list[str]] = field(default_factory=dict)
+    # kind -> its norms without weight, role -> module path (weightless_norms)
+    weightless: dict[str, dict[str, str]] = field(default_factory=dict)
     unmatched: dict[str, str] = field(default_factory=dict)  # kind -> why it has no roles
     instance: str = ""
     # the roles' module paths in transformers' class, where the template's roles (as saved) differ
@@ -83,7 +91,11 @@ class RoleProof:
             "norm_offset": self.template.norm_offset if self.template else None,
             **({"modules": dict(self.modules)} if self.modules else {}),
             "kinds": {
-                kind: {"layer": layer, **({"extras": self.extras[kind]} if self.extras.get(kind) else {})}
+                kind: {
+                    "layer": layer,
+                    **({"extras": self.extras[kind]} if self.extras.get(kind) else {}),
+                    **({"weightless_norms": self.weightless[kind]} if self.weightless.get(kind) else {}),
+                }
                 for kind, layer in self.layers.items()
             },
             **({"unmatched": dict(self.unmatched)} if self.unmatched else {}),
@@ -118,16 +130,12 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
     down, UNGATED_MLP). A role's module may
     go by another name (_ROLE_ALIASES); the permutation proof shows it plays the role. Tensors outside the
     template's attention and MLP modules may be no role (extra_tensors: a sublayer of its own, Gemma 4's
-    per-layer input); of the templates that match, the one with the fewest such tensors is taken."""
-    matched: list[tuple[int, Family]] = []
+    per-layer input), and a sequential pre-norm template's norms may hold no weight (weightless_norms);
+    of the templates that match, the one with the fewest extra tensors, then roles left out, is taken."""
+    matched: list[tuple[tuple[int, int], Family]] = []
     closest: tuple[tuple[int, int], Family, list[str], list[str]] | None = None
-    for fam in role_templates():
-        absent = {r for r in _OUTPUT_NORMS if r in fam.roles and f"{fam.roles[r]}.weight" not in tensors}
-        if absent and not fam.has(POST_NORM):
-            fam = replace(fam, roles={r: p for r, p in fam.roles.items() if r not in absent})
-        if _ungated(fam, tensors):
-            roles = {r: p for r, p in fam.roles.items() if r != "gate"}
-            fam = replace(fam, roles=roles, traits=fam.traits | {UNGATED_MLP})
+    for template in role_templates():
+        fam = template
         renamed = {
             role: alias
             for role, path in fam.roles.items()
@@ -137,11 +145,18 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
         }
         if renamed:
             fam = replace(fam, roles={**fam.roles, **renamed})
+        absent = {r for r in _OUTPUT_NORMS if r in fam.roles and f"{fam.roles[r]}.weight" not in tensors}
+        absent |= set(weightless_norms(fam, tensors))
+        if absent and not fam.has(POST_NORM):
+            fam = replace(fam, roles={r: p for r, p in fam.roles.items() if r not in absent})
+        if _ungated(fam, tensors):
+            roles = {r: p for r, p in fam.roles.items() if r != "gate"}
+            fam = replace(fam, roles=roles, traits=fam.traits | {UNGATED_MLP})
         missing = [path for path in fam.roles.values() if f"{path}.weight" not in tensors]
         unexplained = _unexplained(fam, tensors)
         extra = extra_tensors(fam, unexplained)
         if not missing and len(extra) == len(unexplained):
-            matched.append((len(extra), fam))
+            matched.append(((len(extra), len(template.roles) - len(fam.roles)), fam))
             continue
         score = (len(unexplained), len(missing))
         if closest is None or score < closest[0]:
@@ -158,6 +173,16 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
         f"its tensors are no exact template's roles (closest, {fam.name}: "
         f"{'; '.join(p for p in parts if p)})",
     )
+
+
+def weightless_norms(fam: Family, tensors) -> dict[str, str]:
+    """The attention and MLP norms (role -> module path) of a sequential pre-norm template ``fam`` whose
+    weight the layer lacks: OLMo's LayerNorm has no parameters. They scale by nothing the methods could
+    align; the proof finds their modules in the layer and shows them read the residual stream in
+    sequence (a template whose order it cannot show, parallel or post-norm, keeps them required)."""
+    if fam.has(POST_NORM) or fam.has(PARALLEL_BLOCKS) or "mlp_norm" not in fam.roles:
+        return {}
+    return {r: fam.roles[r] for r in ("attn_norm", "mlp_norm") if f"{fam.roles[r]}.weight" not in tensors}
 
 
 def _unexplained(fam: Family, names) -> list[str]:
@@ -280,6 +305,7 @@ def _derive_roles(config: dict, found: dict, instance: TinyInstance | Exception)
     import torch
 
     tiny_text = model.config.get_text_config().to_dict()
+    original = next(t for t in role_templates() if t.name == template.name)  # as families.py writes it
     layers = modules_of(model, found["layer_list"])
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(2))
@@ -295,7 +321,13 @@ def _derive_roles(config: dict, found: dict, instance: TinyInstance | Exception)
                 why = offset
             elif offset is not None:
                 offsets[kind] = offset
-                why = _prove(model, layer, replace(template, norm_offset=offset), tiny_text, ids)
+                weightless = {
+                    r: original.roles[r]
+                    for r in ("attn_norm", "mlp_norm")
+                    if r in original.roles and r not in matched[kind].roles
+                }
+                why = _prove(model, layer, replace(template, norm_offset=offset), tiny_text, ids, weightless)
+                proof.weightless[kind] = weightless
         except Exception as exc:
             why = f"layer {index} did not run on the tiny instance ({type(exc).__name__})"
         if why:
@@ -347,9 +379,19 @@ def _stored_roles(model, prefix: str, index: int, roles: dict[str, str]) -> dict
     return out
 
 
-def _prove(model, layer, fam: Family, config: dict, ids) -> str | None:
-    """Why ``layer`` does not compute as ``fam``'s roles say (see module), or None."""
-    return _sequence_error(model, layer, fam, ids) or _permutation_error(model, layer, fam, config, ids)
+def _prove(model, layer, fam: Family, config: dict, ids, weightless: dict[str, str]) -> str | None:
+    """Why ``layer`` does not compute as ``fam``'s roles say (see module), or None; ``weightless``: its
+    norms without weight, role -> module path (weightless_norms)."""
+    for role, path in weightless.items():
+        try:
+            norm = layer.get_submodule(path)
+        except AttributeError:
+            return f"it has no {path} (the {role} of {fam.name}'s roles, here without weight)"
+        if any(True for _ in norm.parameters()):
+            return f"{path} holds parameters but no weight"
+    return _sequence_error(model, layer, fam, ids, weightless) or _permutation_error(
+        model, layer, fam, config, ids
+    )
 
 
 def _permutation_error(model, layer, fam: Family, config: dict, ids) -> str | None:
@@ -472,12 +514,14 @@ def _norm_offset(layer, fam: Family) -> float | str:
     return found.pop() if found else fam.norm_offset
 
 
-def _sequence_error(model, layer, fam: Family, ids) -> str | None:
+def _sequence_error(model, layer, fam: Family, ids, weightless: dict[str, str]) -> str | None:
     """A pre-norm sequential template's: the attention norm reads the layer's input; the MLP norm reads
-    it plus the attention's output (so the layer's input itself once o is zeroed)."""
+    it plus the attention's output (so the layer's input itself once o is zeroed). Its norms are the
+    roles', or the modules ``weightless`` names where they hold no weight."""
     import torch
 
-    if fam.has(POST_NORM) or fam.has(PARALLEL_BLOCKS) or "mlp_norm" not in fam.roles:
+    norms = {**weightless, **{r: fam.roles[r] for r in ("attn_norm", "mlp_norm") if r in fam.roles}}
+    if fam.has(POST_NORM) or fam.has(PARALLEL_BLOCKS) or "mlp_norm" not in norms:
         return None
     zeroed = [p for name, p in layer.named_parameters() if name.startswith(fam.roles["o"] + ".")]
 
@@ -493,7 +537,7 @@ def _sequence_error(model, layer, fam: Family, ids) -> str | None:
 
         modules = {
             "layer": layer,
-            **{r: layer.get_submodule(fam.roles[r]) for r in ("attn_norm", "mlp_norm")},
+            **{r: layer.get_submodule(norms[r]) for r in ("attn_norm", "mlp_norm")},
         }
         hooks = [m.register_forward_pre_hook(keep(r), with_kwargs=True) for r, m in modules.items()]
         saved = [p.detach().clone() for p in zeroed]
@@ -515,10 +559,10 @@ def _sequence_error(model, layer, fam: Family, ids) -> str | None:
     plain, without = inputs(False), inputs(True)
     x = plain["layer"]
     if not torch.equal(plain["attn_norm"], x):
-        return f"{fam.roles['attn_norm']} does not read the layer's input (not a pre-norm layer)"
+        return f"{norms['attn_norm']} does not read the layer's input (not a pre-norm layer)"
     if not torch.equal(without["mlp_norm"], x) or torch.equal(plain["mlp_norm"], x):
         return (
-            f"{fam.roles['mlp_norm']} does not read the residual stream after the attention (its input "
+            f"{norms['mlp_norm']} does not read the residual stream after the attention (its input "
             "is not the layer's input plus the attention's output)"
         )
     return None

@@ -326,8 +326,9 @@ def paper_attention(
     yield from _output_norm(pair, "attn_out_norm", plan_o, offset, scale, official)
     # Post-attention (pre-MLP) norm: T_in = 1/2 (s T_O + I) (the paper's table: the residual
     # stream is the identity path plus the attention path; s = n is Imfeld et al.'s scaling).
-    ta, tb = pair.take("mlp_norm")
-    yield "mlp_norm", _norm_role_through(plan_o, ta, tb, offset, scale, mix=True)
+    if pair.has("mlp_norm"):  # a norm without weight (OLMo's) has nothing to align
+        ta, tb = pair.take("mlp_norm")
+        yield "mlp_norm", _norm_role_through(plan_o, ta, tb, offset, scale, mix=True)
     return plan_o
 
 
