@@ -11,7 +11,8 @@ with roles, MoE layers without), Qwen3.5 (linear attention; a gated full attenti
 twice the heads' rows), GPT-2 (other names), Arcee and Nemotron (llama's layers with an ungated MLP:
 up and down alone), OLMo (llama's layers, norms without weight), HyperCLOVA X (llama's layers and a norm
 on each sublayer's output outside them) and NanoChat (all three: norms without weight, an ungated MLP of
-fc1 and fc2).
+fc1 and fc2), Apertus (Qwen3's layers under other norm names, an ungated MLP whose activation holds two
+scalars).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def test_ot_and_lesa_on_a_derived_llama_like_template(models, tmp_path, model_ty
     (kind,) = proof["kinds"].values()
     weightless = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
     assert kind.get("weightless_norms") == (weightless if model_type in WEIGHTLESS else None)
+    assert "extras" not in kind
     # the new layers are computed (not copies of a parent): their q projections differ from both parents'
     new = [lay for lay in result.plan.layer_map if lay.new]
     assert all(lay.builder == method for lay in new)
@@ -204,7 +206,8 @@ def test_names_and_shapes_decide_the_match():
     # a tensor outside the attention and the MLP (a sublayer of its own) is an extra; inside, it is not;
     # of the templates that match, the one with the fewest extras (Gemma 2's layer is not llama's + 2)
     assert match_template({**layer, "per_layer_projection.weight": [4]})[0].name == "llama"
-    assert match_template({**layer, "mlp.act_fn.alpha": [1]})[0] is None
+    assert match_template({**layer, "mlp.act_fn.alpha": [4]})[0] is None
+    assert match_template({**layer, "mlp.act_fn.alpha": [1]})[0].name == "llama"  # one element: no unit's
     gemma2 = {f"{p}.weight": [4] for p in family_for({"model_type": "gemma2"}).roles.values()}
     assert match_template(gemma2)[0].name == "gemma2"
     fam = family_for({**COMMON, "model_type": "llama"})
@@ -248,16 +251,38 @@ def test_tensors_outside_attention_and_mlp_are_averaged_extras(tmp_path):
     assert torch.equal(r.get(norm.format(new.index)), want)
 
 
-def test_an_ungated_mlp_under_other_names_with_norms_without_weight(tmp_path):
-    """NanoChat (transformers 5): llama's attention, an MLP of fc1 and fc2 alone, norms without weight;
-    OT (zero-init, and computed without it) and LESA build it, and the outputs load."""
-    src = tmp_path / "nanochat"
-    base = save_perturbed("nanochat", {**COMMON, **TOKEN_IDS}, src)
+# transformers 5's alone: (template, roles under other names, roles left out, extras)
+ROLES_UNDER_OTHER_NAMES = {
+    # NanoChat: StarCoder2's layers (llama's attention, an MLP of up and down alone), its MLP's named fc1
+    # and fc2, norms without weight
+    "nanochat": ("starcoder2", {"up": "mlp.fc1", "down": "mlp.fc2"}, {"gate", "attn_norm", "mlp_norm"}, None),
+    # Apertus: Qwen3's layers, its norms under other names, an MLP of up and down alone whose activation
+    # (xIELU) holds two scalars
+    "apertus": (
+        "qwen3",
+        {"attn_norm": "attention_layernorm", "mlp_norm": "feedforward_layernorm"},
+        {"gate"},
+        ["mlp.act_fn.alpha_p", "mlp.act_fn.alpha_n"],
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", ROLES_UNDER_OTHER_NAMES)
+def test_roles_under_other_names_with_an_ungated_mlp(tmp_path, model_type):
+    """OT (zero-init, and computed without it) and LESA build them; the outputs load, zero-init's with the
+    base's logits."""
+    template, renamed, left_out, extras = ROLES_UNDER_OTHER_NAMES[model_type]
+    src = tmp_path / model_type
+    base = save_perturbed(model_type, {**COMMON, **TOKEN_IDS}, src)
     for method, zero_init in (("ot", True), ("ot", False), ("lesa", True)):
         out = tmp_path / f"{method}-{zero_init}"
         result = expand(str(src), out, ExpandOptions(method=method, layers=2, zero_init=zero_init))
         family = result.plan.source.family
-        assert family.roles["up"] == "mlp.fc1" and not {"gate", "attn_norm"} & set(family.roles)
+        proof = result.manifest["source"]["roles_proof"]
+        assert proof["template"] == template and renamed.items() <= family.roles.items()
+        assert not left_out & set(family.roles) and family.has(UNGATED_MLP)
+        (kind,) = proof["kinds"].values()
+        assert kind.get("extras") == extras
         got = logits(load_causal_lm(out))
         assert torch.equal(got, base) if zero_init else got.isfinite().all() and not torch.equal(got, base)
 

@@ -29,6 +29,7 @@ templates have.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field, replace
 
@@ -52,8 +53,10 @@ _HIDDEN_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
 _HEAD_NORMS = ("q_norm", "k_norm")
 _OUTPUT_NORMS = ("attn_out_norm", "mlp_out_norm")  # a sublayer's output normed before the residual add
 # other names transformers' classes give a role's module (HunYuan's query_layernorm for q_norm, NanoChat's
-# fc1 and fc2 for an ungated MLP's up and down)
+# fc1 and fc2 for an ungated MLP's up and down, Apertus's attention_layernorm and feedforward_layernorm)
 _ROLE_ALIASES = {
+    "attn_norm": ("attention_layernorm",),
+    "mlp_norm": ("feedforward_layernorm",),
     "q_norm": ("self_attn.query_layernorm",),
     "k_norm": ("self_attn.key_layernorm",),
     "up": ("mlp.fc1",),
@@ -154,7 +157,7 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
             fam = replace(fam, roles=roles, traits=fam.traits | {UNGATED_MLP})
         missing = [path for path in fam.roles.values() if f"{path}.weight" not in tensors]
         unexplained = _unexplained(fam, tensors)
-        extra = extra_tensors(fam, unexplained)
+        extra = extra_tensors(fam, {name: tensors[name] for name in unexplained})
         if not missing and len(extra) == len(unexplained):
             matched.append(((len(extra), len(template.roles) - len(fam.roles)), fam))
             continue
@@ -195,12 +198,15 @@ def _unexplained(fam: Family, names) -> list[str]:
     ]
 
 
-def extra_tensors(fam: Family, names) -> list[str]:
-    """The tensors of ``names`` outside ``fam``'s attention and MLP modules (the first part of a role's
-    path, self_attn and mlp): no per-head or per-neuron parameter can hide there, and the permutation
-    proof would still show one. The methods average them plainly (OT: no alignment defined for them)."""
+def extra_tensors(fam: Family, tensors: dict[str, list[int]]) -> list[str]:
+    """The tensors of ``tensors`` (names -> shapes) outside ``fam``'s attention and MLP modules (the first
+    part of a role's path, self_attn and mlp), or of one element anywhere (Apertus's activation holds
+    two scalars): no per-head or per-neuron parameter can hide in them, and the permutation proof would
+    still show one. The methods average them plainly (OT: no alignment defined for them)."""
     modules = {path.split(".")[0] for path in fam.roles.values() if "." in path}
-    return [name for name in names if name.split(".")[0] not in modules]
+    return [
+        name for name, shape in tensors.items() if name.split(".")[0] not in modules or math.prod(shape) <= 1
+    ]
 
 
 def _ungated(fam: Family, tensors: dict[str, list[int]]) -> bool:
