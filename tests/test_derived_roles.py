@@ -5,14 +5,14 @@ where they were not, per layer kind in a hybrid stack.
 ERNIE 4.5, Seed-OSS and Gemma (llama-like layers under their own class names, Gemma's norms scaling by
 1 + w; transformers 5 and 4.57.6 both ship them), VaultGemma and GLM (Gemma 2's and GLM-4's layers
 without their output norms), HunYuan dense (Qwen3's roles, its q/k norms named query_layernorm and
-key_layernorm), EXAONE 3 (llama's layers, which transformers 5 saves
-under other names: transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers
-with roles, MoE layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds
-twice the heads' rows), GPT-2 (other names), Arcee and Nemotron (llama's layers with an ungated MLP:
-up and down alone), OLMo (llama's layers, norms without weight), HyperCLOVA X (llama's layers and a norm
-on each sublayer's output outside them) and NanoChat (all three: norms without weight, an ungated MLP of
-fc1 and fc2), Apertus (Qwen3's layers under other norm names, an ungated MLP whose activation holds two
-scalars).
+key_layernorm), EXAONE 3 (llama's layers, which transformers 5 saves under other names:
+transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers with roles, MoE
+layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds twice the heads'
+rows), GPT-2 (other names), Arcee and Nemotron (llama's layers with an ungated MLP: up and down
+alone), OPT and BioGPT (StarCoder2's layers under other names; MBart's, with a cross-attention,
+refused), OLMo (llama's layers, norms without weight), HyperCLOVA X (llama's layers and a norm on each
+sublayer's output outside them), NanoChat (norms without weight, an ungated MLP of fc1 and fc2) and
+Apertus (Qwen3's layers under other norm names, an ungated MLP whose activation holds two scalars).
 """
 
 from __future__ import annotations
@@ -285,6 +285,47 @@ def test_roles_under_other_names_with_an_ungated_mlp(tmp_path, model_type):
         assert kind.get("extras") == extras
         got = logits(load_causal_lm(out))
         assert torch.equal(got, base) if zero_init else got.isfinite().all() and not torch.equal(got, base)
+
+
+# OPT's and BioGPT's decoder layers are StarCoder2's (an MLP of fc1 and fc2 alone, biases, LayerNorms)
+# under other names (out_proj, self_attn_layer_norm, final_layer_norm); their configs name no KV heads
+DECODERS = {"opt": {"ffn_dim": 48, "word_embed_proj_dim": 32}, "biogpt": {}}
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_decoder_layers_under_other_names(tmp_path, model_type):
+    fields = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
+    fields |= TOKEN_IDS | DECODERS[model_type]
+    src = tmp_path / model_type
+    base = save_perturbed(model_type, fields, src)
+    for method, zero_init in (("ot", True), ("ot", False), ("lesa", True)):
+        out = tmp_path / f"{method}-{zero_init}"
+        result = expand(str(src), out, ExpandOptions(method=method, layers=2, zero_init=zero_init))
+        family = result.plan.source.family
+        assert result.manifest["source"]["roles_proof"]["template"] == "starcoder2"
+        assert (family.roles["o"], family.roles["mlp_norm"], family.roles["up"]) == (
+            "self_attn.out_proj",
+            "final_layer_norm",
+            "fc1",
+        )
+        got = logits(load_causal_lm(out))
+        assert torch.equal(got, base) if zero_init else got.isfinite().all() and not torch.equal(got, base)
+
+
+def test_a_second_attention_is_named_in_the_refusal(tmp_path):
+    """MBart's decoder layer: OPT's layer plus a cross-attention (encoder_attn), whose heads would need
+    roles of their own: refused in one line that says so."""
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+    from scripts.coverage import build
+
+    build("mbart", tmp_path / "src")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["expand", str(tmp_path / "src"), "--out", str(out), "--method", "ot"])
+    one_error_line(result, message="it holds a second attention (encoder_attn: an encoder-decoder's cross")
+    assert not out.exists()
 
 
 def test_plan_says_whose_roles_and_refuses_a_pair_without(models, tmp_path):

@@ -53,14 +53,16 @@ _HIDDEN_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
 _HEAD_NORMS = ("q_norm", "k_norm")
 _OUTPUT_NORMS = ("attn_out_norm", "mlp_out_norm")  # a sublayer's output normed before the residual add
 # other names transformers' classes give a role's module (HunYuan's query_layernorm for q_norm, NanoChat's
-# fc1 and fc2 for an ungated MLP's up and down, Apertus's attention_layernorm and feedforward_layernorm)
+# fc1 and fc2 for an ungated MLP's up and down, Apertus's attention_layernorm and feedforward_layernorm;
+# OPT's and XGLM's out_proj, self_attn_layer_norm, final_layer_norm, fc1 and fc2)
 _ROLE_ALIASES = {
-    "attn_norm": ("attention_layernorm",),
-    "mlp_norm": ("feedforward_layernorm",),
+    "attn_norm": ("attention_layernorm", "self_attn_layer_norm"),
+    "mlp_norm": ("feedforward_layernorm", "final_layer_norm"),
+    "o": ("self_attn.out_proj",),
     "q_norm": ("self_attn.query_layernorm",),
     "k_norm": ("self_attn.key_layernorm",),
-    "up": ("mlp.fc1",),
-    "down": ("mlp.fc2",),
+    "up": ("mlp.fc1", "fc1"),
+    "down": ("mlp.fc2", "fc2"),
 }
 
 
@@ -168,6 +170,11 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
         return min(matched, key=lambda m: m[0])[1], ""
     assert closest is not None
     _, fam, missing, unexplained = closest
+    if not missing and (second := _second_attention(fam, unexplained)):
+        return None, (
+            f"it holds a second attention ({', '.join(second)}: an encoder-decoder's cross-attention), for "
+            "which OT and LESA know no roles"
+        )
     if len(unexplained) == len(tensors):
         return None, f"its tensors ({_listed(list(tensors), '')}) are no exact template's roles"
     parts = [f"no {_listed(missing, '')}" if missing else "", _listed(unexplained, " not its roles")]
@@ -202,11 +209,23 @@ def extra_tensors(fam: Family, tensors: dict[str, list[int]]) -> list[str]:
     """The tensors of ``tensors`` (names -> shapes) outside ``fam``'s attention and MLP modules (the first
     part of a role's path, self_attn and mlp), or of one element anywhere (Apertus's activation holds
     two scalars): no per-head or per-neuron parameter can hide in them, and the permutation proof would
-    still show one. The methods average them plainly (OT: no alignment defined for them)."""
+    still show one. The methods average them plainly (OT: no alignment defined for them). A second
+    attention (projections named as the attention's) is none: its heads would need roles of their own."""
     modules = {path.split(".")[0] for path in fam.roles.values() if "." in path}
+    second = _second_attention(fam, tensors)
     return [
-        name for name, shape in tensors.items() if name.split(".")[0] not in modules or math.prod(shape) <= 1
+        name
+        for name, shape in tensors.items()
+        if (name.split(".")[0] not in modules or math.prod(shape) <= 1) and name.split(".")[0] not in second
     ]
+
+
+def _second_attention(fam: Family, names) -> list[str]:
+    """The modules among ``names``' that hold projections named as ``fam``'s attention's (q_proj, k_proj,
+    v_proj: BART's encoder_attn beside its self_attn)."""
+    leaves = {fam.roles[r].rsplit(".", 1)[-1] for r in ("q", "k", "v") if r in fam.roles}
+    found = [name.rsplit(".", 2) for name in names if name.count(".") >= 2]
+    return sorted({parts[0] for parts in found if parts[1] in leaves})
 
 
 def _ungated(fam: Family, tensors: dict[str, list[int]]) -> bool:
@@ -562,7 +581,10 @@ def _sequence_error(model, layer, fam: Family, ids, weightless: dict[str, str]) 
                     p.copy_(value)
         return seen
 
-    plain, without = inputs(False), inputs(True)
+    # the same entries in the same order: OPT's layer flattens the stream to (tokens, hidden) for its MLP
+    plain, without = (
+        {name: t.reshape(-1) for name, t in seen.items()} for seen in (inputs(False), inputs(True))
+    )
     x = plain["layer"]
     if not torch.equal(plain["attn_norm"], x):
         return f"{norms['attn_norm']} does not read the layer's input (not a pre-norm layer)"
