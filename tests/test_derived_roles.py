@@ -319,9 +319,12 @@ def test_a_second_attention_is_named_in_the_refusal(tmp_path):
     from typer.testing import CliRunner
 
     from otdus_cli.cli import app
-    from scripts.coverage import build
 
-    build("mbart", tmp_path / "src")
+    sizes = dict(
+        d_model=32, decoder_layers=4, decoder_attention_heads=4, decoder_ffn_dim=48, encoder_layers=1
+    )
+    fields = {**sizes, "vocab_size": 96, "max_position_embeddings": 64, **TOKEN_IDS}
+    save_perturbed("mbart", fields, tmp_path / "src", use_cache=False)  # its cache wants encoder states
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["expand", str(tmp_path / "src"), "--out", str(out), "--method", "ot"])
     one_error_line(result, message="it holds a second attention (encoder_attn: an encoder-decoder's cross")
