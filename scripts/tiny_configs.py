@@ -73,7 +73,7 @@ TINY_PARTIAL_ROTARY = dict(rotary_dim=4)
 # what some config classes leave unset (or set for a large model) that their model needs (data; why)
 NEEDS: dict[str, tuple[dict, str]] = {
     **dict.fromkeys(
-        ("opt", "biogpt"),
+        ("opt", "biogpt", "xglm"),
         (
             dict(num_key_value_heads=None),
             "its attention has a KV head per query head and ignores num_key_value_heads, which the tiny "

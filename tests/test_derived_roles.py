@@ -9,7 +9,7 @@ key_layernorm), EXAONE 3 (llama's layers, which transformers 5 saves under other
 transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers with roles, MoE
 layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds twice the heads'
 rows), GPT-2 (other names), Arcee and Nemotron (llama's layers with an ungated MLP: up and down
-alone), OPT and BioGPT (StarCoder2's layers under other names; MBart's, with a cross-attention,
+alone), OPT, BioGPT and XGLM (StarCoder2's layers under other names; MBart's, with a cross-attention,
 refused), OLMo (llama's layers, norms without weight), HyperCLOVA X (llama's layers and a norm on each
 sublayer's output outside them), NanoChat (norms without weight, an ungated MLP of fc1 and fc2) and
 Apertus (Qwen3's layers under other norm names, an ungated MLP whose activation holds two scalars).
@@ -287,9 +287,10 @@ def test_roles_under_other_names_with_an_ungated_mlp(tmp_path, model_type):
         assert torch.equal(got, base) if zero_init else got.isfinite().all() and not torch.equal(got, base)
 
 
-# OPT's and BioGPT's decoder layers are StarCoder2's (an MLP of fc1 and fc2 alone, biases, LayerNorms)
-# under other names (out_proj, self_attn_layer_norm, final_layer_norm); their configs name no KV heads
-DECODERS = {"opt": {"ffn_dim": 48, "word_embed_proj_dim": 32}, "biogpt": {}}
+# OPT's, BioGPT's and XGLM's decoder layers are StarCoder2's (an MLP of fc1 and fc2 alone, biases,
+# LayerNorms) under other names (out_proj, self_attn_layer_norm, final_layer_norm); their configs name no
+# KV heads, and XGLM's saves its heads and width as attention_heads and d_model
+DECODERS = {"opt": {"ffn_dim": 48, "word_embed_proj_dim": 32}, "biogpt": {}, "xglm": {"ffn_dim": 48}}
 
 
 @pytest.mark.compat

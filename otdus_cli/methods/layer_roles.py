@@ -36,6 +36,18 @@ NORM_ROLES = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm"
 Tensors = dict[str, dict[str, torch.Tensor]]
 
 
+# other names config classes give these fields (XGLM's attention_heads and d_model), in config.json as
+# saved; transformers maps them through the class's attribute_map
+_FIELD_NAMES = {
+    "num_attention_heads": ("num_attention_heads", "attention_heads"),
+    "hidden_size": ("hidden_size", "d_model"),
+}
+
+
+def _field(config: dict, name: str):
+    return next((config[n] for n in _FIELD_NAMES[name] if config.get(n)), None)
+
+
 @dataclass(frozen=True)
 class Heads:
     """Attention geometry: query heads, KV heads (GQA groups) and the per-head dimension."""
@@ -51,11 +63,12 @@ class Heads:
 
     @classmethod
     def from_config(cls, config: dict, q_rows: int | None = None) -> Heads:
-        if not config.get("num_attention_heads"):
+        n_q = _field(config, "num_attention_heads")
+        if not n_q:
             raise OtdusError("--method ot needs num_attention_heads in config.json")
-        n_q = int(config["num_attention_heads"])
+        n_q = int(n_q)
         n_kv = int(config.get("num_key_value_heads") or n_q)
-        head_dim = config.get("head_dim") or (q_rows // n_q if q_rows else config["hidden_size"] // n_q)
+        head_dim = config.get("head_dim") or (q_rows or _field(config, "hidden_size")) // n_q
         if n_q % n_kv:
             raise OtdusError(f"num_attention_heads={n_q} is not a multiple of num_key_value_heads={n_kv}")
         return cls(n_q, n_kv, int(head_dim))
