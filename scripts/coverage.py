@@ -14,6 +14,7 @@ tests/test_derived.py hold a fast representative subset).
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import tempfile
@@ -114,7 +115,16 @@ def reload(folder: Path):
 
 
 def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
-    """(kind, family, detail, columns) for one model_type; columns: zero-init, OT, LESA, verify."""
+    """(kind, family, detail, columns) for one model_type; columns: zero-init, OT, LESA, verify. Where
+    OT or LESA is refused, the detail ends with why (_roles_note)."""
+    kind, family, detail, columns = _check(model_type, root)
+    return kind, family, detail + columns.pop(ROLES_NOTE, ""), columns
+
+
+ROLES_NOTE = "roles note"  # a key of check's columns until check moves it to the detail
+
+
+def _check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     columns = dict.fromkeys(COLUMNS, "")
     src = root / model_type
     try:
@@ -143,8 +153,10 @@ def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     except Exception as exc:
         failure = f"copy does not reload: {type(exc).__name__}: {_one_line(exc)}"
         return "failed", family.name, failure + elsewhere, columns
-    for method, column in (("ot", "OT"), ("lesa", "LESA")):
-        columns[column] = "plans" if _plans(src, method) else "refused"
+    refusals = {column: _refusal(src, method) for method, column in (("ot", "OT"), ("lesa", "LESA"))}
+    for column, why in refusals.items():
+        columns[column] = "refused" if why else "plans"
+    columns[ROLES_NOTE] = _roles_note(refusals)
     if not family.zero_init:
         columns["zero-init"] = "refused"
         note = family.zero_init_note or "no targets"
@@ -237,16 +249,60 @@ def _depth(model, folder: Path) -> int:
     return getattr(model.config.get_text_config(), field)
 
 
-def _plans(src: Path, method: str) -> bool:
-    """Whether otdus accepts the method for this model at plan time (before any tensor is built)."""
+def _refusal(src: Path, method: str) -> str:
+    """Why otdus refuses the method for this model at plan time (before any tensor is built), in short
+    form (_short_refusal); "" where it accepts it."""
     from otdus_cli.expand import make_plan
     from otdus_cli.source import open_source
 
     try:
         make_plan(open_source(str(src)), ExpandOptions(method=method, layers=2))
-    except OtdusError:
-        return False
-    return True
+    except OtdusError as exc:
+        return _short_refusal(_one_line(exc), method)
+    return ""
+
+
+# otdus's refusals of a roles method, shortened for a table cell: what every derived template's shares,
+# the reasons repeated per layer kind, and the alternatives it suggests (the copy-type methods) dropped
+_SHORTER = (
+    (re.compile(r"^cannot build \S+ layers \((.*)\); use copy, interpose, average or random$"), r"\1"),
+    (re.compile(r"(?:[:;,] (?:or )?use (?:copy|ot|a copy-type)\b.*)$"), ""),
+    (
+        re.compile(
+            r"computes new tensors from the layer roles \(q/k/v/o, gate/up/down\); \S+ was read off "
+            r"transformers' class, and no kind of its layers has an exact template's roles"
+        ),
+        "no layer kind has roles",
+    ),
+    (re.compile(r"its tensors are no exact template's roles"), "no template's roles"),
+    (re.compile(r"its tensors \(([^()]*)\) are no exact template's roles"), r"no template's roles (\1)"),
+    (
+        re.compile(
+            r"a mixture-of-experts layer: its experts would need an expert layout \(arch/experts.py\), "
+            r"which only exact templates have"
+        ),
+        "experts (no expert layout)",
+    ),
+)
+
+
+def _short_refusal(message: str, method: str) -> str:
+    """otdus's refusal of ``method`` in short form (_SHORTER), without the method's name, so that OT's and
+    LESA's read alike where the cause is the same."""
+    text = message.removeprefix(f"--method {method}").lstrip(" :")
+    for pattern, shorter in _SHORTER:
+        text = pattern.sub(shorter, text)
+    return text
+
+
+def _roles_note(refusals: dict[str, str]) -> str:
+    """The detail's last part: why OT and LESA are refused (once where the reason is the same)."""
+    refused = {column: why for column, why in refusals.items() if why}
+    if not refused:
+        return ""
+    if len(refused) == 2 and len(set(refused.values())) == 1:
+        return f"; OT, LESA refused: {next(iter(refused.values()))}"
+    return "".join(f"; {column} refused: {why}" for column, why in refused.items())
 
 
 def _verify(src: Path, out: Path) -> str:
@@ -346,11 +402,12 @@ def write_table(path: Path, rows: list, counts: dict, version: str, stamp: str) 
         "  their computation: with them after the last layer, and the detail says so); `refused` when otdus",
         "  refuses it at plan time (the detail says why).",
         "- **OT**, **LESA**: `plans` when otdus accepts the method at plan time (2 new layers); `refused`",
-        "  otherwise. They compute tensors from roles (q/k/v/o, gate/up/down ...): a derived template has",
-        "  them for the layer kinds whose tensors are exactly an exact template's roles (a pre-norm",
-        "  template's output norms may be missing), with the shapes its config gives, proved on the tiny",
-        "  instance (permuting a layer's heads and MLP neurons by them leaves its output unchanged); LESA",
-        "  needs them in every layer, OT in the pair it builds from.",
+        "  otherwise, and the detail ends with otdus's reason, shortened. They compute tensors from roles",
+        "  (q/k/v/o, gate/up/down ...): a derived template has them for the layer kinds whose attention and",
+        "  MLP tensors are exactly an exact template's roles (a pre-norm template's output norms, or its",
+        "  MLP's gate, may be missing; tensors outside the attention and MLP are averaged), with the shapes",
+        "  its config gives, proved on the tiny instance (permuting a layer's heads and MLP neurons by them",
+        "  leaves its output unchanged); LESA needs them in every layer, OT in the pair it builds from.",
         "- **verify**: `otdus verify`'s verdict on the zero-init output (random token ids, float32).",
         "",
         "| model_type | class | result | template | zero-init | OT | LESA | verify | detail |",

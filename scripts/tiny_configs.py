@@ -72,6 +72,14 @@ TINY_PER_LAYER = dict(vocab_size_per_layer_input=96, hidden_size_per_layer_input
 TINY_PARTIAL_ROTARY = dict(rotary_dim=4)
 # what some config classes leave unset (or set for a large model) that their model needs (data; why)
 NEEDS: dict[str, tuple[dict, str]] = {
+    **dict.fromkeys(
+        ("opt", "biogpt", "xglm"),
+        (
+            dict(num_key_value_heads=None),
+            "its attention has a KV head per query head and ignores num_key_value_heads, which the tiny "
+            "fields would otherwise save as 2 (and the methods that read heads would believe)",
+        ),
+    ),
     "reformer": (
         dict(
             is_decoder=True,

@@ -57,7 +57,14 @@ def test_layer_templates_name_real_tensors(tiny_models):
 
 
 @pytest.mark.parametrize(
-    ("model_type", "variant"), [("glm4", "paper"), ("glm4", "structured"), ("granite", "paper")]
+    ("model_type", "variant"),
+    [
+        ("glm4", "paper"),
+        ("glm4", "structured"),
+        ("granite", "paper"),
+        ("starcoder2", "paper"),
+        ("starcoder2", "structured"),
+    ],
 )
 def test_ot_is_an_exact_identity(tiny_models, tmp_path, model_type, variant, single_thread):
     opts = ExpandOptions(method="ot", layers=2)
@@ -71,7 +78,6 @@ def test_ot_is_an_exact_identity(tiny_models, tmp_path, model_type, variant, sin
 @pytest.mark.parametrize(
     ("model_type", "why"),
     [
-        ("starcoder2", "non-gated MLP"),
         ("olmo2", "post-norm layers"),
         ("cohere2", "attention and MLP run in parallel"),
         ("gpt_oss", "fused experts with biases"),
@@ -87,6 +93,26 @@ def test_ot_refused_where_the_layer_lacks_its_roles(tiny_models, tmp_path, model
     result = CliRunner().invoke(app, ["expand", str(tiny_models[model_type]), "--out", str(out)])
     one_error_line(result, message=why)
     assert not out.exists()
+
+
+def test_ot_and_lesa_build_an_ungated_mlp(tiny_models, tmp_path, single_thread):
+    """StarCoder2's MLP is up (c_fc) and down (c_proj) alone: OT aligns its neurons as (c_fc row, c_proj
+    column) pairs and LESA predicts c_fc without a gate; with zero-init off the new layers are computed
+    (c_fc differs from both parents'), and the output loads with transformers' own class."""
+    from otdus_cli.methods.lesa import LesaOptions
+
+    src = tiny_models["starcoder2"]
+    reader = CheckpointReader(src)
+    for method in ("ot", "lesa"):
+        out = tmp_path / method
+        options = ExpandOptions(method=method, layers=1, zero_init=False, lesa=LesaOptions(epochs=2))
+        result = expand(str(src), out, options)
+        lay = next(lay for lay in result.plan.layer_map if lay.new)
+        built = CheckpointReader(out).get(f"model.layers.{lay.index}.mlp.c_fc.weight")
+        assert all(
+            not torch.equal(built, reader.get(f"model.layers.{i}.mlp.c_fc.weight")) for i in lay.parents
+        )
+        assert logits(load_causal_lm(out)).isfinite().all()
 
 
 def test_random_layers_of_a_layernorm_family_have_neutral_norms(tiny_models, tmp_path):

@@ -5,10 +5,14 @@ where they were not, per layer kind in a hybrid stack.
 ERNIE 4.5, Seed-OSS and Gemma (llama-like layers under their own class names, Gemma's norms scaling by
 1 + w; transformers 5 and 4.57.6 both ship them), VaultGemma and GLM (Gemma 2's and GLM-4's layers
 without their output norms), HunYuan dense (Qwen3's roles, its q/k norms named query_layernorm and
-key_layernorm), EXAONE 3 (llama's layers, which transformers 5 saves
-under other names: transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers
-with roles, MoE layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds
-twice the heads' rows) and GPT-2 (other names).
+key_layernorm), EXAONE 3 (llama's layers, which transformers 5 saves under other names:
+transformer.h.N.attn.attention.q_proj ...), GLM-4.5 (glm4_moe: dense first layers with roles, MoE
+layers without), Qwen3.5 (linear attention; a gated full attention whose q_proj holds twice the heads'
+rows), GPT-2 (other names), Arcee and Nemotron (llama's layers with an ungated MLP: up and down
+alone), OPT, BioGPT and XGLM (StarCoder2's layers under other names; MBart's, with a cross-attention,
+refused), OLMo (llama's layers, norms without weight), HyperCLOVA X (llama's layers and a norm on each
+sublayer's output outside them), NanoChat (norms without weight, an ungated MLP of fc1 and fc2) and
+Apertus (Qwen3's layers under other norm names, an ungated MLP whose activation holds two scalars).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import pytest
 import torch
 
 from otdus_cli.arch.derived_roles import _permutation_error, match_template, shape_error
-from otdus_cli.arch.families import family_for
+from otdus_cli.arch.families import UNGATED_MLP, family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
@@ -40,7 +44,16 @@ TEMPLATE = {
     "vaultgemma": ("gemma2", 1.0),
     "glm": ("glm4", 0.0),
     "hunyuan_v1_dense": ("qwen3", 0.0),
+    "arcee": ("llama", 0.0),
+    "nemotron": ("llama", 1.0),
+    "olmo": ("llama", 0.0),
 }
+# llama's layers with an MLP of up and down alone (act(up x) into down): Arcee's RMSNorm, Nemotron's
+# LayerNorm with a bias that scales by 1 + w
+UNGATED = ("arcee", "nemotron")
+# llama's layers whose norms hold no weight (OLMo's LayerNorm without parameters)
+WEIGHTLESS = ("olmo",)
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
 LLAMA_LIKE = tuple(TEMPLATE)
 # GLM-4.5 with two dense layers first (a pair OT can build from), then MoE layers
 GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense_replace": 2}
@@ -49,9 +62,9 @@ GLM4_MOE = {**HYBRID_CONFIGS["glm4_moe"], "num_hidden_layers": 5, "first_k_dense
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     root = tmp_path_factory.mktemp("derived_roles")
-    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
     extra = {"hunyuan_v1_dense": {"head_dim": 8}}  # its config class leaves it None
-    fields = {mt: dict(COMMON, **ids, **extra.get(mt, {})) for mt in LLAMA_LIKE} | {"glm4_moe": GLM4_MOE}
+    fields = {mt: dict(COMMON, **TOKEN_IDS, **extra.get(mt, {})) for mt in LLAMA_LIKE}
+    fields["glm4_moe"] = GLM4_MOE
     return {mt: (root / mt, save_perturbed(mt, f, root / mt)) for mt, f in fields.items()}
 
 
@@ -79,6 +92,11 @@ def test_ot_and_lesa_on_a_derived_llama_like_template(models, tmp_path, model_ty
     assert proof["template"] == template and "unmatched" not in proof
     assert proof["norm_offset"] == family.norm_offset == offset
     assert set(proof["kinds"]) == set(family.role_kinds) and len(proof["kinds"]) == 1
+    assert family.has(UNGATED_MLP) == (model_type in UNGATED)
+    (kind,) = proof["kinds"].values()
+    weightless = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    assert kind.get("weightless_norms") == (weightless if model_type in WEIGHTLESS else None)
+    assert "extras" not in kind
     # the new layers are computed (not copies of a parent): their q projections differ from both parents'
     new = [lay for lay in result.plan.layer_map if lay.new]
     assert all(lay.builder == method for lay in new)
@@ -174,14 +192,24 @@ def test_the_permutation_proof_catches_a_wrong_head_split():
 
 
 def test_names_and_shapes_decide_the_match():
-    """Every tensor must be a role's (a per-layer extra is not); every role must be there; shapes are the
-    config's as the methods read it."""
+    """Every tensor must be a role's (a per-layer extra is not); every role must be there (but the output
+    norms and the MLP's gate); shapes are the config's as the methods read it."""
     from otdus_cli.arch.families import LLAMA_ROLES
 
     layer = {f"{p}.weight": [4] for p in LLAMA_ROLES.values()}
     assert match_template(layer)[0].name == "llama"
     assert match_template({**layer, "self_attn.sinks": [4]})[0] is None
-    assert match_template({k: v for k, v in layer.items() if "gate" not in k})[0] is None
+    # without its gate, an ungated MLP (up and down alone); without up or down, no match
+    ungated = match_template({k: v for k, v in layer.items() if "gate" not in k})[0]
+    assert ungated.name == "llama" and "gate" not in ungated.roles and ungated.has(UNGATED_MLP)
+    assert match_template({k: v for k, v in layer.items() if "up_proj" not in k})[0] is None
+    # a tensor outside the attention and the MLP (a sublayer of its own) is an extra; inside, it is not;
+    # of the templates that match, the one with the fewest extras (Gemma 2's layer is not llama's + 2)
+    assert match_template({**layer, "per_layer_projection.weight": [4]})[0].name == "llama"
+    assert match_template({**layer, "mlp.act_fn.alpha": [4]})[0] is None
+    assert match_template({**layer, "mlp.act_fn.alpha": [1]})[0].name == "llama"  # one element: no unit's
+    gemma2 = {f"{p}.weight": [4] for p in family_for({"model_type": "gemma2"}).roles.values()}
+    assert match_template(gemma2)[0].name == "gemma2"
     fam = family_for({**COMMON, "model_type": "llama"})
     shapes = {
         "self_attn.q_proj.weight": [32, 32],
@@ -198,6 +226,110 @@ def test_names_and_shapes_decide_the_match():
     assert "self_attn.k_proj.weight has shape [16, 32]" in shape_error(
         fam, shapes, {**COMMON, "num_key_value_heads": 4}
     )
+
+
+def test_tensors_outside_attention_and_mlp_are_averaged_extras(tmp_path):
+    """HyperCLOVA X (transformers 5): llama's layer plus a norm on each sublayer's output (post_norm1,
+    post_norm2) outside its attention and MLP; they are its extras, which OT and LESA average, and the
+    proof on the tiny instance still decides its roles."""
+    src = tmp_path / "hyperclovax"
+    base = save_perturbed("hyperclovax", {**COMMON, **TOKEN_IDS}, src)
+    for method in ("ot", "lesa"):
+        result = expand(str(src), tmp_path / method, ExpandOptions(method=method, layers=2))
+        proof = result.manifest["source"]["roles_proof"]
+        assert proof["template"] == "llama" and "unmatched" not in proof
+        (kind,) = proof["kinds"].values()
+        assert kind["extras"] == ["post_norm1.weight", "post_norm2.weight"]
+        assert torch.equal(logits(load_causal_lm(tmp_path / method)), base)
+    # computed, not copied: the new layers' post_norm1 is the average of their parents'
+    from otdus_cli.io.reader import CheckpointReader
+
+    new = next(lay for lay in result.plan.layer_map if lay.new)
+    norm = "model.layers.{}.post_norm1.weight"
+    r, a = CheckpointReader(tmp_path / "lesa"), CheckpointReader(src)
+    want = (a.get(norm.format(new.parents[0])) + a.get(norm.format(new.parents[1]))) * 0.5
+    assert torch.equal(r.get(norm.format(new.index)), want)
+
+
+# transformers 5's alone: (template, roles under other names, roles left out, extras)
+ROLES_UNDER_OTHER_NAMES = {
+    # NanoChat: StarCoder2's layers (llama's attention, an MLP of up and down alone), its MLP's named fc1
+    # and fc2, norms without weight
+    "nanochat": ("starcoder2", {"up": "mlp.fc1", "down": "mlp.fc2"}, {"gate", "attn_norm", "mlp_norm"}, None),
+    # Apertus: Qwen3's layers, its norms under other names, an MLP of up and down alone whose activation
+    # (xIELU) holds two scalars
+    "apertus": (
+        "qwen3",
+        {"attn_norm": "attention_layernorm", "mlp_norm": "feedforward_layernorm"},
+        {"gate"},
+        ["mlp.act_fn.alpha_p", "mlp.act_fn.alpha_n"],
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", ROLES_UNDER_OTHER_NAMES)
+def test_roles_under_other_names_with_an_ungated_mlp(tmp_path, model_type):
+    """OT (zero-init, and computed without it) and LESA build them; the outputs load, zero-init's with the
+    base's logits."""
+    template, renamed, left_out, extras = ROLES_UNDER_OTHER_NAMES[model_type]
+    src = tmp_path / model_type
+    base = save_perturbed(model_type, {**COMMON, **TOKEN_IDS}, src)
+    for method, zero_init in (("ot", True), ("ot", False), ("lesa", True)):
+        out = tmp_path / f"{method}-{zero_init}"
+        result = expand(str(src), out, ExpandOptions(method=method, layers=2, zero_init=zero_init))
+        family = result.plan.source.family
+        proof = result.manifest["source"]["roles_proof"]
+        assert proof["template"] == template and renamed.items() <= family.roles.items()
+        assert not left_out & set(family.roles) and family.has(UNGATED_MLP)
+        (kind,) = proof["kinds"].values()
+        assert kind.get("extras") == extras
+        got = logits(load_causal_lm(out))
+        assert torch.equal(got, base) if zero_init else got.isfinite().all() and not torch.equal(got, base)
+
+
+# OPT's, BioGPT's and XGLM's decoder layers are StarCoder2's (an MLP of fc1 and fc2 alone, biases,
+# LayerNorms) under other names (out_proj, self_attn_layer_norm, final_layer_norm); their configs name no
+# KV heads, and XGLM's saves its heads and width as attention_heads and d_model
+DECODERS = {"opt": {"ffn_dim": 48, "word_embed_proj_dim": 32}, "biogpt": {}, "xglm": {"ffn_dim": 48}}
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_decoder_layers_under_other_names(tmp_path, model_type):
+    fields = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
+    fields |= TOKEN_IDS | DECODERS[model_type]
+    src = tmp_path / model_type
+    base = save_perturbed(model_type, fields, src)
+    for method, zero_init in (("ot", True), ("ot", False), ("lesa", True)):
+        out = tmp_path / f"{method}-{zero_init}"
+        result = expand(str(src), out, ExpandOptions(method=method, layers=2, zero_init=zero_init))
+        family = result.plan.source.family
+        assert result.manifest["source"]["roles_proof"]["template"] == "starcoder2"
+        assert (family.roles["o"], family.roles["mlp_norm"], family.roles["up"]) == (
+            "self_attn.out_proj",
+            "final_layer_norm",
+            "fc1",
+        )
+        got = logits(load_causal_lm(out))
+        assert torch.equal(got, base) if zero_init else got.isfinite().all() and not torch.equal(got, base)
+
+
+def test_a_second_attention_is_named_in_the_refusal(tmp_path):
+    """MBart's decoder layer: OPT's layer plus a cross-attention (encoder_attn), whose heads would need
+    roles of their own: refused in one line that says so."""
+    from typer.testing import CliRunner
+
+    from otdus_cli.cli import app
+
+    sizes = dict(
+        d_model=32, decoder_layers=4, decoder_attention_heads=4, decoder_ffn_dim=48, encoder_layers=1
+    )
+    fields = {**sizes, "vocab_size": 96, "max_position_embeddings": 64, **TOKEN_IDS}
+    save_perturbed("mbart", fields, tmp_path / "src", use_cache=False)  # its cache wants encoder states
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["expand", str(tmp_path / "src"), "--out", str(out), "--method", "ot"])
+    one_error_line(result, message="it holds a second attention (encoder_attn: an encoder-decoder's cross")
+    assert not out.exists()
 
 
 def test_plan_says_whose_roles_and_refuses_a_pair_without(models, tmp_path):

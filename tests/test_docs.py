@@ -131,3 +131,23 @@ def test_coverage_checks_an_architecture_end_to_end(tmp_path, single_thread):
     assert (kind, family) == ("derived", "derived:diffllama")
     assert columns["zero-init"] == "bitwise" and columns["verify"] == "PARITY", columns
     assert "with the new layers after the last one (in the middle: zero-init for derived:diffllama" in detail
+    # OT and LESA are refused for one reason, said once, short: a per-head parameter (DiffLlama's lambdas)
+    why = "; OT, LESA refused: no layer kind has roles (DiffLlamaAttention+DiffLlamaMLP: no template's roles"
+    assert columns["OT"] == columns["LESA"] == "refused" and why in detail and "use copy" not in detail
+
+
+def test_coverage_says_why_a_method_is_refused(tiny_models):
+    """A method's own refusal (OLMo 2's post-norm layers for OT) without the alternatives otdus suggests;
+    each method's reason where they differ."""
+    from scripts import coverage
+
+    olmo2, mixtral = tiny_models["olmo2"], tiny_models["mixtral"]
+    post_norm = coverage._refusal(olmo2, "ot")
+    assert post_norm.startswith("post-norm layers (no norm before attention or the MLP)"), post_norm
+    assert coverage._refusal(olmo2, "lesa") == "" and "use " not in post_norm
+    moe = coverage._refusal(mixtral, "lesa")
+    assert moe.startswith("MoE layers") and coverage._refusal(mixtral, "ot") == ""
+    both = coverage._roles_note({"OT": post_norm, "LESA": moe})
+    assert both == f"; OT refused: {post_norm}; LESA refused: {moe}"
+    assert coverage._roles_note({"OT": moe, "LESA": moe}) == f"; OT, LESA refused: {moe}"
+    assert coverage._roles_note({"OT": "", "LESA": ""}) == ""

@@ -442,19 +442,78 @@ def test_gemma_offset_is_aligned_on_the_scale_1_plus_w():
     assert not torch.allclose(got, naive, atol=1e-3)
 
 
+STARCODER2 = {"up": "mlp.c_fc.weight", "down": "mlp.c_proj.weight"}
+
+
+def _starcoder2_layer(seed: int):
+    """A StarCoder2 layer: llama's attention, an ungated MLP (c_fc, c_proj with biases), LayerNorms with
+    biases."""
+    t, cfg = _tiny_llama({"model_type": "starcoder2"}, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 200)
+    del t["mlp.gate_proj.weight"]
+    t["mlp.c_fc.weight"], t["mlp.c_proj.weight"] = t.pop("mlp.up_proj.weight"), t.pop("mlp.down_proj.weight")
+    for name, n in (("mlp.c_fc", 24), ("mlp.c_proj", 16), ("input_layernorm", 16)):
+        t[f"{name}.bias"] = 0.1 * torch.randn(n, generator=gen)
+    # a bias equal to its gain, so that moving them alike shows as equal outputs
+    t["post_attention_layernorm.bias"] = t["post_attention_layernorm.weight"].clone()
+    return t, cfg
+
+
+def _permute_ungated(t: dict, pi: torch.Tensor) -> dict:
+    out = dict(t)
+    for name in ("mlp.c_fc.weight", "mlp.c_fc.bias"):
+        out[name] = t[name][pi]
+    out["mlp.c_proj.weight"] = t["mlp.c_proj.weight"][:, pi]
+    return out
+
+
+@pytest.mark.parametrize("variant", ["paper", "structured"])
+def test_ungated_mlp_neurons_are_recovered(variant):
+    """An ungated MLP's neuron is (c_fc row and bias, c_proj column): permuted in B, it is recovered
+    (structured: c_proj's columns too, built without zero-init; paper aligns down by its rows, so it is
+    checked zeroed, as the paper builds it)."""
+    a, cfg = _starcoder2_layer(11)
+    gen = torch.Generator().manual_seed(12)
+    b = _noisy(_permute_ungated(a, torch.randperm(24, generator=gen)), gen)
+    paper_zeroed = ("self_attn.o_proj.weight", "mlp.c_proj.weight", "mlp.c_proj.bias")
+    zeroed = paper_zeroed if variant == "paper" else ()
+    out, stats = _build(a, b, cfg, variant=variant, solver="emd", zero_init=bool(zeroed))
+    assert sorted(out) == sorted(a)
+    for name, t in out.items():
+        assert not t.any() if name in zeroed else _rel(t, b[name]) < RECOVERED, name
+    assert _rel((a[STARCODER2["up"]] + b[STARCODER2["up"]]) / 2, b[STARCODER2["up"]]) > 0.5
+    assert "gate" not in stats["modules"]
+
+
+def test_a_layernorm_bias_moves_with_its_gain():
+    """paper: the pre-MLP LayerNorm's bias is added on the axis its gain scales, so T_in moves it as it
+    moves the gain (a plain average would not: B's heads are permuted, so T_O is far from I)."""
+    a, cfg = _starcoder2_layer(13)
+    gen = torch.Generator().manual_seed(14)
+    b, _ = _permute_heads(a, {**LLAMA, **STARCODER2}, 4, 2, 4, gen)
+    b = _noisy(b, gen)
+    b["post_attention_layernorm.bias"] = b["post_attention_layernorm.weight"].clone()
+    out, _ = _build(a, b, cfg, variant="paper", solver="emd")
+    weight, bias = "post_attention_layernorm.weight", "post_attention_layernorm.bias"
+    assert torch.equal(out[bias], out[weight])
+    assert not torch.allclose(out[weight], (a[weight] + b[weight]) / 2, atol=1e-3)
+
+
 def test_every_dense_family_template_has_the_roles_ot_needs():
-    from otdus_cli.methods.layer_roles import DENSE_ROLES, RoleLayout
+    from otdus_cli.methods.layer_roles import RoleLayout, dense_roles
 
     # the families OT is offered for (the others refuse it at plan time: Method.refuses)
     dense = [fam for fam in FAMILIES if not fam.moe and OT.refusal(fam) is None]
-    assert len(dense) == 11
+    assert len(dense) == 12
     config = {"num_attention_heads": 4, "hidden_size": 16}
     for fam in dense:
         suffixes = [f"{path}.weight" for path in fam.roles.values()]
         layout = RoleLayout(fam, config, suffixes)
-        assert set(DENSE_ROLES) <= layout.roles, fam.name
+        # every projection, gate but where the MLP has none (StarCoder2's)
+        assert ("gate" in dense_roles(fam)) == (fam.name != "starcoder2"), fam.name
+        assert set(dense_roles(fam)) <= layout.roles, fam.name
         # each role is stored in a tensor of the layer, itself or inside a fused one (Phi-3)
-        for role in DENSE_ROLES:
+        for role in dense_roles(fam):
             stored = layout.fused_in.get(role, role)
             assert layout.where[stored]["weight"] in suffixes, (fam.name, role)
         # and a layer lacking one of them is refused, naming it

@@ -3,9 +3,11 @@
 OT-DUS and LESA compute new tensors role by role. A template read off transformers' class
 (arch/derived.py) names no roles, so each of its layer kinds is matched against the roles of the exact
 dense templates (families.py): a kind takes a template's roles when every role's weight is in its
-layers, every tensor of its layers is a role's weight or bias, and the shapes are those the config
-gives as the methods read it (q rows = num_attention_heads x head_dim ...). It then inherits that
-template's traits and norm offset, so each method's ``refuses`` table applies as for the template.
+layers, every tensor of its attention and MLP is a role's weight or bias (tensors outside them, a
+sublayer of its own, are its extras: the methods average them), and the shapes are those the config
+gives as the methods read it (q rows = num_attention_heads x head_dim ...); a template's output norms
+and its MLP's gate may be absent (match_template). It then inherits that template's traits and norm
+offset, so each method's ``refuses`` table applies as for the template.
 
 The match is proved on the tiny instance zero-init is proved on (arch/identity.py), one layer per kind:
 
@@ -27,10 +29,18 @@ templates have.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field, replace
 
-from otdus_cli.arch.families import CROSS_ATTENTION, FAMILIES, PARALLEL_BLOCKS, POST_NORM, Family
+from otdus_cli.arch.families import (
+    CROSS_ATTENTION,
+    FAMILIES,
+    PARALLEL_BLOCKS,
+    POST_NORM,
+    UNGATED_MLP,
+    Family,
+)
 from otdus_cli.arch.identity import TinyInstance
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
@@ -42,8 +52,18 @@ _SEQUENCE = 8
 _HIDDEN_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
 _HEAD_NORMS = ("q_norm", "k_norm")
 _OUTPUT_NORMS = ("attn_out_norm", "mlp_out_norm")  # a sublayer's output normed before the residual add
-# other names transformers' classes give a role's module (HunYuan's query_layernorm for q_norm)
-_ROLE_ALIASES = {"q_norm": ("self_attn.query_layernorm",), "k_norm": ("self_attn.key_layernorm",)}
+# other names transformers' classes give a role's module (HunYuan's query_layernorm for q_norm, NanoChat's
+# fc1 and fc2 for an ungated MLP's up and down, Apertus's attention_layernorm and feedforward_layernorm;
+# OPT's and XGLM's out_proj, self_attn_layer_norm, final_layer_norm, fc1 and fc2)
+_ROLE_ALIASES = {
+    "attn_norm": ("attention_layernorm", "self_attn_layer_norm"),
+    "mlp_norm": ("feedforward_layernorm", "final_layer_norm"),
+    "o": ("self_attn.out_proj",),
+    "q_norm": ("self_attn.query_layernorm",),
+    "k_norm": ("self_attn.key_layernorm",),
+    "up": ("mlp.fc1", "fc1"),
+    "down": ("mlp.fc2", "fc2"),
+}
 
 
 @dataclass
@@ -52,6 +72,10 @@ class RoleProof:
 
     template: Family | None = None  # the exact template whose roles the proved kinds took
     layers: dict[str, int] = field(default_factory=dict)  # proved kind -> the layer the proof ran on
+    # proved kind -> its tensors outside the attention and MLP that are no role (extra_tensors)
+    extras: dict[str, list[str]] = field(default_factory=dict)
+    # kind -> its norms without weight, role -> module path (weightless_norms)
+    weightless: dict[str, dict[str, str]] = field(default_factory=dict)
     unmatched: dict[str, str] = field(default_factory=dict)  # kind -> why it has no roles
     instance: str = ""
     # the roles' module paths in transformers' class, where the template's roles (as saved) differ
@@ -60,18 +84,25 @@ class RoleProof:
     def record(self) -> dict:
         """The proof as the manifest records it."""
         return {
-            "check": "names: every tensor of the layer is a role's weight or bias of the template, shapes "
-            "as the config gives them; proof: permuting one layer's attention heads (by KV group and "
-            "within it), value-head dimensions and MLP neurons by these roles leaves its output "
-            f"unchanged (float32, relative tolerance {PERMUTATION_TOLERANCE:g}, {_SEQUENCE} random "
-            "tokens); its norms scale by w (norm_offset 0) or 1 + w (1); a pre-norm layer's norms read "
-            "the residual stream in sequence",
+            "check": "names: every tensor of the layer's attention and MLP is a role's weight or bias of "
+            "the template (the others, its extras, are averaged), shapes as the config gives them; proof: "
+            "permuting one layer's attention heads (by KV group and within it), value-head dimensions and "
+            "MLP neurons by these roles leaves its output unchanged (float32, relative tolerance "
+            f"{PERMUTATION_TOLERANCE:g}, {_SEQUENCE} random tokens); its norms scale by w (norm_offset 0) "
+            "or 1 + w (1); a pre-norm layer's norms read the residual stream in sequence",
             "instance": self.instance,
             "template": self.template.name if self.template else None,
             "roles": dict(self.template.roles) if self.template else {},
             "norm_offset": self.template.norm_offset if self.template else None,
             **({"modules": dict(self.modules)} if self.modules else {}),
-            "kinds": {kind: {"layer": layer} for kind, layer in self.layers.items()},
+            "kinds": {
+                kind: {
+                    "layer": layer,
+                    **({"extras": self.extras[kind]} if self.extras.get(kind) else {}),
+                    **({"weightless_norms": self.weightless[kind]} if self.weightless.get(kind) else {}),
+                }
+                for kind, layer in self.layers.items()
+            },
             **({"unmatched": dict(self.unmatched)} if self.unmatched else {}),
         }
 
@@ -99,13 +130,17 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
     """The template whose roles are exactly a layer's tensors (names -> shapes), or None and why not (with
     the template whose roles explain most of them). A pre-norm template's output norms are optional: a
     layer without them (VaultGemma: Gemma 2's layer without its post-norms; GLM: GLM-4's) takes its
-    other roles, which the methods read as for a template that has none (llama's). A role's module may
-    go by another name (_ROLE_ALIASES); the permutation proof shows it plays the role."""
+    other roles, which the methods read as for a template that has none (llama's). So is a gated
+    template's gate where the layer has up and down alone (an ungated MLP: the methods then read up and
+    down, UNGATED_MLP). A role's module may
+    go by another name (_ROLE_ALIASES); the permutation proof shows it plays the role. Tensors outside the
+    template's attention and MLP modules may be no role (extra_tensors: a sublayer of its own, Gemma 4's
+    per-layer input), and a sequential pre-norm template's norms may hold no weight (weightless_norms);
+    of the templates that match, the one with the fewest extra tensors, then roles left out, is taken."""
+    matched: list[tuple[tuple[int, int], Family]] = []
     closest: tuple[tuple[int, int], Family, list[str], list[str]] | None = None
-    for fam in role_templates():
-        absent = {r for r in _OUTPUT_NORMS if r in fam.roles and f"{fam.roles[r]}.weight" not in tensors}
-        if absent and not fam.has(POST_NORM):
-            fam = replace(fam, roles={r: p for r, p in fam.roles.items() if r not in absent})
+    for template in role_templates():
+        fam = template
         renamed = {
             role: alias
             for role, path in fam.roles.items()
@@ -115,20 +150,31 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
         }
         if renamed:
             fam = replace(fam, roles={**fam.roles, **renamed})
-        paths = set(fam.roles.values())
+        absent = {r for r in _OUTPUT_NORMS if r in fam.roles and f"{fam.roles[r]}.weight" not in tensors}
+        absent |= set(weightless_norms(fam, tensors))
+        if absent and not fam.has(POST_NORM):
+            fam = replace(fam, roles={r: p for r, p in fam.roles.items() if r not in absent})
+        if _ungated(fam, tensors):
+            roles = {r: p for r, p in fam.roles.items() if r != "gate"}
+            fam = replace(fam, roles=roles, traits=fam.traits | {UNGATED_MLP})
         missing = [path for path in fam.roles.values() if f"{path}.weight" not in tensors]
-        unexplained = [
-            name
-            for name in tensors
-            if not (name.rsplit(".", 1)[0] in paths and name.rsplit(".", 1)[-1] in ("weight", "bias"))
-        ]
-        if not missing and not unexplained:
-            return fam, ""
+        unexplained = _unexplained(fam, tensors)
+        extra = extra_tensors(fam, {name: tensors[name] for name in unexplained})
+        if not missing and len(extra) == len(unexplained):
+            matched.append(((len(extra), len(template.roles) - len(fam.roles)), fam))
+            continue
         score = (len(unexplained), len(missing))
         if closest is None or score < closest[0]:
             closest = (score, fam, missing, unexplained)
+    if matched:
+        return min(matched, key=lambda m: m[0])[1], ""
     assert closest is not None
     _, fam, missing, unexplained = closest
+    if not missing and (second := _second_attention(fam, unexplained)):
+        return None, (
+            f"it holds a second attention ({', '.join(second)}: an encoder-decoder's cross-attention), for "
+            "which OT and LESA know no roles"
+        )
     if len(unexplained) == len(tensors):
         return None, f"its tensors ({_listed(list(tensors), '')}) are no exact template's roles"
     parts = [f"no {_listed(missing, '')}" if missing else "", _listed(unexplained, " not its roles")]
@@ -136,6 +182,60 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
         None,
         f"its tensors are no exact template's roles (closest, {fam.name}: "
         f"{'; '.join(p for p in parts if p)})",
+    )
+
+
+def weightless_norms(fam: Family, tensors) -> dict[str, str]:
+    """The attention and MLP norms (role -> module path) of a sequential pre-norm template ``fam`` whose
+    weight the layer lacks: OLMo's LayerNorm has no parameters. They scale by nothing the methods could
+    align; the proof finds their modules in the layer and shows them read the residual stream in
+    sequence (a template whose order it cannot show, parallel or post-norm, keeps them required)."""
+    if fam.has(POST_NORM) or fam.has(PARALLEL_BLOCKS) or "mlp_norm" not in fam.roles:
+        return {}
+    return {r: fam.roles[r] for r in ("attn_norm", "mlp_norm") if f"{fam.roles[r]}.weight" not in tensors}
+
+
+def _unexplained(fam: Family, names) -> list[str]:
+    """The tensors of ``names`` that are no role's weight or bias."""
+    paths = set(fam.roles.values())
+    return [
+        name
+        for name in names
+        if not (name.rsplit(".", 1)[0] in paths and name.rsplit(".", 1)[-1] in ("weight", "bias"))
+    ]
+
+
+def extra_tensors(fam: Family, tensors: dict[str, list[int]]) -> list[str]:
+    """The tensors of ``tensors`` (names -> shapes) outside ``fam``'s attention and MLP modules (the first
+    part of a role's path, self_attn and mlp), or of one element anywhere (Apertus's activation holds
+    two scalars): no per-head or per-neuron parameter can hide in them, and the permutation proof would
+    still show one. The methods average them plainly (OT: no alignment defined for them). A second
+    attention (projections named as the attention's) is none: its heads would need roles of their own."""
+    modules = {path.split(".")[0] for path in fam.roles.values() if "." in path}
+    second = _second_attention(fam, tensors)
+    return [
+        name
+        for name, shape in tensors.items()
+        if (name.split(".")[0] not in modules or math.prod(shape) <= 1) and name.split(".")[0] not in second
+    ]
+
+
+def _second_attention(fam: Family, names) -> list[str]:
+    """The modules among ``names``' that hold projections named as ``fam``'s attention's (q_proj, k_proj,
+    v_proj: BART's encoder_attn beside its self_attn)."""
+    leaves = {fam.roles[r].rsplit(".", 1)[-1] for r in ("q", "k", "v") if r in fam.roles}
+    found = [name.rsplit(".", 2) for name in names if name.count(".") >= 2]
+    return sorted({parts[0] for parts in found if parts[1] in leaves})
+
+
+def _ungated(fam: Family, tensors: dict[str, list[int]]) -> bool:
+    """Whether the layer is ``fam``'s with an MLP of up and down alone (Arcee's, Nemotron's: act(up x)
+    into down): the template's own gate is not among its tensors, its up and down are. Its MLP neurons
+    are still (up row, down column) pairs, which the permutation proof checks."""
+    if "gate" not in fam.roles or "gate" in {p for parts in fam.fused.values() for p in parts}:
+        return False
+    return f"{fam.roles['gate']}.weight" not in tensors and all(
+        f"{fam.roles[r]}.weight" in tensors for r in ("up", "down")
     )
 
 
@@ -230,6 +330,7 @@ def _derive_roles(config: dict, found: dict, instance: TinyInstance | Exception)
     import torch
 
     tiny_text = model.config.get_text_config().to_dict()
+    original = next(t for t in role_templates() if t.name == template.name)  # as families.py writes it
     layers = modules_of(model, found["layer_list"])
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(2))
@@ -245,13 +346,20 @@ def _derive_roles(config: dict, found: dict, instance: TinyInstance | Exception)
                 why = offset
             elif offset is not None:
                 offsets[kind] = offset
-                why = _prove(model, layer, replace(template, norm_offset=offset), tiny_text, ids)
+                weightless = {
+                    r: original.roles[r]
+                    for r in ("attn_norm", "mlp_norm")
+                    if r in original.roles and r not in matched[kind].roles
+                }
+                why = _prove(model, layer, replace(template, norm_offset=offset), tiny_text, ids, weightless)
+                proof.weightless[kind] = weightless
         except Exception as exc:
             why = f"layer {index} did not run on the tiny instance ({type(exc).__name__})"
         if why:
             proof.unmatched[kind] = f"{template.name}'s roles by name, but on the tiny instance {why}"
         else:
             proof.layers[kind] = index
+            proof.extras[kind] = _unexplained(matched[kind], found["tensors"][kind])
     if not proof.layers:
         return proof
     # norms that scale by w or by 1 + w (Gemma's): the kinds that take roles share one
@@ -296,9 +404,19 @@ def _stored_roles(model, prefix: str, index: int, roles: dict[str, str]) -> dict
     return out
 
 
-def _prove(model, layer, fam: Family, config: dict, ids) -> str | None:
-    """Why ``layer`` does not compute as ``fam``'s roles say (see module), or None."""
-    return _sequence_error(model, layer, fam, ids) or _permutation_error(model, layer, fam, config, ids)
+def _prove(model, layer, fam: Family, config: dict, ids, weightless: dict[str, str]) -> str | None:
+    """Why ``layer`` does not compute as ``fam``'s roles say (see module), or None; ``weightless``: its
+    norms without weight, role -> module path (weightless_norms)."""
+    for role, path in weightless.items():
+        try:
+            norm = layer.get_submodule(path)
+        except AttributeError:
+            return f"it has no {path} (the {role} of {fam.name}'s roles, here without weight)"
+        if any(True for _ in norm.parameters()):
+            return f"{path} holds parameters but no weight"
+    return _sequence_error(model, layer, fam, ids, weightless) or _permutation_error(
+        model, layer, fam, config, ids
+    )
 
 
 def _permutation_error(model, layer, fam: Family, config: dict, ids) -> str | None:
@@ -421,12 +539,14 @@ def _norm_offset(layer, fam: Family) -> float | str:
     return found.pop() if found else fam.norm_offset
 
 
-def _sequence_error(model, layer, fam: Family, ids) -> str | None:
+def _sequence_error(model, layer, fam: Family, ids, weightless: dict[str, str]) -> str | None:
     """A pre-norm sequential template's: the attention norm reads the layer's input; the MLP norm reads
-    it plus the attention's output (so the layer's input itself once o is zeroed)."""
+    it plus the attention's output (so the layer's input itself once o is zeroed). Its norms are the
+    roles', or the modules ``weightless`` names where they hold no weight."""
     import torch
 
-    if fam.has(POST_NORM) or fam.has(PARALLEL_BLOCKS) or "mlp_norm" not in fam.roles:
+    norms = {**weightless, **{r: fam.roles[r] for r in ("attn_norm", "mlp_norm") if r in fam.roles}}
+    if fam.has(POST_NORM) or fam.has(PARALLEL_BLOCKS) or "mlp_norm" not in norms:
         return None
     zeroed = [p for name, p in layer.named_parameters() if name.startswith(fam.roles["o"] + ".")]
 
@@ -442,7 +562,7 @@ def _sequence_error(model, layer, fam: Family, ids) -> str | None:
 
         modules = {
             "layer": layer,
-            **{r: layer.get_submodule(fam.roles[r]) for r in ("attn_norm", "mlp_norm")},
+            **{r: layer.get_submodule(norms[r]) for r in ("attn_norm", "mlp_norm")},
         }
         hooks = [m.register_forward_pre_hook(keep(r), with_kwargs=True) for r, m in modules.items()]
         saved = [p.detach().clone() for p in zeroed]
@@ -461,13 +581,16 @@ def _sequence_error(model, layer, fam: Family, ids) -> str | None:
                     p.copy_(value)
         return seen
 
-    plain, without = inputs(False), inputs(True)
+    # the same entries in the same order: OPT's layer flattens the stream to (tokens, hidden) for its MLP
+    plain, without = (
+        {name: t.reshape(-1) for name, t in seen.items()} for seen in (inputs(False), inputs(True))
+    )
     x = plain["layer"]
     if not torch.equal(plain["attn_norm"], x):
-        return f"{fam.roles['attn_norm']} does not read the layer's input (not a pre-norm layer)"
+        return f"{norms['attn_norm']} does not read the layer's input (not a pre-norm layer)"
     if not torch.equal(without["mlp_norm"], x) or torch.equal(plain["mlp_norm"], x):
         return (
-            f"{fam.roles['mlp_norm']} does not read the residual stream after the attention (its input "
+            f"{norms['mlp_norm']} does not read the residual stream after the attention (its input "
             "is not the layer's input plus the attention's output)"
         )
     return None

@@ -15,17 +15,37 @@ from dataclasses import dataclass
 
 import torch
 
+from otdus_cli.arch.families import UNGATED_MLP
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import ParentLayer
 from otdus_cli.transport.plan import TransportPlan
 
 # The roles of a dense decoder layer that the OT formulas need; every dense family template provides
-# them (Phi-3 through its fused qkv / gate_up tensors).
+# them (Phi-3 through its fused qkv / gate_up tensors), all but gate where its MLP has none (UNGATED_MLP).
 DENSE_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def dense_roles(family) -> tuple[str, ...]:
+    """The projections a ``family`` layer holds: DENSE_ROLES, without gate for an ungated MLP."""
+    return tuple(r for r in DENSE_ROLES if r != "gate" or not family.has(UNGATED_MLP))
+
+
 NORM_ROLES = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")
 
 # role -> {"weight": tensor, "bias": tensor} (a role without bias has no "bias" key)
 Tensors = dict[str, dict[str, torch.Tensor]]
+
+
+# other names config classes give these fields (XGLM's attention_heads and d_model), in config.json as
+# saved; transformers maps them through the class's attribute_map
+_FIELD_NAMES = {
+    "num_attention_heads": ("num_attention_heads", "attention_heads"),
+    "hidden_size": ("hidden_size", "d_model"),
+}
+
+
+def _field(config: dict, name: str):
+    return next((config[n] for n in _FIELD_NAMES[name] if config.get(n)), None)
 
 
 @dataclass(frozen=True)
@@ -43,11 +63,12 @@ class Heads:
 
     @classmethod
     def from_config(cls, config: dict, q_rows: int | None = None) -> Heads:
-        if not config.get("num_attention_heads"):
+        n_q = _field(config, "num_attention_heads")
+        if not n_q:
             raise OtdusError("--method ot needs num_attention_heads in config.json")
-        n_q = int(config["num_attention_heads"])
+        n_q = int(n_q)
         n_kv = int(config.get("num_key_value_heads") or n_q)
-        head_dim = config.get("head_dim") or (q_rows // n_q if q_rows else config["hidden_size"] // n_q)
+        head_dim = config.get("head_dim") or (q_rows or _field(config, "hidden_size")) // n_q
         if n_q % n_kv:
             raise OtdusError(f"num_attention_heads={n_q} is not a multiple of num_key_value_heads={n_kv}")
         return cls(n_q, n_kv, int(head_dim))
@@ -65,7 +86,7 @@ class RoleLayout:
         family,
         config: dict,
         suffixes: list[str],
-        required: tuple[str, ...] = DENSE_ROLES,
+        required: tuple[str, ...] | None = None,  # None: dense_roles(family)
         roles: dict[str, str] | None = None,
         method: str = "ot",
     ):
@@ -82,7 +103,7 @@ class RoleLayout:
             part: fused for fused, parts in family.fused.items() if fused in self.where for part in parts
         }
         self.roles = set(self.where) | set(self.fused_in)
-        lacking = [r for r in required if r not in self.roles]
+        lacking = [r for r in (dense_roles(family) if required is None else required) if r not in self.roles]
         if lacking:
             raise OtdusError(
                 f"--method {method} needs the {'/'.join(lacking)} tensors, which this {family.name} layer "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from otdus_cli.arch.families import CROSS_ATTENTION, MOE, UNGATED_MLP
+from otdus_cli.arch.families import CROSS_ATTENTION, MOE
 from otdus_cli.methods.base import Flag, Method
 
 if TYPE_CHECKING:
@@ -116,8 +116,6 @@ LESA = Method(
     make_builder=_builder,
     refuses={
         MOE: "MoE layers: expert matrices have no single per-layer projection to decompose",
-        UNGATED_MLP: "non-gated MLP (c_fc, c_proj): LESA predicts a gated MLP's gate, up and down "
-        "projections",
         CROSS_ATTENTION: "cross-attention layers between the self-attention ones: LESA predicts "
         "self-attention layers' projections only",
     },

@@ -1,10 +1,10 @@
 """LESA (Yang et al., "LESA: Learnable LLM Layer Scaling-Up"): new layers predicted by a small MLP.
 
-For each projection type P (q, k, v, o, gate, up, down), the L base layers' matrices W_l
-(out x in) are concatenated along the input dimension, M = [W_0 ... W_{L-1}] (out x L*in), and
-decomposed once, M = U S V^T, so W_l = U S V_l^T with V_l^T the l-th (r x in) block of V^T. A row
-of V_l^T is "the coefficients of singular direction j in layer l". An MLP (2 in -> hidden -> hidden
--> in, ReLU) is trained on every interior layer l and every direction j to map the pair
+For each projection type P (q, k, v, o, gate, up, down; no gate where the MLP has none), the L base
+layers' matrices W_l (out x in) are concatenated along the input dimension, M = [W_0 ... W_{L-1}]
+(out x L*in), and decomposed once, M = U S V^T, so W_l = U S V_l^T with V_l^T the l-th (r x in)
+block of V^T. A row of V_l^T is "the coefficients of singular direction j in layer l". An MLP (2 in
+-> hidden -> hidden -> in, ReLU) is trained on every interior layer l and every direction j to map the pair
 (V_{l-1}^T[j], V_{l+1}^T[j]) to V_l^T[j], with the loss
 
     (1 - lambda) mean((pred - target)^2) + lambda (||pred||_F - ||target||_F)^2     (per batch),
@@ -348,6 +348,8 @@ class LesaBuilder:
         projections: dict[str, Any] = {}
         skipped: dict[str, str] = {}
         for role in PROJECTIONS:
+            if role not in layout.roles:  # an ungated MLP's gate
+                continue
             if s.zero_init and family.is_zero_target(self._weight_suffix(role)):
                 skipped[role] = "zero-initialised (not predicted)"
                 continue

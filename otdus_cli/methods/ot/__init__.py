@@ -17,7 +17,6 @@ from otdus_cli.arch.families import (
     PARALLEL_BLOCKS,
     POST_NORM,
     SHARED_FUSED_EXPERTS,
-    UNGATED_MLP,
 )
 from otdus_cli.methods.base import Method
 from otdus_cli.methods.ot.choices import ot_choices
@@ -120,8 +119,6 @@ OT = Method(
         "pre-norm ones",
         PARALLEL_BLOCKS: "attention and MLP run in parallel from one norm: the OT-DUS flow is defined for "
         "sequential blocks",
-        UNGATED_MLP: "non-gated MLP (c_fc, c_proj): the OT-DUS flow aligns a gated MLP's gate and up "
-        "together",
         EXPERT_BIASES: "fused experts with biases: OT knows no expert layout for them (arch/experts.py)",
         SHARED_FUSED_EXPERTS: "fused experts beside a shared expert: OT knows no expert layout for them "
         "(arch/experts.py)",

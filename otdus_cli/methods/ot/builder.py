@@ -231,6 +231,23 @@ def _norm_through(
     return out
 
 
+def _norm_role_through(
+    plan: TransportPlan,
+    ta: dict[str, torch.Tensor],
+    tb: dict[str, torch.Tensor],
+    offset: float,
+    scale: float | None,
+    mix: bool,
+) -> dict[str, torch.Tensor]:
+    """A norm's gain (``_norm_through``) and, where it has one (LayerNorm's), its bias through the same
+    plan: the bias is added on the axis the gain scales, so it moves with it (no offset: a bias is not
+    a gain). Our extension: the paper's and Imfeld et al.'s norms have no bias."""
+    out = {"weight": _norm_through(plan, ta["weight"], tb["weight"], offset, scale, mix)}
+    if "bias" in ta:
+        out["bias"] = _norm_through(plan, ta["bias"], tb["bias"], 0.0, scale, mix)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Variants "paper" and "official".
 
@@ -309,15 +326,16 @@ def paper_attention(
     yield from _output_norm(pair, "attn_out_norm", plan_o, offset, scale, official)
     # Post-attention (pre-MLP) norm: T_in = 1/2 (s T_O + I) (the paper's table: the residual
     # stream is the identity path plus the attention path; s = n is Imfeld et al.'s scaling).
-    ta, tb = pair.take("mlp_norm")
-    yield "mlp_norm", {"weight": _norm_through(plan_o, ta["weight"], tb["weight"], offset, scale, mix=True)}
+    if pair.has("mlp_norm"):  # a norm without weight (OLMo's) has nothing to align
+        ta, tb = pair.take("mlp_norm")
+        yield "mlp_norm", _norm_role_through(plan_o, ta, tb, offset, scale, mix=True)
     return plan_o
 
 
 def _paper_mlp(pair: ParentPair, plan_o: TransportPlan, s: OTSettings, offset: float, stats: dict) -> Roles:
     official = s.variant == "official"
     match, scale = paper_matcher(s, stats)
-    for role in ("gate", "up"):
+    for role in [r for r in ("gate", "up") if pair.has(r)]:  # an ungated MLP has up alone
         ta, tb = pair.take(role)
         inputs = {**ta, "weight": plan_o.cols_to_b(f32(ta["weight"]), scale)}  # W_A T_in, T_in = s T_O
         del ta
@@ -344,7 +362,7 @@ def _output_norm(
     if official:
         yield role, average_role(ta, tb)
     else:
-        yield role, {"weight": _norm_through(plan, ta["weight"], tb["weight"], offset, scale, mix=False)}
+        yield role, _norm_role_through(plan, ta, tb, offset, scale, mix=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,11 +389,12 @@ def _structured(pair: ParentPair, heads: Heads, s: OTSettings, stats: dict) -> R
             ta, tb = pair.take(role)
             yield role, average_role(ta, tb)
 
-    # --- MLP: one plan per neuron (gate row, up row, down column), on the three parts' cost.
-    mlp = {role: pair.take(role) for role in ("gate", "up", "down")}
-    (ga, gb), (ua, ub), (da, db) = mlp["gate"], mlp["up"], mlp["down"]
+    # --- MLP: one plan per neuron (gate row, up row, down column), on the parts' cost (an ungated
+    # MLP's neuron: up row, down column).
+    mlp = _mlp_roles(pair)
     plan = match_parts(
-        [(ga["weight"], gb["weight"]), (ua["weight"], ub["weight"]), (da["weight"].T, db["weight"].T)],
+        [(ta["weight"], tb["weight"]) for ta, tb in (mlp[r] for r in ("gate", "up") if r in mlp)]
+        + [(mlp["down"][0]["weight"].T, mlp["down"][1]["weight"].T)],
         solver=s.solver,
         reg=s.reg,
         tol=s.tol,
@@ -387,13 +406,19 @@ def _structured(pair: ParentPair, heads: Heads, s: OTSettings, stats: dict) -> R
     yield from structured_attention(pair, heads, s, stats)
 
 
+def _mlp_roles(pair: ParentPair) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """The MLP's (A's, B's) tensors by role: gate (where it has one), up and down."""
+    return {role: pair.take(role) for role in ("gate", "up", "down") if role != "gate" or pair.has(role)}
+
+
 def _mlp_through(
     mlp: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
     plan: TransportPlan,
     s: OTSettings,
 ) -> Roles:
-    """gate/up rows and down columns of a SwiGLU MLP aligned by one neuron plan, then averaged."""
-    for role in ("gate", "up"):
+    """gate/up rows and down columns of an MLP (up and down alone where it has no gate) aligned by one
+    neuron plan, then averaged."""
+    for role in [r for r in ("gate", "up") if r in mlp]:
         ta, tb = mlp.pop(role)
         out = aligned_role(plan, ta, tb, None)
         del ta, tb
@@ -488,8 +513,8 @@ def _activation(pair: ParentPair, heads: Heads, s: OTSettings, stats: dict, acts
         if pair.has(role):
             ta, tb = pair.take(role)
             yield role, average_role(ta, tb)
-    mlp = {role: pair.take(role) for role in ("gate", "up", "down")}
-    n = mlp["gate"][0]["weight"].shape[0]
+    mlp = _mlp_roles(pair)
+    n = mlp["up"][0]["weight"].shape[0]
     if acts.mlp.shape != (n, n):
         raise OtdusError(f"activation statistics of {tuple(acts.mlp.shape)} MLP neurons, the layers have {n}")
     plan = activation_plan(acts.mlp.to(s.device), s)
