@@ -49,7 +49,8 @@ test-main: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow"
 
 # the slow tests (the device-check dry run, thread identity, verify under
-# a memory limit, two-rank runs, piped and pinned CLI runs, each seam module imported alone): CI runs
+# a memory limit, two-rank runs, piped and pinned CLI runs, each seam module imported alone, the
+# families beyond tests/support/tiny_models.py's QUICK_TYPES in family-wide checks): CI runs
 # them after `make test`
 test-long: setup
 	$(PY) -m pytest -m slow

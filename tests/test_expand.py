@@ -26,7 +26,14 @@ from tests.support.expansion_checks import (
     expected_sources,
     method_options,
 )
-from tests.support.tiny_models import DENSE_TYPES, MOE_TYPES, TINY_CONFIGS, load_causal_lm, logits
+from tests.support.tiny_models import (
+    DENSE_TYPES,
+    MOE_TYPES,
+    TINY_CONFIGS,
+    load_causal_lm,
+    logits,
+    quick_or_slow,
+)
 
 
 @pytest.mark.parametrize("model_type", DENSE_TYPES + MOE_TYPES)
@@ -330,7 +337,7 @@ def test_tiny_configs_cover_every_family():
     assert set(supported_model_types()) == set(TINY_CONFIGS) | {"mllama_text_model"}
 
 
-@pytest.mark.parametrize("model_type", DENSE_TYPES)
+@pytest.mark.parametrize("model_type", quick_or_slow(DENSE_TYPES))
 @pytest.mark.parametrize("variant", ["paper", "structured", "official"])
 def test_ot_every_dense_family_is_an_exact_identity(tiny_models, tmp_path, model_type, variant):
     depth = json.loads((tiny_models[model_type] / "config.json").read_text())["num_hidden_layers"]

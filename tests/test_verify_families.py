@@ -14,7 +14,7 @@ from otdus_cli.methods.lesa import LesaOptions
 from otdus_cli.options import ExpandOptions
 from otdus_cli.verify.compare import verify_expansion
 from tests.support.eval_sets import random_eval_set
-from tests.support.tiny_models import DENSE_TYPES, MOE_TYPES
+from tests.support.tiny_models import DENSE_TYPES, MOE_TYPES, quick_or_slow
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
@@ -38,7 +38,7 @@ def zero_init_expansions(model_type: str) -> list[ExpandOptions]:
     return options
 
 
-@pytest.mark.parametrize("model_type", DENSE_TYPES + MOE_TYPES)
+@pytest.mark.parametrize("model_type", quick_or_slow(DENSE_TYPES + MOE_TYPES))
 def test_every_zero_init_expansion_holds_parity(tiny_models, tmp_path, model_type):
     plan = random_eval_set()
     for i, options in enumerate(zero_init_expansions(model_type)):

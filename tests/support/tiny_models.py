@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 COMMON = dict(
@@ -81,6 +82,18 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 DENSE_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 MOE_TYPES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+# where a check runs on every family, these run in `make test` and the others in `make test-long`: one
+# of each template kind (Llama's layout, Gemma's norms and soft-capping, Phi-3's fused projections,
+# fused experts, a shared expert), so a family-wide break still shows in the quick suite (make
+# test-long runs under transformers 5 only: the others' compat cases run there without 4.57.6)
+QUICK_TYPES = {"llama", "gemma3_text", "phi3", "mixtral", "qwen2_moe"}
+
+
+def quick_or_slow(model_types: list[str]) -> list:
+    """``model_types`` as pytest parameters, those outside QUICK_TYPES marked slow."""
+    return [t if t in QUICK_TYPES else pytest.param(t, marks=pytest.mark.slow) for t in model_types]
+
+
 BREADTH_DENSE_TYPES = [
     "olmo2",
     "olmo3",
