@@ -91,6 +91,7 @@ def test_docs_commands_are_found_and_sorted():
     assert all("matplotlib" in c.why for c in cmds if c.run is None and "bundled:" in c.text)
 
 
+@pytest.mark.slow  # a minute or two of CPU: make test-long (CI runs it after make test)
 def test_quick_docs_commands_run_from_a_fresh_copy():
     """`python -m scripts.check_docs --quick`: README's first hour, offline widening, ppl, diagnose...
     exit 0."""
