@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from otdus_cli.card import write_output_card
 from otdus_cli.distributed import World
-from otdus_cli.io.output_dir import OutputReport, staged_output
+from otdus_cli.errors import Interrupted
+from otdus_cli.io.output_dir import OutputReport, held_signals, staged_output
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter, parse_size
 from otdus_cli.manifest import Manifest, write_manifest
 from otdus_cli.source import copy_side_files, readable_side_files
@@ -132,7 +133,12 @@ def write_output(
             source_folder = the_plan.source.resolved.folder
             readable_side_files(source_folder)
             staged = staged_output(out, protected=[source_folder, *protected], force=force, report=report)
-            tmp = claimed.enter_context(staged)
+            # held: a signal after the folder is made but before the stack has its exit would leave the
+            # folder to the garbage collector; raised once the stack's exit can remove it
+            with held_signals() as arrived:
+                tmp = claimed.enter_context(staged)
+            if arrived() is not None:
+                raise Interrupted(arrived())
             # rank 0 creates the shard files (headers included) before any other rank opens them
             writers.append(ShardedWriter(tmp, the_plan.tensors, parse_size(max_shard_size)))
             return tmp

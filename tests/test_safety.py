@@ -310,6 +310,33 @@ def test_signals_leave_nothing_and_say_so(stories, tmp_path, sig):
     assert tree_digest(stories) == before
 
 
+def test_a_signal_as_the_temporary_folder_is_taken_in_charge_removes_it(stories, tmp_path, monkeypatch):
+    """A signal between the staged folder's creation and the pipeline taking charge of it (the few
+    bytecodes in which ExitStack.enter_context registers its exit) escaped the clean-up: the run ended
+    saying only "interrupted by SIGTERM", its folder left to the garbage collector. The signal is sent
+    at that exact point here."""
+    import contextlib
+
+    from otdus_cli.signals import raise_interrupted
+
+    register = contextlib.ExitStack._push_cm_exit
+
+    def signal_on_registering(stack, cm, exit_method):
+        if getattr(getattr(cm, "gen", None), "__name__", "") == "staged_output":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return register(stack, cm, exit_method)
+
+    monkeypatch.setattr(contextlib.ExitStack, "_push_cm_exit", signal_on_registering)
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
+    try:
+        with pytest.raises(Interrupted) as caught:
+            expand(str(stories), tmp_path / "out", ExpandOptions(method="copy", layers=1))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "the partial output was removed" in str(caught.value), str(caught.value)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
 def test_signals_ignored_at_start_stay_ignored(stories, tmp_path):
     """`nohup otdus expand ... &`: the log-out's SIGHUP (and the terminal's Ctrl-C, which a shell's
     background job ignores) must not stop the run; it finishes with a whole output."""
