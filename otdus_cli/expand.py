@@ -338,9 +338,11 @@ class _Engine:
         if value == 0.0:
             self.progress(self.writer.write_zeros(out))
             return
-        from otdus_cli.arch.identity_values import value_tensor
+        from otdus_cli.arch.identity_values import ExpertChoiceBias, value_tensor
 
-        shapes = {suffix: source.shape(suffix) for suffix in source.suffixes()}
+        # only an expert-choice bias counts the layer's experts: one header lookup per tensor of the layer
+        counted = isinstance(value, ExpertChoiceBias)
+        shapes = {suffix: source.shape(suffix) for suffix in source.suffixes()} if counted else {}
         held = value_tensor(value, tuple(self.writer.slots[out].tensor.shape), shapes)
         self.progress(self.writer.write_tensor(out, held))
 

@@ -227,7 +227,7 @@ def _prove_kind(run: LayerRun, index: int, kind: str, scales: set[str]) -> dict[
     found = [n for _, n in sorted(_residual_writers(run.layer, run.widths()), key=lambda u: run.order(u[0]))]
     # a vector may be a bias into the stream, or scale the residual itself (Doge's input_residual), which
     # zeroed breaks the identity: without the vectors too, before giving up; then with the scales at 1
-    found += [[n] for n in sorted(scales & set(stored_buffers(run.layer)))]  # a scale buffer: layer_scalar
+    found += [[n] for n in sorted(scales & set(run.buffers))]  # a scale buffer: layer_scalar
     matrices = [u for u in found if not (len(u) == 1 and run.params[u[0]].dim() == 1)]
     zeros = {name: 0.0 for unit in found for name in unit}
     tries: list[tuple[list[list[str]], dict[str, IdentityValue]]] = [(found, zeros), (matrices, zeros)]
@@ -235,7 +235,7 @@ def _prove_kind(run: LayerRun, index: int, kind: str, scales: set[str]) -> dict[
         tries.append((found, {name: 1.0 if name in scales else 0.0 for name in zeros}))
     # a router that also chooses experts without weights, which add their input back (LongCat-Flash's
     # zero-computation experts): kept from choosing them by its expert-choice bias (arch/identity_values.py)
-    biases = _expert_choice_biases(run.layer)
+    biases = _expert_choice_biases(run.params)
     if biases:
         tries.append((found + [[n] for n in biases], {**zeros, **{n: v for n, (v, _) in biases.items()}}))
     # the other states it hands on (Zaya's router states) unchanged too where some try gets that; else the
@@ -274,26 +274,25 @@ def _prove_kind(run: LayerRun, index: int, kind: str, scales: set[str]) -> dict[
 _SATURATION = 100.0
 
 
-def _expert_choice_biases(layer) -> dict[str, tuple[ExpertChoiceBias, str]]:
-    """The vectors of ``layer`` that bias a router's choice among experts of which only the first have
-    weights, each with the value that keeps the others unchosen and the router's matrix: a vector held by
-    a module whose matrix has one row per choice, longer than the expert tensors of the layer are deep
-    (LongCat-Flash: e_score_correction_bias of 512 + 256 choices, down_proj of 512 experts)."""
-    experts = {n: p.shape[0] for n, p in layer.named_parameters() if p.dim() == 3 and p.shape[0] > 1}
-    stored = set(stored_buffers(layer))
+def _expert_choice_biases(params: dict) -> dict[str, tuple[ExpertChoiceBias, str]]:
+    """The vectors among a layer's ``params`` (its parameters and stored buffers) that bias a router's
+    choice among experts of which only the first have weights, each with the value that keeps the others
+    unchosen and the router's matrix: a vector beside a matrix with one row per choice, longer than the
+    expert tensors of the layer are deep (LongCat-Flash: e_score_correction_bias of 512 + 256 choices,
+    down_proj of 512 experts)."""
+    experts = {n: p.shape[0] for n, p in params.items() if p.dim() == 3 and p.shape[0] > 1}
     out: dict[str, tuple[ExpertChoiceBias, str]] = {}
-    for prefix, module in layer.named_modules():
-        dot = prefix + "." if prefix else ""
-        vectors = dict(module.named_parameters(recurse=False))
-        vectors |= {n: b for n, b in module.named_buffers(recurse=False) if dot + n in stored}
-        rows = {n: p.shape[0] for n, p in module.named_parameters() if p.dim() == 2}
-        for name, vector in vectors.items():
-            if vector.dim() != 1 or not vector.is_floating_point():
-                continue
-            routers = [n for n, count in rows.items() if count == len(vector)]
-            fewer = {n: count for n, count in experts.items() if count < len(vector)}
-            if routers and fewer and len(set(fewer.values())) == 1:
-                out[dot + name] = (ExpertChoiceBias(counted_by=(next(iter(fewer)),)), dot + routers[0])
+    for name, vector in params.items():
+        if vector.dim() != 1 or not vector.is_floating_point():
+            continue
+        owner = name.rpartition(".")[0]
+        within = owner + "." if owner else ""
+        routers = [
+            n for n, p in params.items() if n.startswith(within) and p.dim() == 2 and len(p) == len(vector)
+        ]
+        fewer = {n: count for n, count in experts.items() if count < len(vector)}
+        if routers and fewer and len(set(fewer.values())) == 1:
+            out[name] = (ExpertChoiceBias(counted_by=(next(iter(fewer)),)), routers[0])
     return out
 
 

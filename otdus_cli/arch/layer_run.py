@@ -48,7 +48,8 @@ class LayerRun:
         # before; for the first (handed its states by the model: Reformer's two streams), it and the next
         following = layers[min(1, len(layers) - 1)]
         self.pair = (layers[index - 1], self.layer) if index else (self.layer, following)
-        self.params = {**dict(self.layer.named_parameters()), **stored_buffers(self.layer)}
+        self.buffers = stored_buffers(self.layer)
+        self.params = {**dict(self.layer.named_parameters()), **self.buffers}
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self._calls: dict[str, int] = {}
         self._seen: dict = {}
