@@ -41,14 +41,13 @@ from otdus_cli.arch.families import (
     UNGATED_MLP,
     Family,
 )
-from otdus_cli.arch.identity import TinyInstance
+from otdus_cli.arch.identity import PROOF_TOKENS, TinyInstance, tiny_ids
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.plan.layer_map import index_ranges, layer_kinds
 
 # float32 tolerance of the permutation check, relative to the layer output's largest magnitude
 PERMUTATION_TOLERANCE = 1e-5
-_SEQUENCE = 8
 _HIDDEN_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
 _HEAD_NORMS = ("q_norm", "k_norm")
 _OUTPUT_NORMS = ("attn_out_norm", "mlp_out_norm")  # a sublayer's output normed before the residual add
@@ -88,7 +87,7 @@ class RoleProof:
             "the template (the others, its extras, are averaged), shapes as the config gives them; proof: "
             "permuting one layer's attention heads (by KV group and within it), value-head dimensions and "
             "MLP neurons by these roles leaves its output unchanged (float32, relative tolerance "
-            f"{PERMUTATION_TOLERANCE:g}, {_SEQUENCE} random tokens); its norms scale by w (norm_offset 0) "
+            f"{PERMUTATION_TOLERANCE:g}, {PROOF_TOKENS} random tokens); its norms scale by w (norm_offset 0) "
             "or 1 + w (1); a pre-norm layer's norms read the residual stream in sequence",
             "instance": self.instance,
             "template": self.template.name if self.template else None,
@@ -327,13 +326,11 @@ def _derive_roles(config: dict, found: dict, instance: TinyInstance | Exception)
         proof.unmatched |= dict.fromkeys(matched, why)
         return proof
     model, proof.instance, _ = instance
-    import torch
 
     tiny_text = model.config.get_text_config().to_dict()
     original = next(t for t in role_templates() if t.name == template.name)  # as families.py writes it
     layers = modules_of(model, found["layer_list"])
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(2))
+    ids = tiny_ids(model, seed=2)
     offsets: dict[str, float] = {}
     for kind in matched:
         index = found["kinds"].index(kind)

@@ -88,9 +88,9 @@ _SHRUNK_WIDTHS = {
     "vocab_size_per_layer_input": 256,
     "hidden_size_per_layer_input": 16,
 }
-_SEQUENCE = 8
+PROOF_TOKENS = 8
 # token selections (DeepSeek sparse attention's indexer keeps the index_topk best keys per query; a later
-# layer may reuse an earlier one's choice) are narrowed below _SEQUENCE on every proof instance: with
+# layer may reuse an earlier one's choice) are narrowed below PROOF_TOKENS on every proof instance: with
 # all tokens selected, a new layer that changes the choice handed on would still look like an identity
 _NARROW_SELECTION = {"index_topk": 3, "index_topk_blocks": 1}
 # a tiny instance: the model, how it was made, the names of its vectors transformers initialises to ones
@@ -116,7 +116,7 @@ class IdentityProof:
 
     def record(self) -> dict:
         """The proof as the manifest records it."""
-        check = f"layer output equals its input bit for bit on {_SEQUENCE} random tokens, with these "
+        check = f"layer output equals its input bit for bit on {PROOF_TOKENS} random tokens, with these "
         check += "tensors zeroed" + (" and those under set_to set to that value" if self.set_to else "")
         if any(isinstance(v, ExpertChoiceBias) for values in self.set_to.values() for v in values.values()):
             check += f" (and again with the router's weights scaled {_SATURATION:g}-fold)"
@@ -177,7 +177,6 @@ def expert_forms(name: str) -> list[str]:
 def prove_identity(instance: TinyInstance | Exception, layer_list: str, kinds: list[str]) -> IdentityProof:
     """Find and prove the zero-init targets of every layer kind on the tiny ``instance`` of a config's
     model (tiny_instance; the exception when it could not be built) (see module)."""
-    import torch
 
     proof = IdentityProof(layer_list=layer_list)
     if isinstance(instance, Exception):
@@ -187,8 +186,7 @@ def prove_identity(instance: TinyInstance | Exception, layer_list: str, kinds: l
         return proof
     model, proof.instance, ones = instance
     layers = modules_of(model, layer_list)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(0))
+    ids = tiny_ids(model, seed=0)
     for kind in dict.fromkeys(kinds):
         index = kinds.index(kind)
         prefix = f"{layer_list}.{index}."
@@ -394,8 +392,7 @@ def prove_plan(config: dict, written: dict, family, sources: list[int], zero_ini
                 value if target is None else value_tensor(target, tuple(value.shape), shapes).to(value.dtype)
             )
             out[f"{prefix}{j}.{suffix}"] = held
-    vocab = base.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, min(vocab, 90), (1, _SEQUENCE), generator=torch.Generator().manual_seed(1))
+    ids = tiny_ids(base, seed=1)
     try:
         grown.load_state_dict(out, strict=True)
         same = torch.equal(seeded_logits(base, ids), seeded_logits(grown, ids))
@@ -429,6 +426,15 @@ def seeded_logits(model, ids, seed: int = 0):
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         return model(input_ids=ids, use_cache=False).logits
+
+
+def tiny_ids(model, seed: int):
+    """The token ids a proof runs ``model`` (a tiny instance) on: PROOF_TOKENS of them, seeded, below 90
+    (ids of the first tokens exist in every vocabulary)."""
+    import torch
+
+    vocab = model.get_input_embeddings().weight.shape[0]
+    return torch.randint(0, min(vocab, 90), (1, PROOF_TOKENS), generator=torch.Generator().manual_seed(seed))
 
 
 def _narrowed(config: dict) -> dict:

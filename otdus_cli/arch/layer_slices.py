@@ -180,15 +180,14 @@ def _prove(config_json: str, layer_list: str, tensors: tuple[tuple[str, int], ..
     of layers 0 .. i-1 as they were, bit for bit, and changes layer i's. None when it does; else why not."""
     import torch
 
-    from otdus_cli.arch.identity import tiny_instance
+    from otdus_cli.arch.identity import tiny_ids, tiny_instance
 
     instance = tiny_instance(json.loads(config_json))
     if isinstance(instance, Exception):
         return f"no tiny instance to prove which layer reads which slice on ({type(instance).__name__})"
     model = instance[0]
     layers = _layers(model, layer_list)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, min(vocab, 90), (1, 8), generator=torch.Generator().manual_seed(2))
+    ids = tiny_ids(model, seed=2)
     outputs: list = []
 
     def keep(_module, _args, output) -> None:
