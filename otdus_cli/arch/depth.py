@@ -14,7 +14,8 @@ import warnings
 DEPTH = "num_hidden_layers"
 
 
-def _config_class(model_type: object):
+def config_class(model_type: object):
+    """transformers' config class of ``model_type``; None where it knows none."""
     if not isinstance(model_type, str):
         return None
     try:
@@ -34,7 +35,7 @@ def depth_field(config: dict) -> str | None:
     ``layers_block_type``; see implied_depth_field)."""
     if DEPTH in config:
         return DEPTH
-    cls = _config_class(config.get("model_type"))
+    cls = config_class(config.get("model_type"))
     if cls is None:
         return None
     learned = _field_setting_the_layer_list(json.dumps(config, sort_keys=True))
@@ -92,7 +93,7 @@ def implied_depth_field(config: dict) -> str | None:
     ``layer_types`` (its attribute_map) or the one list of that length; None otherwise."""
     if depth_field(config) is not None:
         return None
-    cls = _config_class(config.get("model_type"))
+    cls = config_class(config.get("model_type"))
     if cls is None or not isinstance(getattr(cls, DEPTH, None), property):
         return None
     depth = _loaded_depth(config)

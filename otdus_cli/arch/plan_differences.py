@@ -21,6 +21,8 @@ on the two models, and the placements that keep the logits:
 
 from __future__ import annotations
 
+from otdus_cli.arch.families import DEPTH_FIELDS
+
 POSITION_DIFFERS = (
     "on a tiny instance the expanded model's logits differ from the base's although each new layer is an "
     "identity: its layers compute differently at their new positions (their index enters their "
@@ -28,7 +30,7 @@ POSITION_DIFFERS = (
 )
 # config fields by which transformers rescales a stack in groups of that many layers when it runs the
 # model in eval mode (stream halved after each group, weights of group g divided by 2 ** g); 0: never
-STACK_RESCALING = ("rescale_every",)
+STACK_RESCALING = tuple(name for name, kind in DEPTH_FIELDS.items() if kind == "group_size")
 
 
 def why_logits_differ(config: dict, written: dict, base, layers: list, ids, sources: list[int | None]) -> str:

@@ -36,16 +36,15 @@ NORM_ROLES = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm"
 Tensors = dict[str, dict[str, torch.Tensor]]
 
 
-# other names config classes give these fields (XGLM's attention_heads and d_model), in config.json as
-# saved; transformers maps them through the class's attribute_map
-_FIELD_NAMES = {
-    "num_attention_heads": ("num_attention_heads", "attention_heads"),
-    "hidden_size": ("hidden_size", "d_model"),
-}
-
-
 def _field(config: dict, name: str):
-    return next((config[n] for n in _FIELD_NAMES[name] if config.get(n)), None)
+    """``name`` of ``config``, or the field its config class's attribute_map gives it (XGLM's
+    attention_heads and d_model), as config.json holds it."""
+    if config.get(name):
+        return config[name]
+    from otdus_cli.arch.depth import config_class
+
+    mapped = getattr(config_class(config.get("model_type")), "attribute_map", {}).get(name)
+    return config.get(mapped) if isinstance(mapped, str) else None
 
 
 @dataclass(frozen=True)
