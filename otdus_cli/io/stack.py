@@ -149,7 +149,7 @@ def read_stack(reader: CheckpointReader, family: Family) -> LayerStack:
             + (f" (and {trailing} stored after them)" if trailing else "")
         )
     outside = numbered_outside_tensors(family, config, depth, others)
-    claimed = {rule.name(i) for i, rules in outside.items() for rule in rules.values()}
+    claimed = _claimed(outside)
     others = [n for n in others if n not in claimed]
     layers = [
         SourceLayer(reader, family.layer_prefix.format(i=i), i, sorted(by_layer[i]), outside.get(i))
@@ -180,8 +180,7 @@ def numbered_outside_tensors(
         found = {key: rule for key, rule in rules.items() if rule.name(i) in present}
         if found:
             out[i] = found
-    claimed = {rule.name(i) for i, rules in out.items() for rule in rules.values()}
-    for name in sorted(present - claimed):
+    for name in sorted(present - _claimed(out)):
         numbered = family.numbered_tensor(name)
         if numbered is not None:
             raise OtdusError(
@@ -189,6 +188,11 @@ def numbered_outside_tensors(
                 f"none of the {depth} layers config.json says"
             )
     return out
+
+
+def _claimed(outside: dict[int, dict[str, NumberedName]]) -> set[str]:
+    """The checkpoint names numbered_outside_tensors gave to layers."""
+    return {rule.name(i) for i, rules in outside.items() for rule in rules.values()}
 
 
 _NUMBERED = re.compile(r"(.+?\.)(\d+)\.")
