@@ -117,14 +117,6 @@ def reload(folder: Path):
 def check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     """(kind, family, detail, columns) for one model_type; columns: zero-init, OT, LESA, verify. Where
     OT or LESA is refused, the detail ends with why (_roles_note)."""
-    kind, family, detail, columns = _check(model_type, root)
-    return kind, family, detail + columns.pop(ROLES_NOTE, ""), columns
-
-
-ROLES_NOTE = "roles note"  # a key of check's columns until check moves it to the detail
-
-
-def _check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     columns = dict.fromkeys(COLUMNS, "")
     src = root / model_type
     try:
@@ -156,7 +148,7 @@ def _check(model_type: str, root: Path) -> tuple[str, str, str, dict[str, str]]:
     refusals = {column: _refusal(src, method) for method, column in (("ot", "OT"), ("lesa", "LESA"))}
     for column, why in refusals.items():
         columns[column] = "refused" if why else "plans"
-    columns[ROLES_NOTE] = _roles_note(refusals)
+    elsewhere += _roles_note(refusals)
     if not family.zero_init:
         columns["zero-init"] = "refused"
         note = family.zero_init_note or "no targets"
