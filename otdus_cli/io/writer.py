@@ -149,19 +149,21 @@ class ShardedWriter:
             raise RuntimeError(
                 f"{name}: built shape {tuple(tensor.shape)} differs from planned {planned.shape}"
             )
+        return self._write_cast(slot, tensor, slot.offset)
+
+    def _write_cast(self, slot: Slot, tensor: torch.Tensor, offset: int) -> int:
+        """``tensor`` cast to the slot's planned dtype, written at file ``offset``; bytes written."""
         import torch  # only built tensors need it; copies and zeros do not
 
-        data = tensor.detach().to(device="cpu", dtype=torch_dtype(planned.dtype)).contiguous()
+        data = tensor.detach().to(device="cpu", dtype=torch_dtype(slot.tensor.dtype)).contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy()
-        _pwrite_all(self._fds[slot.file], memoryview(raw), slot.offset)
-        self._wrote(slot.file, planned.nbytes)
-        return planned.nbytes
+        _pwrite_all(self._fds[slot.file], memoryview(raw), offset)
+        self._wrote(slot.file, len(raw))
+        return len(raw)
 
     def write_rows(self, name: str, pieces: Iterable[tuple[int, torch.Tensor]]) -> int:
         """Write a tensor in pieces, each (its first row along dim 0, its rows), cast to the planned
         dtype; together they must fill it exactly once. Returns bytes written."""
-        import torch
-
         slot = self._slot(name)
         planned = slot.tensor
         row_bytes = planned.nbytes // planned.shape[0]
@@ -169,11 +171,7 @@ class ShardedWriter:
         for start, rows in pieces:
             if tuple(rows.shape[1:]) != planned.shape[1:] or start + rows.shape[0] > planned.shape[0]:
                 raise RuntimeError(f"{name}: rows {start}+{tuple(rows.shape)} do not fit {planned.shape}")
-            data = rows.detach().to(device="cpu", dtype=torch_dtype(planned.dtype)).contiguous()
-            raw = data.reshape(-1).view(torch.uint8).numpy()
-            _pwrite_all(self._fds[slot.file], memoryview(raw), slot.offset + start * row_bytes)
-            self._wrote(slot.file, len(raw))
-            done += len(raw)
+            done += self._write_cast(slot, rows, slot.offset + start * row_bytes)
         if done != planned.nbytes:
             raise RuntimeError(f"{name}: {done} bytes written in pieces, {planned.nbytes} planned")
         return done
