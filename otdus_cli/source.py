@@ -53,6 +53,21 @@ def is_hub_id(text: str) -> bool:
     return len(text) <= 96 and "--" not in text and ".." not in text and _HUB_ID.match(text) is not None
 
 
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+def looks_local(text: str) -> bool:
+    """Whether a model argument is meant as a path, never a hub id ("owner/name"): it starts with
+    ".", "/", "~" or a drive ("C:"), holds a backslash or more than one "/", ends with a separator, or
+    the folder it would sit in exists here (``out/nothere`` beside an ``out/`` folder)."""
+    if text.startswith((".", "/", "~")) or _DRIVE.match(text) or "\\" in text:
+        return True
+    if text.count("/") > 1 or text.endswith("/"):
+        return True
+    parent = Path(text).parent
+    return parent != Path(".") and parent.is_dir()
+
+
 @dataclass(frozen=True)
 class ResolvedSource:
     folder: Path
@@ -65,6 +80,7 @@ def resolve_source(model: str, revision: str | None = None, kind: str | None = N
     """A folder for a model argument. ``kind`` ("local", "hub", "bundled") pins how it is read, as a
     manifest records it; by default a bundled name, then an existing path, then a hub id."""
     if model in BUNDLED_MODELS and kind in (None, "bundled"):
+        _no_revision(model, revision, "a bundled model")
         return ResolvedSource(BUNDLED_MODELS[model], model, None, "bundled")
     if kind == "bundled":
         raise OtdusError(f"{model} is not a model bundled with this otdus version")
@@ -74,10 +90,19 @@ def resolve_source(model: str, revision: str | None = None, kind: str | None = N
     if path.exists():
         if not path.is_dir():
             raise OtdusError(f"{model} is a file; give the model folder")
+        _no_revision(model, revision, "a local folder")
         return ResolvedSource(path, str(path), None)
-    if not is_hub_id(model):
+    if looks_local(model) or not is_hub_id(model):
         raise OtdusError(f"model folder not found: {model}")
     return _download(model, revision)
+
+
+def _no_revision(model: str, revision: str | None, what: str) -> None:
+    """--revision picks a hub commit: on anything else it would be silently ignored."""
+    if revision is not None:
+        raise OtdusError(
+            f"--revision {revision} names a hub revision, but {model} is {what}; leave --revision out"
+        )
 
 
 def _download(repo_id: str, revision: str | None) -> ResolvedSource:
