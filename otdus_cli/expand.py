@@ -48,6 +48,8 @@ from otdus_cli.source import SourceModel, open_source
 SCRATCH = ".otdus-scratch"  # inside the staging folder; never part of an output
 
 ProgressFn = Callable[[int], None]
+# what a long run is doing now, for progress lines in a log: "layer 6 of 7 (new: ot of base layers 3 and 4)"
+StageFn = Callable[[str], None]
 
 
 @dataclass
@@ -231,16 +233,35 @@ def rank_tensors(plan: ExpansionPlan, writer: ShardedWriter, world: World) -> tu
     return tensors, mine
 
 
+def _layer_stage(lay: OutputLayer, depth: int) -> str:
+    """Output layer ``lay`` of ``depth`` in words, counted from 1: "layer 6 of 7 (new: ot of base
+    layers 3 and 4)", "layer 2 of 7 (base layer 2)"."""
+    where = f"layer {lay.index + 1} of {depth}"
+    if not lay.new:
+        return f"{where} (base layer {lay.source})"
+    parents = list(lay.parents) or [lay.source]
+    of = f"base layer{'s' * (len(parents) > 1)} {' and '.join(map(str, parents))}"
+    return f"{where} (new: {lay.builder} of {of})"
+
+
 class _Engine:
     """Writes this rank's part of one planned expansion into a folder (all of it in a world of one)."""
 
-    def __init__(self, plan: ExpansionPlan, writer: ShardedWriter, progress: ProgressFn | None, world: World):
+    def __init__(
+        self,
+        plan: ExpansionPlan,
+        writer: ShardedWriter,
+        progress: ProgressFn | None,
+        world: World,
+        on_stage: StageFn | None = None,
+    ):
         self.plan = plan
         self.src = plan.source
         self.world = world
         self.writer = writer  # the shard files, open (output.py)
         self.mine, self.my_layers = rank_tensors(plan, writer, world)
         self.progress = progress or (lambda n: None)
+        self.on_stage = on_stage or (lambda stage: None)
         self.stats: dict[int, dict] = {}
         # builders that need the whole source first (LESA) predict into this folder, removed after
         self.scratch = writer.folder / (SCRATCH if world.is_main else f"{SCRATCH}-rank{world.rank}")
@@ -286,6 +307,7 @@ class _Engine:
                 continue
             new = [lay for lay in self.plan.layer_map if lay.builder == name]
             ctx = self._context(new[0].zero_init, device)
+            self.on_stage(f"preparing {name} (its pass over the source layers)")
             with doing(f"preparing {name} (its pass over the source layers)"):
                 report = prepare(self.src.layers, new, ctx, self.scratch)
             if report is not None:  # None: this variant of the builder has nothing to report
@@ -305,14 +327,18 @@ class _Engine:
         )
 
     def _write(self, builders: dict, device: torch.device | None) -> None:
+        self.on_stage("copying the embeddings")
         for name in self.src.head:
             self._copy(name, name)
+        depth = len(self.plan.layer_map)
         for lay in self.plan.layer_map:
+            self.on_stage(_layer_stage(lay, depth))
             if not _built(lay):
                 self._copy_layer(lay)
             elif lay.index in self.my_layers:
                 with doing(f"building output layer {lay.index} with {lay.builder}"):
                     self._build_layer(lay, builders[lay.builder], device)
+        self.on_stage("copying the final norm and head")
         for name in self.src.after_stack:
             self._copy(name, self.src.after_stack_name(name, len(self.plan.layer_map)))
         for name in self.src.tail:
@@ -430,6 +456,7 @@ def expand(
     on_plan: Callable[[ExpansionPlan], None] | None = None,
     on_note: Callable[[str], None] | None = None,
     world: World | None = None,
+    on_stage: StageFn | None = None,
     planner: Callable[[SourceModel, Any], ExpansionPlan] = make_plan,
 ) -> ExpandResult:
     """Expand `model` (folder or hub id) into `out` atomically; returns what was written.
@@ -467,7 +494,7 @@ def expand(
 
     def write(the_plan: ExpansionPlan, writer: ShardedWriter) -> RankWrite[dict[int, dict]]:
         """This rank's tensors; the transport statistics of its built layers."""
-        engine = _Engine(the_plan, writer, progress, world)
+        engine = _Engine(the_plan, writer, progress, world, on_stage)
         engines.append(engine)
         engine.run()
         return RankWrite(engine.mine, engine.stats)

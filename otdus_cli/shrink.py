@@ -25,6 +25,7 @@ from otdus_cli.expand import (
     ExpandResult,
     ExpansionPlan,
     ProgressFn,
+    StageFn,
     expand,
     output_layout,
 )
@@ -254,6 +255,7 @@ def shrink(
     on_plan: Callable[[ExpansionPlan], None] | None = None,
     on_note: Callable[[str], None] | None = None,
     world: World | None = None,
+    on_stage: StageFn | None = None,
 ) -> ExpandResult:
     """Shrink `model` (folder or hub id) into `out` atomically; returns what was written.
 
@@ -269,6 +271,8 @@ def shrink(
             if not world.is_main:
                 return None
             source = open_source(model, options.revision, options.allow_unknown_arch)
+            if on_stage:
+                on_stage(f"scoring the layers on up to {options.calib_tokens} tokens of {options.calib}")
             return measure_scores(source, options, world)
 
         scores = world.exchange(measure)[0]
@@ -282,6 +286,7 @@ def shrink(
         on_plan=on_plan,
         on_note=on_note,
         world=world,
+        on_stage=on_stage,
         planner=functools.partial(make_shrink_plan, scores=scores),
     )
     result.seconds += scored_s  # the whole run, the scoring pass included

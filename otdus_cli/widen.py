@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     import torch
 
 ProgressFn = Callable[[int], None]
+StageFn = Callable[[str], None]  # what the run is doing now, for progress lines in a log
 
 
 class WidenOptions(BaseModel):
@@ -241,14 +242,15 @@ class WidenResult:
     replaced: bool = False  # --force replaced an earlier (unchanged) otdus output at ``out``
 
 
-def _write(plan: WidenPlan, writer: ShardedWriter, progress: ProgressFn) -> None:
+def _write(plan: WidenPlan, writer: ShardedWriter, progress: ProgressFn, on_stage: StageFn) -> None:
     """Each source tensor is read once for all the outputs made from it (the original and its m - 1
     copies): moved as bytes when none of them changes it, else decoded once and written m times."""
     reader = plan.source.reader
     by_source: dict[str, list[_Job]] = {}
     for job in plan.jobs:
         by_source.setdefault(job.src, []).append(job)
-    for src, jobs in by_source.items():
+    for k, (src, jobs) in enumerate(by_source.items(), 1):
+        on_stage(f"source tensor {k} of {len(by_source)}")
         raw = reader.raw(src)
         if raw is not None and all(job.kind == "copy" for job in jobs):
             for job in jobs:
@@ -348,6 +350,7 @@ def widen(
     on_note: Callable[[str], None] | None = None,
     from_first_source: bool = False,
     protected: tuple[Path, ...] = (),
+    on_stage: StageFn | None = None,
 ) -> WidenResult:
     """Widen the MoE layers of ``model`` (folder, hub id) into ``out`` atomically.
 
@@ -366,7 +369,7 @@ def widen(
     def write(the_plan: WidenPlan, writer: ShardedWriter) -> RankWrite[None]:
         prefetch_config_validation(the_plan.source.config.get("model_type"))
         try:
-            _write(the_plan, writer, progress or (lambda n: None))
+            _write(the_plan, writer, progress or (lambda n: None), on_stage or (lambda stage: None))
         finally:
             finish_prefetch()
         return RankWrite(None, None)

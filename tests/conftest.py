@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,10 @@ import torch
 
 from otdus_cli.bundled import STORIES260K
 from tests.support.tiny_models import TINY_CONFIGS, build_tiny
+
+# No progress lines in a run slower than 10 s on a loaded machine, in this process or the CLI processes
+# it starts: tests that check stderr see what they check; the progress tests set their own interval.
+os.environ.setdefault("OTDUS_PROGRESS_INTERVAL", "3600")
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ from rich.table import Table
 
 from otdus_cli.cli.console import (
     JsonFlag,
+    Quiet,
     WarningLines,
     byte_progress,
     emit_json,
     human_bytes,
     out_console,
     replacing_note,
-    show_progress,
     user_errors,
     write_with_progress,
 )
@@ -239,6 +239,7 @@ def expand(
     ] = None,
     force: Force = False,
     json_out: JsonFlag = False,
+    quiet: Quiet = False,
 ) -> None:
     """Insert new decoder layers and write the deeper checkpoint (streamed, atomic)."""
     from otdus_cli.distributed import current_world
@@ -263,19 +264,19 @@ def expand(
             if world.size > 1:  # grow.py's scratch folder and widen step are one process's
                 raise OtdusError("--experts runs in one process: start it without torchrun/srun")
             noise = 0.01 if expert_noise is None else expert_noise
-            _expand_and_widen(model, out, options, experts, noise, force, json_out, say)
+            _expand_and_widen(model, out, options, experts, noise, force, json_out, quiet, say)
             return
         # every rank reports its errors; only rank 0 its progress and results
-        result = write_with_progress(
-            run_expand,
-            model,
-            out,
-            options,
-            show_progress(json_out) and world.is_main,
-            "expanding",
-            force=force,
-            on_note=say,  # stale temporary folders, said when removed (a later Ctrl-C keeps it said)
-        )
+        with byte_progress("otdus expand", "expanding", quiet or not world.is_main, json_out) as report:
+            result = write_with_progress(
+                run_expand,
+                model,
+                out,
+                options,
+                report,
+                force=force,
+                on_note=say,  # stale temporary folders, said when removed (a later Ctrl-C keeps it said)
+            )
     if not world.is_main:
         return
     method = result.plan.method
@@ -318,7 +319,7 @@ def expand(
 
 
 def _expand_and_widen(
-    model, out, options, factor: int, noise: float, force: bool, json_out: bool, say
+    model, out, options, factor: int, noise: float, force: bool, json_out: bool, quiet: bool, say
 ) -> None:
     """`expand --experts M`: depth, then width, into one output (grow.py)."""
     from otdus_cli.grow import expand_and_widen
@@ -327,10 +328,13 @@ def _expand_and_widen(
     widen_options = WidenOptions(
         factor=factor, noise=noise, seed=options.seed, max_shard_size=options.max_shard_size
     )
-    with byte_progress(show_progress(json_out), "expanding, then widening") as (_, advance):
-        result = expand_and_widen(
-            model, out, options, widen_options, force=force, on_step=lambda step: advance, on_note=say
-        )
+    with byte_progress("otdus expand", "expanding, then widening", quiet, json_out) as report:
+
+        def step(name: str):
+            report.stage(f"{name} step")
+            return report.advance
+
+        result = expand_and_widen(model, out, options, widen_options, force=force, on_step=step, on_note=say)
     deep, wide = result.expanded, result.widened
     manifest = wide.manifest
     summary = {

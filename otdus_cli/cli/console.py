@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -68,6 +70,14 @@ def human_bytes(n: int) -> str:
 
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
+Quiet = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="No progress on stderr (by default a bar on a terminal, else one line every 10 s).",
+    ),
+]
 
 
 def replacing_note(replaced: bool) -> str:
@@ -153,12 +163,38 @@ def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
+@dataclass(frozen=True)
+class ByteReport:
+    """The callbacks a run that writes a checkpoint reports through: its total bytes once planned,
+    bytes as they are written, and what it is doing (the stage: "layer 6 of 7 (new: ot ...)")."""
+
+    set_total: Callable[[int], None]
+    advance: Callable[[int], None]
+    stage: Callable[[str], None]
+
+
+_SILENT = ByteReport(lambda total: None, lambda n: None, lambda stage: None)
+
+
 @contextmanager
-def byte_progress(enabled: bool, description: str):
-    """A rich progress bar over bytes written (on stderr), or a no-op; yields (set_total, advance)."""
-    if not enabled:
-        yield (lambda total: None), (lambda n: None)
-        return
+def byte_progress(command: str, description: str, quiet: bool, json_out: bool) -> Iterator[ByteReport]:
+    """Progress of a run that writes a checkpoint, on stderr: a rich bar over bytes on a terminal
+    (none beside --json), else a plain line every ~10 s (OTDUS_PROGRESS_INTERVAL seconds) for a log
+    or a pipe, as verify's; nothing with ``quiet``."""
+    if quiet:
+        yield _SILENT
+    elif not err_console.is_terminal:
+        with ByteLines(command, _interval()) as lines:
+            yield ByteReport(lines.set_total, lines.advance, lines.set_stage)
+    elif json_out:
+        yield _SILENT
+    else:
+        with _byte_bar(description) as report:
+            yield report
+
+
+@contextmanager
+def _byte_bar(description: str) -> Iterator[ByteReport]:
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -170,23 +206,27 @@ def byte_progress(enabled: bool, description: str):
     )
     with progress:
         task = progress.add_task(description, total=None)
-        yield (lambda total: progress.update(task, total=total)), (lambda n: progress.advance(task, n))
+        yield ByteReport(
+            lambda total: progress.update(task, total=total),
+            lambda n: progress.advance(task, n),
+            lambda stage: None,  # the bar shows where the bytes are; a log line needs the words
+        )
 
 
 def write_with_progress(
-    write: Callable[..., R], model: str, out: Path, options: Any, shown: bool, description: str, **kwargs: Any
+    write: Callable[..., R], model: str, out: Path, options: Any, report: ByteReport, **kwargs: Any
 ) -> R:
-    """``write(model, out, options, **kwargs)`` (expand, shrink or widen) with the byte bar on stderr
-    (``shown``: not under --json, only on the first rank), its total set once the plan is known."""
-    with byte_progress(shown, description) as (set_total, advance):
-        return write(
-            model,
-            out,
-            options,
-            progress=advance,
-            on_plan=lambda plan: set_total(sum(t.nbytes for t in plan.tensors)),
-            **kwargs,
-        )
+    """``write(model, out, options, **kwargs)`` (expand, shrink or widen) reporting to ``report``
+    (byte_progress), its total set once the plan is known."""
+    return write(
+        model,
+        out,
+        options,
+        progress=report.advance,
+        on_stage=report.stage,
+        on_plan=lambda plan: report.set_total(sum(t.nbytes for t in plan.tensors)),
+        **kwargs,
+    )
 
 
 # the bar's width: fixed, so that a long label never squeezes it (or the ETA) at 80 columns
@@ -274,6 +314,74 @@ class TickLines:
             f"{rate:,.0f} tokens/s, ETA {_duration(eta)}"
         )
         err_console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+class ByteLines:
+    """A checkpoint being written, as one plain line on stderr every ``interval`` seconds: the stage,
+    bytes written of the total, the rate and the ETA. A heartbeat thread says it while no byte moves
+    too (a transport plan being solved can take minutes); with interval 0, a line at every step and
+    no thread."""
+
+    def __init__(self, command: str, interval: float):
+        self.command, self.interval = command, interval
+        self.start = self.last_line = self.writing_since = time.monotonic()
+        self.total: int | None = None
+        self.done = 0
+        self.stage = "reading the source and planning"
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True) if interval > 0 else None
+
+    def __enter__(self) -> ByteLines:
+        if self._beat is not None:
+            self._beat.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+
+    def set_total(self, total: int) -> None:
+        self.total, self.writing_since = total, time.monotonic()
+        self.stage = "planned, opening the output"  # until the run names its first step
+        self._line_if_due()
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self._line_if_due()
+
+    def set_stage(self, stage: str) -> None:
+        self.stage = stage
+        self._line_if_due()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(max(0.05, self.last_line + self.interval - time.monotonic())):
+            self._line_if_due()
+
+    def _line_if_due(self) -> None:
+        with self._lock:  # the heartbeat and the writing thread: one line at a time, none twice
+            now = time.monotonic()
+            if now - self.last_line < self.interval:
+                return
+            self.last_line = now
+            err_console.print(self._line(now), highlight=False, markup=False, soft_wrap=True)
+
+    def _line(self, now: float) -> str:
+        so_far = f"{_duration(now - self.start)} so far"
+        if self.total is None:
+            return f"{self.command}: {self.stage}, {so_far}"
+        total, done = self.total, self.done
+        if done >= total:  # the bytes are out; hashes, the config check and the manifest remain
+            return f"{self.command}: all {human_bytes(total)} written, finishing the output, {so_far}"
+        rate = done / max(1e-9, now - self.writing_since)
+        # no rate nor ETA before the first byte: nothing to measure them by
+        speed = f", {human_bytes(round(rate))}/s, ETA {_duration((total - done) / rate)}" if done else ""
+        share = 100 * done / max(1, total)
+        return (
+            f"{self.command}: {self.stage}, {human_bytes(done)} of {human_bytes(total)} written "
+            f"({share:.0f}%){speed}, {so_far}"
+        )
 
 
 @contextmanager

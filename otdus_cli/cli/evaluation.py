@@ -15,6 +15,7 @@ from otdus_cli.bundled import BUNDLED_MODELS
 from otdus_cli.card import add_verification, check_card_target
 from otdus_cli.cli.console import (
     JsonFlag,
+    Quiet,
     emit_json,
     out_console,
     quiet_transformers,
@@ -105,14 +106,6 @@ Threads = Annotated[
         "keep busy; the choice is in --json's compute.threads]",
         min=1,
         show_default=False,
-    ),
-]
-Quiet = Annotated[
-    bool,
-    typer.Option(
-        "--quiet",
-        "-q",
-        help="No progress on stderr (by default a bar on a terminal, else one line every 10 s).",
     ),
 ]
 TokenModeOption = Annotated[

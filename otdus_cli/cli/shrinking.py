@@ -14,13 +14,14 @@ from rich.table import Table
 
 from otdus_cli.cli.console import (
     JsonFlag,
+    Quiet,
     WarningLines,
+    byte_progress,
     emit_json,
     human_bytes,
     out_console,
     quiet_transformers,
     replacing_note,
-    show_progress,
     user_errors,
     write_with_progress,
 )
@@ -205,6 +206,7 @@ def shrink(
     ] = False,
     force: Force = False,
     json_out: JsonFlag = False,
+    quiet: Quiet = False,
 ) -> None:
     """Remove decoder layers, or merge them into their neighbours, and write the shallower checkpoint
     (streamed, atomic)."""
@@ -233,10 +235,8 @@ def shrink(
         out = output_folder(out, recipe_obj)
         quiet_if_scoring(options)
         say = WarningLines()
-        shown = show_progress(json_out) and world.is_main
-        result = write_with_progress(
-            run_shrink, model, out, options, shown, "shrinking", force=force, on_note=say
-        )
+        with byte_progress("otdus shrink", "shrinking", quiet or not world.is_main, json_out) as report:
+            result = write_with_progress(run_shrink, model, out, options, report, force=force, on_note=say)
     if not world.is_main:
         return
     plan = result.plan

@@ -16,12 +16,13 @@ import typer
 
 from otdus_cli.cli.console import (
     JsonFlag,
+    Quiet,
     WarningLines,
+    byte_progress,
     emit_json,
     human_bytes,
     out_console,
     replacing_note,
-    show_progress,
     user_errors,
     write_with_progress,
 )
@@ -51,6 +52,7 @@ def widen(
     revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
     force: Force = False,
     json_out: JsonFlag = False,
+    quiet: Quiet = False,
 ) -> None:
     """Double (or multiply) the experts of every MoE layer and the router's top-k (streamed, atomic)."""
     from otdus_cli.widen import WidenOptions
@@ -61,10 +63,8 @@ def widen(
         options = WidenOptions(
             factor=factor, noise=noise, seed=seed, max_shard_size=max_shard_size, revision=revision
         )
-        shown = show_progress(json_out)
-        result = write_with_progress(
-            run_widen, model, out, options, shown, "widening", force=force, on_note=say
-        )
+        with byte_progress("otdus widen", "widening", quiet, json_out) as report:
+            result = write_with_progress(run_widen, model, out, options, report, force=force, on_note=say)
     plan = result.plan
     summary = {
         "out": str(result.out),
