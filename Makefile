@@ -36,17 +36,25 @@ demo: setup
 	$(VENV)/bin/otdus demo
 
 # the whole suite but its slow tests with the newest transformers, and the compat tests with the oldest
-# accepted one: both environments set up and both suites run side by side (-O: each suite's output
-# printed whole when it ends), the main suite over TEST_WORKERS pytest-xdist workers (a module's tests
-# on one worker, so its module fixtures are built once)
+# accepted one: both environments set up and both suites run side by side, the main suite over
+# TEST_WORKERS pytest-xdist workers (a module's tests on one worker, so its module fixtures are built
+# once). Their output streams as it comes, each whole line labelled with its suite ("main | ",
+# "compat | "); make's --output-sync would hold it back (-O line groups the output of a recipe line,
+# here a whole suite, not of a printed line: tests/test_makefile.py)
 TEST_WORKERS ?= auto
 test:
-	$(MAKE) --no-print-directory -j2 -O test-main test-compat
+	$(MAKE) --no-print-directory -j2 LABEL_LINES=1 test-main test-compat
+
+# under `make test`: a suite's stdout and stderr, each line prefixed with its label ($(1)) and passed on
+# at once (sed -u), the suite's exit status kept (pipefail, hence bash for these two recipes)
+labelled = $(if $(LABEL_LINES),2>&1 | sed -u 's/^/$(1) | /')
+test-main test-compat: SHELL := /bin/bash
+test-main test-compat: .SHELLFLAGS := -o pipefail -c
 
 # one intra-op thread per worker: the tests run tiny models, where a second thread only adds
 # synchronisation; the tests of thread choice set their own (tests/test_verify_threads.py)
 test-main: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow"
+	OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow" $(call labelled,main)
 
 # the slow tests (the device-check dry run, thread identity, verify under
 # a memory limit, two-rank runs, piped and pinned CLI runs, each seam module imported alone, the
@@ -57,8 +65,8 @@ test-long: setup
 
 # one intra-op thread: these tests run tiny models, where a second thread only adds synchronisation
 test-compat: setup-compat
-	$(COMPAT_PY) -c "import transformers; print('transformers', transformers.__version__)"
-	OMP_NUM_THREADS=1 $(COMPAT_PY) -m pytest -m "compat and not slow"
+	$(COMPAT_PY) -c "import transformers; print('transformers', transformers.__version__)" $(call labelled,compat)
+	OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 $(COMPAT_PY) -m pytest -m "compat and not slow" $(call labelled,compat)
 
 # every command block of README.md and docs/*.md, run from a fresh clone of HEAD, offline, long ones
 # with quick options (scripts/check_docs.py --list shows what runs, what is shortened or skipped and
