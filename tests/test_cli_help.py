@@ -1,11 +1,13 @@
 """Every command's --help explains its options with their defaults (rich markup must not eat them)."""
 
 import re
+import shlex
 
 import pytest
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
+from tests.support.cli_checks import one_error_line
 
 COMMANDS = ["expand", "plan", "inspect", "verify", "ppl", "demo", "study", "diagnose", "shrink"]
 
@@ -181,3 +183,72 @@ def test_dash_h_and_version_flag():
     assert CliRunner().invoke(app, ["-h"]).exit_code == 0
     version = CliRunner().invoke(app, ["--version"])
     assert version.exit_code == 0 and version.stdout.strip() == __version__
+
+
+# the panels of `otdus -h`, in order, and the commands under each
+PANELS = {
+    "Grow": ["expand", "widen"],
+    "Shrink": ["shrink"],
+    "Check": ["plan", "inspect", "verify", "ppl"],
+    "Study": ["study", "diagnose"],
+    "Hand-off": ["trainable"],
+    "About": ["demo", "version"],
+}
+
+
+def test_commands_are_grouped_in_order_with_whole_summaries():
+    """The commands were listed in the order they were added (shrink, widen, trainable after version),
+    each summary cut at 45 characters with "..."."""
+    text = CliRunner().invoke(app, ["-h"], env={"COLUMNS": "100"}).stdout
+    sections = re.findall(r"^(\S[^:\n]*):\n((?:  .*\n|\n)*?)(?=\S|\Z)", text + "\n", re.M)
+    listed = {title: re.findall(r"^  (\S+)", body, re.M) for title, body in sections if title in PANELS}
+    assert list(listed) == list(PANELS) and listed == PANELS, text
+    _, commands = _commands()
+    for command in commands.values():  # each summary whole: its first sentence, however long
+        summary = " ".join(command.get_short_help_str(limit=10_000).split())
+        assert summary in " ".join(text.split()) and not summary.endswith("...")
+    assert not any("..." in body for _, body in sections)
+
+
+def test_required_arguments_and_options_are_marked():
+    """expand, shrink and plan showed [model] as if it could be left out, and --out unmarked."""
+    for name in ("expand", "shrink", "plan"):
+        text = CliRunner().invoke(app, [name, "-h"]).stdout
+        assert text.startswith(f"Usage: root {name} [OPTIONS] MODEL\n"), text
+        assert "bundled:stories260k. [required unless --recipe names it]" in " ".join(text.split())
+        if name != "plan":
+            out = " ".join(text.split("-o, --out <path>")[1].split("\n  --recipe")[0].split())
+            assert out == "Output folder (must not exist). [required unless --recipe names it]"
+    widen = " ".join(CliRunner().invoke(app, ["widen", "-h"]).stdout.split())
+    assert "Usage: root widen [OPTIONS] MODEL " in widen and "(must not exist). [required]" in widen
+
+
+def test_closed_sets_show_their_values():
+    """trainable showed `--format <str>` and `--also <list[str]>`."""
+    text = CliRunner().invoke(app, ["trainable", "-h"]).stdout
+    assert "--format <axolotl|llama-factory|json|names>" in text
+    assert "--also <embeddings|norms|head>" in text
+
+
+def test_every_command_ends_with_an_example_that_parses():
+    """An example per command, last in its help, each one a valid command line whose --out is under
+    out/, which the README has the reader create."""
+    _, commands = _commands()
+    for name, command in commands.items():
+        text = CliRunner().invoke(app, [name, "-h"]).stdout
+        example = text.split("\nExample:\n")[1].strip()
+        assert "\n" not in example, (name, text)
+        argv = shlex.split(example)
+        assert argv[:2] == ["otdus", name], example
+        command.make_context(name, argv[2:])  # the parse: options, values, parsers
+        for flag, value in zip(argv, argv[1:], strict=False):
+            if flag in ("--out", "-o"):
+                assert value.startswith("out/"), example
+
+
+def test_an_unknown_option_suggests_only_a_near_one():
+    """`verify --out` suggested "(Possible options: --quiet)"."""
+    far = one_error_line(CliRunner().invoke(app, ["verify", "x", "--out", "y"]))
+    assert far == "error: No such option: --out; see `otdus verify --help`"
+    near = one_error_line(CliRunner().invoke(app, ["verify", "x", "--max-token", "3"]))
+    assert "(did you mean --max-tokens?)" in near

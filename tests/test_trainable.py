@@ -206,7 +206,7 @@ def test_bad_use_is_one_line_and_exit_2(ot_out, stories, tmp_path):
     one_error_line(runner.invoke(app, ["trainable", str(stories)]), message="is not an otdus output")
     one_error_line(runner.invoke(app, ["trainable", str(tmp_path / "nowhere")]), message="is not a folder")
     one_error_line(
-        runner.invoke(app, ["trainable", str(ot_out), "--format", "deepspeed"]), message="unknown format"
+        runner.invoke(app, ["trainable", str(ot_out), "--format", "deepspeed"]), message="is not one of"
     )
     one_error_line(runner.invoke(app, ["trainable", str(ot_out), "--also", "everything"]), message="--also")
     one_error_line(
@@ -291,13 +291,15 @@ def test_training_the_exported_set_changes_only_the_new_tensors(ot_out, pro_out,
 
 def test_the_readme_quotes_what_trainable_prints(ot_out):
     """README, After expanding: the bundled example's output, line for line (`otdus expand
-    bundled:stories260k --out demo` is ot_out's expansion)."""
+    bundled:stories260k --out out/demo` is ot_out's expansion)."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme.split("## After expanding: train and share", 1)[1].split("\n## ", 1)[0]
-    quoted = section.split("otdus trainable demo\n", 1)[1].split("otdus trainable demo --format", 1)[0]
+    quoted = section.split("otdus trainable out/demo\n", 1)[1].split("otdus trainable out/demo --format", 1)[
+        0
+    ]
     assert [line.removeprefix("# ") for line in quoted.strip().splitlines()] == trainable(ot_out).splitlines()
     error = runner.invoke(app, ["trainable", str(ot_out), "--format", "llama-factory"]).stderr.strip()
-    block = section.split("otdus trainable demo --format llama-factory\n", 1)[1].split("```", 1)[0]
+    block = section.split("otdus trainable out/demo --format llama-factory\n", 1)[1].split("```", 1)[0]
     assert " ".join(line.removeprefix("# ") for line in block.strip().splitlines()) == error
     for command in ("trainable", "verify"):  # every option the section gives exists
         helptext = runner.invoke(app, [command, "--help"], env={"COLUMNS": "300"}).stdout

@@ -8,6 +8,7 @@ broken parity in `verify` is exit code 1.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -21,7 +22,7 @@ from otdus_cli.cli.checkpoint import expand, inspect, plan
 from otdus_cli.cli.console import fail, fit_consoles_to_streams, running, stopped
 from otdus_cli.cli.evaluation import ppl, verify
 from otdus_cli.cli.handoff import trainable
-from otdus_cli.cli.help import Command, HelpContext
+from otdus_cli.cli.help import Command, HelpContext, format_panels
 from otdus_cli.cli.research import diagnose, study
 from otdus_cli.cli.shrinking import shrink
 from otdus_cli.cli.widening import widen
@@ -29,6 +30,11 @@ from otdus_cli.signals import exit_on_signals
 
 # The parser's error class, found from the one Typer exports (Typer >= 0.20 vendors its own click).
 UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+# how alike a mistyped option and a real one must be to suggest it: "--max-token" and "--max-tokens"
+# (0.95), "--qiuet" and "--quiet" (0.86), not "--out" and "--quiet" (0.67)
+_NEAR = 0.8
 
 
 def _usage_error(exc: Exception) -> None:
@@ -39,6 +45,12 @@ def _usage_error(exc: Exception) -> None:
         names.insert(0, ctx.info_name)
         ctx = ctx.parent
     message = exc.format_message().replace("Value error, ", "").rstrip(".")
+    possible = getattr(exc, "possibilities", None)
+    if possible:  # click suggests any option within difflib's loose 0.6: keep only those a typo is near
+        near = [p for p in possible if difflib.SequenceMatcher(None, exc.option_name, p).ratio() >= _NEAR]
+        message = message.split(" (Possible options:")[0].split(" (Did you mean")[0]
+        if near:
+            message += f" (did you mean {' or '.join(sorted(near))}?)"
     fail(f"{message}; see `{' '.join(['otdus', *names, '--help'])}`", 2)
 
 
@@ -51,6 +63,9 @@ class _OtdusGroup(TyperGroup):
     def main(self, *args: Any, **kwargs: Any) -> Any:
         fit_consoles_to_streams()
         return super().main(*args, **kwargs)
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        format_panels(self, ctx, formatter)
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -107,8 +122,30 @@ def _root(
     """Depth up-scaling checkpoint surgery for Hugging Face LLMs: OT-DUS and its baselines, streamed."""
 
 
-for command in (expand, plan, inspect, verify, ppl, demo, study, diagnose, version, widen, shrink, trainable):
-    app.command(cls=_Command)(command)
+# `otdus -h` lists the commands under these panels, in this order; each command's help ends with its
+# example (the quick ones run on the bundled model; those on out/ use the expand example's output)
+PANELS: dict[str, list[tuple[Callable, str]]] = {
+    "Grow": [
+        (expand, "otdus expand bundled:stories260k --out out/deeper"),
+        (widen, "otdus widen allenai/OLMoE-1B-7B-0924 --out out/olmoe-wider --factor 2"),
+    ],
+    "Shrink": [(shrink, "otdus shrink bundled:stories260k --out out/shallower --layers 1")],
+    "Check": [
+        (plan, "otdus plan bundled:stories260k --method llama-pro --layers 5"),
+        (inspect, "otdus inspect out/deeper"),
+        (verify, "otdus verify out/deeper --max-tokens 20000"),
+        (ppl, "otdus ppl bundled:stories260k --text bundled:tinystories-sample"),
+    ],
+    "Study": [
+        (study, "otdus study bundled:stories260k --train bundled:tinystories-sample --methods ot,copy"),
+        (diagnose, "otdus diagnose bundled:stories260k --pair 2,3"),
+    ],
+    "Hand-off": [(trainable, "otdus trainable out/deeper --format names")],
+    "About": [(demo, "otdus demo"), (version, "otdus version --json")],
+}
+for panel, commands in PANELS.items():
+    for command, example in commands:
+        app.command(cls=_Command, rich_help_panel=panel, epilog=example)(command)
 
 
 def main(argv: list[str] | None = None) -> Callable | None:

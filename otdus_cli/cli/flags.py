@@ -36,10 +36,16 @@ Recipe = TypeVar("Recipe")
 Model = Annotated[
     str | None,
     typer.Argument(
-        help="Source model: a local folder, a Hugging Face hub id or bundled:stories260k.", parser=model_name
+        metavar="MODEL",  # shown bare in the usage line: required, but a recipe may name it instead
+        help="Source model: a local folder, a Hugging Face hub id or bundled:stories260k. "
+        "[required unless --recipe names it]",
+        parser=model_name,
     ),
 ]
-Out = Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (must not exist).")]
+Out = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", help="Output folder (must not exist). [required unless --recipe names it]"),
+]
 Dtype = Annotated[
     OutputDtype | None, typer.Option(help="Output dtype; auto keeps the source's. [default: auto]")
 ]

@@ -6,17 +6,28 @@ stdout holds only what is pasted into a trainer's config; notes go to stderr.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from otdus_cli.cli.console import err_console, out_console, user_errors
+from otdus_cli.trainable import ALSO, FORMATS
+
+# a closed set: --help shows the values, the shell completes them, a wrong one is refused at parse
+Format = Literal[FORMATS]  # type: ignore[valid-type]
+
+
+def _also(value: str) -> str:
+    """One of ALSO (Typer takes no Literal inside a list: the values are checked and shown here)."""
+    if value not in ALSO:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(repr, ALSO))}")
+    return value
 
 
 def trainable(
     out: Annotated[Path, typer.Argument(help="An otdus output folder (it holds otdus.json).")],
     fmt: Annotated[
-        str,
+        Format,
         typer.Option(
             "--format",
             "-f",
@@ -28,6 +39,8 @@ def trainable(
         list[str] | None,
         typer.Option(
             "--also",
+            metavar=f"<{'|'.join(ALSO)}>",
+            parser=_also,
             help="Also train these (repeatable): embeddings, norms (every layer's and the final one), head.",
         ),
     ] = None,

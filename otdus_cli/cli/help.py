@@ -12,7 +12,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 # Typer vendors its own click (>= 0.20): take its classes from the command class it uses
 _Context = TyperCommand.context_class
@@ -68,3 +68,38 @@ class HelpContext(_Context):
 
 class Command(TyperCommand):
     context_class = HelpContext
+
+    def collect_usage_pieces(self, ctx: _Context) -> list[str]:
+        """ "otdus expand [OPTIONS] MODEL": arguments in capitals, bare where they are required or carry
+        their own name (one that --recipe may give instead, as its help says), else in brackets."""
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = param.metavar or param.name.upper()
+                pieces.append(name if param.required or param.metavar else f"[{name}]")
+        return pieces
+
+    def format_epilog(self, ctx: _Context, formatter: HelpFormatter) -> None:
+        """The epilog is the command's example: each line as typed, never wrapped, to copy whole."""
+        if self.epilog:
+            formatter.write_paragraph()
+            formatter.write_text("Example:")
+            with formatter.indentation():
+                for line in self.epilog.splitlines():
+                    formatter.write(f"{' ' * formatter.current_indent}{line}\n")
+
+
+def format_panels(group: TyperGroup, ctx: _Context, formatter: HelpFormatter) -> None:
+    """A group's commands under their help panels, in the order they were added, each with its whole
+    first sentence (click cuts it at 45 characters with "...")."""
+    panels: dict[str, list[tuple[str, str]]] = {}
+    names = group.list_commands(ctx)
+    width = max(map(len, names), default=0)  # one column for every panel
+    for name in names:
+        command = group.get_command(ctx, name)
+        if command is not None and not command.hidden:
+            panel = getattr(command, "rich_help_panel", None) or "Commands"
+            panels.setdefault(panel, []).append((name.ljust(width), command.get_short_help_str(limit=10_000)))
+    for panel, rows in panels.items():
+        with formatter.section(panel):
+            formatter.write_dl(rows)

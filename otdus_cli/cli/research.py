@@ -76,7 +76,11 @@ def study(
     ctx: typer.Context,
     base: Annotated[
         str | None,
-        typer.Argument(help="Base model: folder, hub id or bundled:stories260k.", parser=model_name),
+        typer.Argument(
+            metavar="BASE",  # shown bare in the usage line: required, but a recipe may name it instead
+            help="Base model: folder, hub id or bundled:stories260k. [required unless --recipe names it]",
+            parser=model_name,
+        ),
     ] = None,
     train: Annotated[
         str | None,
