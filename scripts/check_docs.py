@@ -74,7 +74,7 @@ SLOW = [r"^otdus study\b", r"scripts\.evidence\b", r"--png ", r"^otdus diagnose\
 # commands that exit non-zero on purpose: pattern -> expected exit code
 EXPECTED_EXIT: list[tuple[str, int]] = [
     # README shows LLaMA-Factory's refusal of interleaved layers (one error line, exit 2)
-    (r"^otdus trainable demo --format llama-factory$", 2),
+    (r"^otdus trainable out/demo --format llama-factory$", 2),
 ]
 TIMEOUT_S = 600
 

@@ -152,3 +152,19 @@ def test_coverage_says_why_a_method_is_refused(tiny_models):
     assert both == f"; OT refused: {post_norm}; LESA refused: {moe}"
     assert coverage._roles_note({"OT": moe, "LESA": moe}) == f"; OT, LESA refused: {moe}"
     assert coverage._roles_note({"OT": "", "LESA": ""}) == ""
+
+
+def test_what_the_docs_run_writes_under_out():
+    """The examples the docs run write under out/ (git ignores it; the README has it made first):
+    `--out demo` and the stories260K ablation recipe's ./stories260k-average-zero landed beside it."""
+    import yaml
+
+    from scripts import check_docs
+
+    for c in check_docs.commands():
+        for out in re.findall(r"(?:--out|-o) (\S+)", c.run or ""):
+            assert out.startswith(("out/", "$")), (c.doc, c.line, c.text)
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        data = yaml.safe_load(recipe.read_text())
+        if str(data.get("model", "")).startswith("bundled:") and "out" in data:
+            assert data["out"].startswith("out/"), (recipe.name, data["out"])
