@@ -420,7 +420,7 @@ def test_verify_static_on_a_shrink_names_what_was_removed_and_expects_no_parity(
     dropped = runner.invoke(app, ["verify", str(tmp_path / "drop"), "--static"])
     assert dropped.exit_code == 0, dropped.output
     text = " ".join(dropped.stdout.split())
-    assert "shrink: source layers 2 dropped (explicit selection); no parity expected" in text
+    assert "shrink: source layer 2 dropped (explicit selection); no parity expected" in text
     assert (
         "static check of a shrink: 4 of 4 kept layers hold the source layers the layer map names, "
         "0 merged layers built from several; embeddings, final norm and head the source's" in text

@@ -3,6 +3,8 @@ paths, and hints on the errors a first day meets."""
 
 from __future__ import annotations
 
+import re
+
 from typer.testing import CliRunner
 
 from otdus_cli.cli import app
@@ -38,3 +40,60 @@ def test_inspect_on_a_hub_id_that_is_not_cached_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     line = one_error_line(runner.invoke(app, ["inspect", "someone/some-model"]))
     assert "not in the local Hugging Face cache" in line  # was "neither a checkpoint folder nor ..."
+
+
+def test_an_existing_file_as_out_gets_one_message_with_or_without_force(tmp_path):
+    """--out an existing file said "output folder ... already exists (--force replaces ...)" without
+    --force and "is an existing file" with it: a file is replaced by neither."""
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    lines = {
+        one_error_line(runner.invoke(app, ["expand", "bundled:stories260k", "--out", str(target), *force]))
+        for force in ([], ["--force"])
+    }
+    assert lines == {
+        f"error: --out {target} is an existing file; otdus writes a folder and replaces only its own"
+    }
+    assert target.read_text() == "mine"
+
+
+def test_one_layer_is_singular():
+    """ "--remove names 1 layers", "source layers 2 dropped", "removes layers 2"."""
+    from otdus_cli.plan.shrink_map import describe_removal
+
+    line = one_error_line(
+        runner.invoke(
+            app,
+            [
+                "plan",
+                "bundled:stories260k",
+                "--shrink",
+                "drop",
+                "--select",
+                "explicit",
+                "--remove",
+                "2",
+                "--layers",
+                "2",
+            ],
+        )
+    )
+    assert "--remove names 1 layer, --layers asks for 2" in line
+    record = {"removed": [2], "merged": [], "select": "explicit"}
+    assert describe_removal(record).startswith("shrink: source layer 2 dropped (explicit selection)")
+    text = runner.invoke(
+        app, ["plan", "bundled:stories260k", "--shrink", "drop", "--select", "explicit", "--remove", "2"]
+    ).stdout
+    assert "removes layer 2 (perplexity will move)" in text
+
+
+def test_plan_shrink_labels_every_column(tmp_path):
+    """The scores table's last column (removed or not) had no header."""
+    result = runner.invoke(
+        app, ["plan", "bundled:stories260k", "--shrink", "drop", "--layers", "2"], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.stdout.splitlines() if "block influence" in line)
+    cells = [cell.strip() for cell in re.split(r"[┃|]", header)[1:-1]]
+    assert cells[-1] == "in this shrink" and all(cells), header
+    assert sum(line.count(" kept ") for line in result.stdout.splitlines()) == 3

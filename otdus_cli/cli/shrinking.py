@@ -127,7 +127,7 @@ def scores_table(plan) -> Table | None:
         "layer",
         "block influence",
         f"angular, layers i..i+{count - 1}" if count > 1 else "angular",
-        "",
+        "in this shrink",
     ):
         table.add_column(col)
     removed = set(plan.removed)
@@ -137,7 +137,7 @@ def scores_table(plan) -> Table | None:
             str(i),
             f"{bi:.4f}",
             f"{angular[i]:.4f}" if i < len(angular) else "",
-            "[red]removed[/]" if i in removed else "",
+            "[red]removed[/]" if i in removed else "kept",
         )
     return table
 
@@ -165,7 +165,8 @@ def show_shrink_plan(plan) -> None:
     scores = scores_table(plan)
     if scores is not None:
         out_console.print(scores)
-    out_console.print(f"removes layers {', '.join(map(str, plan.removed))} (perplexity will move)")
+    layers = "layers" if len(plan.removed) != 1 else "layer"
+    out_console.print(f"removes {layers} {', '.join(map(str, plan.removed))} (perplexity will move)")
 
 
 @with_method_flags(keep=lambda f: f.group in SHRINK_METHODS and f.field not in _SHRINK_OWNS)

@@ -145,8 +145,6 @@ def earlier_output_files(out: Path) -> set[str]:
 def _replaceable(out: Path) -> tuple[str, set[str]]:
     """('empty' or 'otdus', the entries --force deletes) when ``force`` may replace ``out``;
     otherwise one error naming what is there."""
-    if not out.is_dir():
-        raise OtdusError(f"--out {out} is an existing file; otdus writes a folder and replaces only its own")
     if not os.listdir(out):
         return "empty", set()
     return "otdus", earlier_output_files(out)
@@ -217,6 +215,8 @@ def _claimable(out: Path, protected: list[Path], force: bool) -> tuple[str, set[
         return "absent", set()
     if os.path.ismount(out):
         raise OtdusError(f"--out {out} is a mount point; give a folder inside it")
+    if not absolute.is_dir():  # the same line with --force or without: nothing replaces a file
+        raise OtdusError(f"--out {out} is an existing file; otdus writes a folder and replaces only its own")
     if not force:
         raise OtdusError(
             f"output folder {out} already exists "

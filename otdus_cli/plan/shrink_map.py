@@ -83,7 +83,8 @@ def select_removed(
         if not remove:
             raise OtdusError("--select explicit needs --remove, e.g. --remove 3,4")
         if count is not None and count != len(set(remove)):
-            raise OtdusError(f"--remove names {len(set(remove))} layers, --layers asks for {count}")
+            named = len(set(remove))
+            raise OtdusError(f"--remove names {named} layer{'s' * (named != 1)}, --layers asks for {count}")
         for i in remove:
             if not 0 <= i < depth:
                 raise OtdusError(f"--remove {i}: the model has layers 0..{depth - 1}")
@@ -149,10 +150,11 @@ def describe_removal(record: dict, measured: bool = True) -> str:
     """One line on what a shrink did, from its manifest's ``shrink`` record (verify's report);
     ``measured``: the report shows the change against the source (False: verify --static, which
     runs nothing)."""
-    removed = ", ".join(map(str, record.get("removed") or []))
+    gone = record.get("removed") or []
+    removed = ", ".join(map(str, gone))
     merged = record.get("merged") or []
     how = "removed" if merged else "dropped"
-    line = f"shrink: source layers {removed} {how} ({record.get('select')} selection)"
+    line = f"shrink: source layer{'s' * (len(gone) != 1)} {removed} {how} ({record.get('select')} selection)"
     if merged:
         groups = "; ".join(", ".join(map(str, sorted(g))) for g in merged)
         line += f", merged into one layer each: {groups}"
