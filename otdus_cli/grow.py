@@ -41,9 +41,11 @@ def expand_and_widen(
     force: bool = False,
     on_step: Callable[[str], Callable[[int], None]] | None = None,
     on_note: Callable[[str], None] | None = None,
+    on_stage: Callable[[str], None] | None = None,
 ) -> GrowResult:
     """Expand ``model``, then widen the result into ``out`` atomically. ``on_step(name)`` (name
-    "expand" or "widen") returns the byte-progress callback of that step."""
+    "expand" or "widen") returns the byte-progress callback of that step; ``on_stage`` hears what
+    each step is doing (progress lines in a log)."""
     out = Path(out)
     # before the expansion: what widen would refuse must not cost a whole depth step
     source = open_source(model, options.revision, options.allow_unknown_arch)
@@ -53,7 +55,7 @@ def expand_and_widen(
     with scratch_folder(out) as scratch:
         deeper = scratch / "deeper"
         step = on_step or (lambda name: None)
-        expanded = expand(model, deeper, options, progress=step("expand"), on_note=on_note)
+        expanded = expand(model, deeper, options, progress=step("expand"), on_note=on_note, on_stage=on_stage)
         output_in_place(None)  # the scratch model is no output: a signal now is an interrupted run
         widened = widen(
             str(deeper),
@@ -64,5 +66,6 @@ def expand_and_widen(
             on_note=on_note,
             from_first_source=True,
             protected=(first,),
+            on_stage=on_stage,
         )
     return GrowResult(expanded, widened)

@@ -76,3 +76,9 @@ def test_shrink_says_its_scoring_pass_and_widen_its_tensors(tmp_path):
     said = stages(run("widen", moe, "--out", tmp_path / "w")[0])
     assert said[1] == "source tensor 1 of " + said[-1].rsplit(" ", 1)[1]
     assert run("widen", moe, "--out", tmp_path / "wq", "--quiet")[0] == []
+    grown = run(
+        "expand", moe, "--out", tmp_path / "g", "--method", "interpose", "--layers", "2", "--experts", "2"
+    )
+    said = [line for line in grown[0] if not line.startswith("warning:")]
+    assert any(line.startswith("otdus expand: expand step, layer 1 of ") for line in said), said
+    assert any(line.startswith("otdus expand: widen step, source tensor 1 of ") for line in said), said

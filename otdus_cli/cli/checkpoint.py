@@ -331,10 +331,23 @@ def _expand_and_widen(
     with byte_progress("otdus expand", "expanding, then widening", quiet, json_out) as report:
 
         def step(name: str):
-            report.stage(f"{name} step")
+            stage = f"{name} step"
+            report.stage(stage)
+            # each step's own stages ("layer 4 of 7 ...") said with the step they belong to
+            steps.append(stage)
             return report.advance
 
-        result = expand_and_widen(model, out, options, widen_options, force=force, on_step=step, on_note=say)
+        steps: list[str] = []
+        result = expand_and_widen(
+            model,
+            out,
+            options,
+            widen_options,
+            force=force,
+            on_step=step,
+            on_note=say,
+            on_stage=lambda stage: report.stage(f"{steps[-1]}, {stage}"),
+        )
     deep, wide = result.expanded, result.widened
     manifest = wide.manifest
     summary = {
