@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from typer.testing import CliRunner
 
@@ -111,7 +112,9 @@ def test_study_through_the_cli(tmp_path):
 
 def test_diagnose_through_the_cli(tmp_path):
     common = ["diagnose", "bundled:stories260k", "--max-tokens", "256", "--seq-len", "64"]
-    data = json.loads(invoke(*common, "--pair", "3,4", "--json").stdout)
+    quiet = invoke(*common, "--pair", "3,4", "--json", "--quiet")
+    assert quiet.stderr == ""  # --quiet: no progress lines
+    data = json.loads(quiet.stdout)
     (pair,) = data["pairs"]
     assert [pair["a"], pair["b"]] == [3, 4] and data["tokens"] == 256
     assert len(data["weight_norms"]) == 5
@@ -123,6 +126,9 @@ def test_diagnose_through_the_cli(tmp_path):
     shown = invoke("diagnose", "bundled:stories260k", *sample, "--max-tokens", "100000", "--seq-len", "64")
     text = shown.stdout
     assert "warning:" in shown.stderr and "fewer than the 100,000 asked" in shown.stderr
+    # a line per pair (an OT solve each: minutes on a large model), in a log as on a terminal
+    steps = re.findall(r"^otdus diagnose: pair \((\d), (\d)\), (\d) of 4, \d+ s so far$", shown.stderr, re.M)
+    assert steps == [(str(i), str(i + 1), str(i + 1)) for i in range(4)], shown.stderr
     for title in ("MLP neuron correlation", "attention heads", "transport plan entropy", "weight norm"):
         assert title in text, title
     assert all(f"{i}-{i + 1}" in text for i in range(4))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -256,6 +257,18 @@ def study_progress_line(event, every_eval: bool) -> str | None:
     return None
 
 
+def _step_lines(command: str):
+    """A line on stderr per step of a run (each pair of diagnose: one OT solve and its scores, minutes
+    on a large model), with the time since the run began, for a terminal and a log alike."""
+    start = time.monotonic()
+
+    def say(step: str) -> None:
+        line = f"{command}: {step}, {time.monotonic() - start:.0f} s so far"
+        err_console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    return say
+
+
 def _adjacent_pair(value: str) -> str:
     ij = ints(int_list(value))
     if len(ij) != 2 or ij[1] != ij[0] + 1:
@@ -289,6 +302,9 @@ def diagnose(
         Path | None, typer.Option(help="Also write the weight-norm profile as a PNG (matplotlib).")
     ] = None,
     json_out: JsonFlag = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress on stderr (by default a line per step).")
+    ] = False,
 ) -> None:
     """Does OT pair neurons that really co-activate? Correlations, plan entropy, weight-norm profile."""
     from otdus_cli.study import diagnose as run_diagnose
@@ -306,6 +322,7 @@ def diagnose(
             reg=reg,
             device=device,
             png=png,
+            progress=None if quiet else _step_lines("otdus diagnose"),
         )
     for line in result.warnings:
         err_console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)

@@ -398,8 +398,8 @@ def diagnose(
     say(f"running {windows.numel()} tokens through {depth} layers")
     acts = _capture(model, windows, {i for p in pairs for i in p})
     results = []
-    for a, b in pairs:
-        say(f"pair ({a}, {b})")
+    for k, (a, b) in enumerate(pairs, 1):
+        say(f"pair ({a}, {b}), {k} of {len(pairs)}")
         wa, wb = _weights(layers[a]), _weights(layers[b])
         plans = paper_plans(wa, wb, reg)
         joint = joint_mlp_plan(wa, wb, reg)
