@@ -48,7 +48,7 @@ from otdus_cli.source import SourceModel, open_source
 SCRATCH = ".otdus-scratch"  # inside the staging folder; never part of an output
 
 ProgressFn = Callable[[int], None]
-# what a long run is doing now, for progress lines in a log: "layer 6 of 7 (new: ot of base layers 3 and 4)"
+# what a long run is doing now, for progress lines in a log: "layer 5 of 7 (output layer 4: new, ot of ...)"
 StageFn = Callable[[str], None]
 
 
@@ -234,14 +234,15 @@ def rank_tensors(plan: ExpansionPlan, writer: ShardedWriter, world: World) -> tu
 
 
 def _layer_stage(lay: OutputLayer, depth: int) -> str:
-    """Output layer ``lay`` of ``depth`` in words, counted from 1: "layer 6 of 7 (new: ot of base
-    layers 3 and 4)", "layer 2 of 7 (base layer 2)"."""
-    where = f"layer {lay.index + 1} of {depth}"
+    """Output layer ``lay`` of ``depth`` in words, counted from 1, then by its index as layer maps
+    give it: "layer 5 of 7 (output layer 4: new, ot of base layers 3 and 4)", "layer 2 of 7 (output
+    layer 1: base layer 1)"."""
+    where = f"layer {lay.index + 1} of {depth} (output layer {lay.index}"
     if not lay.new:
-        return f"{where} (base layer {lay.source})"
+        return f"{where}: base layer {lay.source})"
     parents = list(lay.parents) or [lay.source]
     of = f"base layer{'s' * (len(parents) > 1)} {' and '.join(map(str, parents))}"
-    return f"{where} (new: {lay.builder} of {of})"
+    return f"{where}: new, {lay.builder} of {of})"
 
 
 class _Engine:
@@ -307,8 +308,9 @@ class _Engine:
                 continue
             new = [lay for lay in self.plan.layer_map if lay.builder == name]
             ctx = self._context(new[0].zero_init, device)
-            self.on_stage(f"preparing {name} (its pass over the source layers)")
-            with doing(f"preparing {name} (its pass over the source layers)"):
+            what = f"preparing {name} (its pass over the source layers)"
+            self.on_stage(what)
+            with doing(what):
                 report = prepare(self.src.layers, new, ctx, self.scratch)
             if report is not None:  # None: this variant of the builder has nothing to report
                 self.reports[name] = report

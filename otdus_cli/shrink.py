@@ -228,6 +228,10 @@ def make_shrink_plan(
     return ShrinkPlan(source, method, options, layer_map, config, tensors, removed, scores)
 
 
+def _scoring(options: ShrinkOptions) -> str:
+    return f"scoring the layers on up to {options.calib_tokens} tokens of {options.calib}"
+
+
 def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | None = None) -> LayerScores:
     """The selection scores of ``source`` on the calibration text (blocks of one layer and of the
     removal count)."""
@@ -236,8 +240,7 @@ def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | N
 
     count = removal_count(source.depth, options.layers, options.ratio)
     device = resolve_device(options.device, world)
-    scoring = f"scoring the layers on up to {options.calib_tokens} tokens of {options.calib}"
-    with doing(scoring, "fewer --calib-tokens"):
+    with doing(_scoring(options), "fewer --calib-tokens"):
         return layer_scores(source.reader, options.calib, options.calib_tokens, count, device=device)
 
 
@@ -272,7 +275,7 @@ def shrink(
                 return None
             source = open_source(model, options.revision, options.allow_unknown_arch)
             if on_stage:
-                on_stage(f"scoring the layers on up to {options.calib_tokens} tokens of {options.calib}")
+                on_stage(_scoring(options))
             return measure_scores(source, options, world)
 
         scores = world.exchange(measure)[0]

@@ -405,8 +405,7 @@ def test_verify_reports_the_change_against_the_source_and_what_was_removed(tmp_p
     text = runner.invoke(app, [*args, "--text", "bundled:tinystories-sample", "--device", "cpu", "--quiet"])
     assert text.exit_code == 0, text.output
     assert (
-        "shrink: source layer 3 removed (explicit selection), merged into one layer each: 2, 3"
-        in text.stdout
+        "shrink: source layer 3 removed (explicit selection), merged into one layer each: 2, 3" in text.stdout
     )
     assert "shrunk" in text.stdout
 

@@ -56,8 +56,8 @@ def test_expand_in_a_log_says_each_layer_and_quiet_silences_it(tmp_path):
         "preparing ot (its pass over the source layers)",
         "copying the embeddings",
     ]
-    assert "layer 1 of 7 (base layer 0)" in said
-    assert "layer 4 of 7 (new: ot of base layers 2 and 3)" in said  # the OT layers, where the time goes
+    assert "layer 1 of 7 (output layer 0: base layer 0)" in said
+    assert "layer 4 of 7 (output layer 3: new, ot of base layers 2 and 3)" in said  # where the time goes
     assert said[-1] == "copying the final norm and head"
     assert FINISHED.match(lines[-1])
     lines, stdout = run(
@@ -70,7 +70,7 @@ def test_shrink_says_its_scoring_pass_and_widen_its_tensors(tmp_path):
     lines, _ = run("shrink", "bundled:stories260k", "--out", tmp_path / "s", "--layers", "1", "--json")
     said = stages(lines)  # beside --json too: the lines are on stderr, the JSON alone on stdout
     assert said[0].startswith("scoring the layers on up to ")
-    assert "layer 4 of 4 (base layer 4)" in said
+    assert "layer 4 of 4 (output layer 3: base layer 4)" in said
     assert run("shrink", "bundled:stories260k", "--out", tmp_path / "q", "--layers", "1", "-q")[0] == []
     moe = build_tiny("mixtral", tmp_path / "mixtral")
     said = stages(run("widen", moe, "--out", tmp_path / "w")[0])

@@ -166,7 +166,7 @@ def emit_json(data: Any) -> None:
 @dataclass(frozen=True)
 class ByteReport:
     """The callbacks a run that writes a checkpoint reports through: its total bytes once planned,
-    bytes as they are written, and what it is doing (the stage: "layer 6 of 7 (new: ot ...)")."""
+    bytes as they are written, and what it is doing (the stage: "layer 5 of 7 (output layer 4: ...)")."""
 
     set_total: Callable[[int], None]
     advance: Callable[[int], None]
