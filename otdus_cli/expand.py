@@ -285,6 +285,7 @@ class _Engine:
 
     def run(self) -> None:
         method = self.plan.method
+        self.on_stage(f"setting up {method.name}")  # a computing method's builder imports torch: seconds
         built = method.make_builder is not None and any(_built(lay) for lay in self.plan.layer_map)
         builders = {method.builder: method.make_builder()} if built else {}
         # copy-type plans move bytes only: no torch (seconds of import) unless a device was named

@@ -51,8 +51,9 @@ def stages(lines: list[str]) -> list[str]:
 def test_expand_in_a_log_says_each_layer_and_quiet_silences_it(tmp_path):
     lines, _ = run("expand", "bundled:stories260k", "--out", tmp_path / "ot")
     said = stages(lines)
-    assert said[:3] == [
+    assert said[:4] == [
         "planned, opening the output",
+        "setting up ot",
         "preparing ot (its pass over the source layers)",
         "copying the embeddings",
     ]
