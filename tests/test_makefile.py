@@ -44,7 +44,9 @@ def make_test(tmp_path: Path, suite_exit: str) -> tuple[list[str], int]:
     """`make test` with both suites stood in for: its lines, and its exit code. The suites finish only
     once both have said they started, so both must have been seen mid-run."""
     release = tmp_path / "release"
-    env = {**os.environ, "RELEASE": str(release), "SUITE_EXIT": suite_exit}
+    # not the make this test may itself run under (make test): its jobserver and flags are not ours
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env = {**inherited, "RELEASE": str(release), "SUITE_EXIT": suite_exit}
     venvs = [f"VENV={_venv(tmp_path / 'main')}", f"COMPAT_VENV={_venv(tmp_path / 'compat')}"]
     make = subprocess.Popen(
         ["make", "--no-print-directory", "-C", str(ROOT), "test", *venvs],
