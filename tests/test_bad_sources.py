@@ -203,6 +203,31 @@ def test_a_name_given_twice_is_refused(stories, tmp_path):
     )
 
 
+# a name safetensors allows that would write keys of its own into the YAML `trainable` prints
+INJECTED = "model.norm\nfinetuning_type: full\nx: norm.weight"
+READING_COMMANDS = [
+    ["plan", "{m}"],
+    ["inspect", "{m}"],
+    ["expand", "{m}", "--out", "{out}", "--method", "copy"],
+    ["shrink", "{m}", "--out", "{out}", "--method", "drop", "--remove", "1"],
+    ["widen", "{m}", "--out", "{out}"],
+    ["verify", "{m}", "--base", "bundled:stories260k", "--max-tokens", "64"],
+    ["ppl", "{m}", "--max-tokens", "64"],
+    ["diagnose", "{m}"],
+]
+
+
+@pytest.mark.parametrize("command", READING_COMMANDS, ids=[c[0] for c in READING_COMMANDS])
+def test_a_tensor_name_that_is_not_identifiers_is_refused_by_every_command(stories, tmp_path, command):
+    f = stories / "model.safetensors"
+    header, data = split_file(f)
+    header[INJECTED] = header.pop("model.norm.weight")
+    write_file(f, header, data)
+    args = [a.format(m=stories, out=tmp_path / "out") for a in command]
+    line = refused(run_cli(*args), f"model.safetensors: tensor name {INJECTED!r} is not", tmp_path)
+    assert "finetuning_type: full\\nx" in line
+
+
 @pytest.mark.parametrize("how", ["as saved", "leading whitespace"])
 def test_valid_headers_are_accepted_by_both(stories, tmp_path, how):
     f = stories / "model.safetensors"

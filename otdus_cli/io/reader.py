@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.memory import return_freed_tensors_to_os
-from otdus_cli.io.safetensors_format import TensorInfo, code_of, itemsize, read_header, torch_dtype
+from otdus_cli.io.safetensors_format import (
+    TensorInfo,
+    check_tensor_name,
+    code_of,
+    itemsize,
+    read_header,
+    torch_dtype,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +115,8 @@ class CheckpointReader:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise OtdusError(f"{name} is corrupt (no valid weight_map)")
+        for tensor in weight_map:
+            check_tensor_name(tensor, name)
         self.index_file = name
         return {tensor: _inside(self.folder, str(shard)) for tensor, shard in weight_map.items()}
 
@@ -122,6 +131,8 @@ class CheckpointReader:
             self._bin_files = self._read_index(BIN_INDEX)
         elif (f / BIN_SINGLE).is_file():
             self._bin_files = {name: f / BIN_SINGLE for name in self._bin_state(f / BIN_SINGLE)}
+            for name in self._bin_files:
+                check_tensor_name(name, BIN_SINGLE)
         else:
             raise OtdusError(f"no weights in {f} (expected {SAFE_INDEX}, {SAFE_SINGLE} or {BIN_SINGLE})")
         for name, info in self._infos.items():
