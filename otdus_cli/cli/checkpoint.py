@@ -38,7 +38,7 @@ from otdus_cli.cli.flags import (
     with_method_flags,
 )
 from otdus_cli.cli.shrinking import Calib, CalibTokens, Remove, Select
-from otdus_cli.cli.values import MethodName, device_parser, model_name, output_folder
+from otdus_cli.cli.values import MethodName, device_parser, int_list, ints, model_name, output_folder
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.registry import METHODS
 from otdus_cli.options import Position as PositionName
@@ -61,7 +61,9 @@ Ratio = Annotated[
 ]
 After = Annotated[
     str | None,
-    typer.Option(help="Explicit base indices to insert after, e.g. '3,7,11' (overrides --position)."),
+    typer.Option(
+        help="Explicit base indices to insert after, e.g. '3,7,11' (overrides --position).", parser=int_list
+    ),
 ]
 
 
@@ -129,10 +131,7 @@ def _options(
     after = flags.pop("after")
     updates = {k: v for k, v in flags.items() if v is not None}
     if after is not None:
-        try:
-            updates["after"] = [int(x) for x in after.split(",") if x.strip()]
-        except ValueError:
-            raise OtdusError(f"--after takes comma-separated layer indices, got {after!r}") from None
+        updates["after"] = ints(after)
     defaults = base.expand if base else ExpandOptions()
     return model, validated_options(ExpandOptions, defaults, updates, method_flags), base
 
