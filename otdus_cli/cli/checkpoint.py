@@ -487,6 +487,7 @@ def inspect(
     """Describe a checkpoint or manifest: layers, parameters, dtypes, size, and how it was made."""
     from otdus_cli.bundled import BUNDLED_MODELS
     from otdus_cli.card import card_line, card_summary
+    from otdus_cli.io.file_hashes import edited_line, manifest_check
     from otdus_cli.io.reader import CheckpointReader
     from otdus_cli.manifest import MANIFEST, read_manifest
 
@@ -519,6 +520,8 @@ def inspect(
             )
         if manifest:
             info["manifest"] = manifest
+            # whether otdus.json is what otdus wrote: unchanged, edited, or unrecorded (older otdus)
+            info["manifest_check"] = manifest_check(manifest)
         card = card_summary(folder)
         if card is not None:
             info["card"] = card
@@ -550,6 +553,13 @@ def inspect(
         new = [str(lay["index"]) for lay in manifest["layers"] if lay["new"]]
         table.add_row("new layers", ", ".join(new))
         table.add_row("new parameters", f"{len(manifest['new_parameters'])} tensors")
+        if info["manifest_check"] != "unchanged":
+            table.add_row(
+                "manifest",
+                edited_line(folder)
+                if info["manifest_check"] == "edited"
+                else "records no hash of itself (an earlier otdus): edits cannot be told",
+            )
         method = METHODS.get(manifest["method"])  # None: a method this version does not offer
         for name, text in method.inspect_rows(manifest) if method and method.inspect_rows else []:
             table.add_row(name, text)
