@@ -3,7 +3,8 @@
 Tensors are located through the index's weight_map (or the single `model.safetensors`); shards are
 never globbed, since some repos ship extra files such as Mistral's `consolidated.safetensors`.
 Every header is validated up front, so a missing, truncated or corrupt shard, or an index entry
-that points outside the model folder, is one clear error before any output exists.
+that points outside the model folder, is one clear error before any output exists; so are the sizes
+and epsilons of config.json (arch/config_values.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from otdus_cli.arch.config_values import check_config_values
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.memory import return_freed_tensors_to_os
 from otdus_cli.io.safetensors_format import (
@@ -108,7 +110,9 @@ class CheckpointReader:
         path = self.folder / "config.json"
         if not path.is_file():
             raise OtdusError(f"no config.json in {self.folder}")
-        return read_json_object(path)
+        config = read_json_object(path)
+        check_config_values(config)
+        return config
 
     def _read_index(self, name: str) -> dict[str, Path]:
         index = read_json_object(self.folder / name)
