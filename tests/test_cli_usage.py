@@ -179,6 +179,7 @@ def test_bad_option_values_are_refused_before_torch_or_transformers_is_imported(
         ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--lr-sweep", "1e-3,0.001"],
         ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--lr-sweep", "1e-3,inf"],
         ["diagnose", "bundled:stories260k", "--pair", "1,"],
+        ["trainable", str(tmp_path / "o"), "--also", "head", "--also", "head"],
     ]
     script = textwrap.dedent(
         """

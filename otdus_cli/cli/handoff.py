@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from otdus_cli.cli.console import err_console, out_console, user_errors
+from otdus_cli.cli.values import each_once
 
 
 def trainable(
@@ -29,6 +30,7 @@ def trainable(
         typer.Option(
             "--also",
             help="Also train these (repeatable): embeddings, norms (every layer's and the final one), head.",
+            callback=each_once,
         ),
     ] = None,
     zero_init_only: Annotated[

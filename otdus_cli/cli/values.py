@@ -68,6 +68,14 @@ def distinct(values: list, value: str) -> None:
         raise typer.BadParameter(f"{', '.join(twice)} given twice in {value!r}; name each once")
 
 
+def each_once(values: list[str] | None) -> list[str] | None:
+    """A repeatable option given the same value twice (`--also head --also head`) is refused."""
+    twice = sorted({v for v in values or () if values.count(v) > 1})
+    if twice:
+        raise typer.BadParameter(f"{', '.join(twice)} given twice; give each once")
+    return values
+
+
 def int_list(value: str) -> str:
     """Comma-separated integers (kept as text; the command splits them with :func:`ints`)."""
     try:
