@@ -335,6 +335,12 @@ def static_check(
         raise OtdusError(
             f"the layer map lists {len(claimed)} layers, the expanded checkpoint has {expanded_stack.depth}"
         )
+    sources = [e.get("source") for e in claimed or ()]
+    beyond = [i for i in sources if isinstance(i, int) and not 0 <= i < base_stack.depth]
+    if beyond:
+        raise OtdusError(
+            f"the layer map names base layer {beyond[0]}; the base has layers 0..{base_stack.depth - 1}"
+        )
     proof = prove(base_stack, expanded_stack, claimed)
     proof.base_checks = checks
     proof.claimed = None if claimed is None else list(claimed)
