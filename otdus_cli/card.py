@@ -26,7 +26,7 @@ from pathlib import Path
 
 from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.file_hashes import file_record
+from otdus_cli.io.file_hashes import edited_line, file_record, manifest_check, sealed
 
 CARD = "README.md"
 MANIFEST = "otdus.json"  # otdus_cli.manifest.MANIFEST (not imported: the CLI imports this module at start-up)
@@ -346,14 +346,8 @@ def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
     """Put one verify run's verdict and figures on the card of the otdus output in ``folder`` (an
     earlier verification section is replaced); the card's bytes. Refused for a folder that is not an
     otdus output."""
-    from otdus_cli.manifest import read_manifest
-
     folder = Path(folder)
-    manifest = read_manifest(folder)
-    if manifest is None:
-        raise OtdusError(
-            f"--card: {folder} is not an otdus output (no {MANIFEST}); its README.md is left alone"
-        )
+    manifest = _card_manifest(folder)
     path = folder / CARD
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise OtdusError(f"--card: {path} is not a regular file; it is left alone")
@@ -369,10 +363,13 @@ def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
     data = write_card(folder, kept + "\n\n" + verification_section(report))
     # the manifest records the new card (read raw: every field kept as it was)
     raw = json.loads((folder / MANIFEST).read_text())
+    covered = manifest_check(raw) == "unchanged"  # one that records no hash of itself is given none
     raw["card"] = card_record(data)
     if isinstance(raw.get("files"), dict):  # the size and hash --force checks
         raw["files"][CARD] = file_record(folder / CARD)
-    _replace_atomically(folder / MANIFEST, (json.dumps(raw, indent=2) + "\n").encode())
+    _replace_atomically(
+        folder / MANIFEST, (json.dumps(sealed(raw) if covered else raw, indent=2) + "\n").encode()
+    )
     return data
 
 
@@ -415,15 +412,25 @@ def check_card_target(model: str, static: bool) -> None:
     id or bundled model (a cache is not the user's copy), a folder that is not an otdus output."""
     if static:
         raise OtdusError("--card records the perplexity comparison, which --static skips; drop one of them")
-    from otdus_cli.manifest import read_manifest
-
     folder = Path(model)
     if not folder.is_dir():
         raise OtdusError(f"--card writes into a local otdus output folder; {model} is not a local folder")
-    if read_manifest(folder) is None:
+    _card_manifest(folder)
+
+
+def _card_manifest(folder: Path) -> dict:
+    """The manifest of the otdus output --card writes into; refused when there is none, or when it
+    was edited (writing the card's record into it would cover the edit with a new hash)."""
+    from otdus_cli.manifest import read_manifest
+
+    manifest = read_manifest(folder)
+    if manifest is None:
         raise OtdusError(
-            f"--card: {model} is not an otdus output (no {MANIFEST}); its README.md is left alone"
+            f"--card: {folder} is not an otdus output (no {MANIFEST}); its README.md is left alone"
         )
+    if manifest_check(manifest) == "edited":
+        raise OtdusError(f"--card: {edited_line(folder)}; its README.md and {MANIFEST} are left alone")
+    return manifest
 
 
 def card_line(summary: dict, otdus_output: bool) -> str:

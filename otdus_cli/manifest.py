@@ -24,13 +24,14 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
 
 from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.file_hashes import record_files
+from otdus_cli.io.file_hashes import plain_name, record_files, sealed
 from otdus_cli.io.fingerprint import stack_fingerprints
 from otdus_cli.io.reader import read_json_object
 
@@ -121,6 +122,16 @@ class Manifest(BaseModel):
     # every other file of the output as otdus wrote it: name -> size, sha256, "whole" or "sampled"
     # (io/file_hashes.py); absent in manifests of otdus <= 0.1.x, whose outputs --force never replaces
     files: dict[str, dict] | None = None
+    # the SHA-256 of this manifest's own canonical content (io/file_hashes.py: sealed); always last
+    manifest_sha256: str | None = None
+
+    @field_validator("copied_files", "files")
+    @classmethod
+    def _names_of_files_in_the_folder(cls, names: list[str] | dict[str, dict] | None):
+        for name in names or ():  # a list's items, a map's keys
+            if not plain_name(name):
+                raise ValueError(f"{name!r} is not the name of a file in the output folder")
+        return names
 
     @model_validator(mode="before")
     @classmethod
@@ -176,7 +187,7 @@ def write_manifest(folder: Path, manifest: Manifest) -> dict:
     """Write ``manifest`` into the staged output ``folder``, with the size and hash of every other
     file there (what `--force` checks before it replaces this output); returns what was written."""
     manifest.files = record_files(folder, skip={MANIFEST})
-    data = manifest.to_json()
+    data = sealed(manifest.to_json())
     (folder / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
     return data
 
@@ -191,7 +202,8 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict | None:
         Manifest.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "top level"
+        # a key is the manifest's text: shown escaped when it is not printable (a newline, a NUL)
+        where = ".".join(str(p) if str(p).isprintable() else repr(p) for p in err["loc"]) or "top level"
         raise OtdusError(f"{path} is damaged ({where}: {err['msg']}); it cannot be trusted") from None
     if len(data["layers"]) != data["num_hidden_layers"]:
         raise OtdusError(f"{path} is damaged (its layer map does not have num_hidden_layers entries)")

@@ -27,7 +27,7 @@ class ExpandSettings(BaseModel):
     position: Position = "top"
     layers: int | None = Field(None, ge=1, description="number of new layers (default: half the base depth)")
     ratio: float | None = Field(None, gt=0, description="new layers as a fraction of the base depth")
-    after: list[int] | None = None
+    after: list[int] | None = Field(None, min_length=1)  # repeats allowed: several new layers after one
     zero_init: bool | None = None  # None: the method's default
     dtype: OutputDtype = "auto"
     max_shard_size: str = "5GB"

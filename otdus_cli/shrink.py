@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from otdus_cli.distributed import World, current_world
 from otdus_cli.errors import OtdusError, doing
@@ -55,7 +55,7 @@ class ShrinkSettings(BaseModel):
     layers: int | None = Field(None, ge=1, description="number of layers removed (default 1)")
     ratio: float | None = Field(None, gt=0, lt=1, description="layers removed, as a fraction of the depth")
     select: Selection | None = None  # None: explicit when remove names layers, else bi
-    remove: list[int] | None = None  # --select explicit: the source layers removed
+    remove: list[int] | None = Field(None, min_length=1)  # --select explicit: the source layers removed
     # the text the selection scores are measured on (and OT's activation variant's calibration text)
     calib: str = DEFAULT_CALIB
     calib_tokens: int = Field(DEFAULT_CALIB_TOKENS, ge=MIN_CALIB_TOKENS)
@@ -65,6 +65,13 @@ class ShrinkSettings(BaseModel):
     seed: int = 0
     revision: str | None = None
     allow_unknown_arch: bool = False
+
+    @field_validator("remove")
+    @classmethod
+    def _each_layer_once(cls, remove: list[int] | None) -> list[int] | None:
+        if remove is not None and len(set(remove)) != len(remove):
+            raise ValueError(f"names a layer twice ({remove}); name each layer once")
+        return remove
 
     @property
     def selection(self) -> str:

@@ -5,9 +5,9 @@ Runs 25 `otdus expand` / `otdus widen` commands (every method and OT variant on 
 stories260K, and tiny Gemma 2, Qwen 3 and Mixtral checkpoints written by make_synthetic.py), each
 with `--json`, and records the sha256 of every output file and of each report (JSON with its keys
 in the order written). What legitimately differs between two runs is left out: the manifest's
-creation time, timings and per-plan seconds, a report's seconds and timings (wall-clock figures),
-and the path of a bundled source (inside the checkout that runs, so the old and the new code may
-sit in different worktrees).
+creation time, timings and per-plan seconds (and its hash of itself, which covers them), a report's
+seconds and timings (wall-clock figures), and the path of a bundled source (inside the checkout that
+runs, so the old and the new code may sit in different worktrees).
 
     python -m scripts.output_hashes --record before.json     # on the old code
     python -m scripts.output_hashes --compare before.json    # on the new code: exit 1 on a difference
@@ -56,7 +56,8 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("mixtral-experts", "tiny-mixtral", ["--layers", "1", "--experts", "2", "--expert-noise", "0"]),
     ("mixtral-widen", "tiny-mixtral", ["widen"]),
 ]
-_VOLATILE_MANIFEST = {"created", "timings", "seconds"}
+# manifest_sha256 hashes the manifest's whole content: its creation time and source path included
+_VOLATILE_MANIFEST = {"created", "timings", "seconds", "manifest_sha256"}
 _VOLATILE_REPORT = {"seconds", "timings"}
 # manifests and cards name their source's path, inside the run's temporary work folder: hashed under
 # this one name (the fixed folder earlier recordings were made in), so two runs compare equal

@@ -203,6 +203,31 @@ def test_a_name_given_twice_is_refused(stories, tmp_path):
     )
 
 
+# a name safetensors allows that would write keys of its own into the YAML `trainable` prints
+INJECTED = "model.norm\nfinetuning_type: full\nx: norm.weight"
+READING_COMMANDS = [
+    ["plan", "{m}"],
+    ["inspect", "{m}"],
+    ["expand", "{m}", "--out", "{out}", "--method", "copy"],
+    ["shrink", "{m}", "--out", "{out}", "--method", "drop", "--remove", "1"],
+    ["widen", "{m}", "--out", "{out}"],
+    ["verify", "{m}", "--base", "bundled:stories260k", "--max-tokens", "64"],
+    ["ppl", "{m}", "--max-tokens", "64"],
+    ["diagnose", "{m}"],
+]
+
+
+@pytest.mark.parametrize("command", READING_COMMANDS, ids=[c[0] for c in READING_COMMANDS])
+def test_a_tensor_name_that_is_not_identifiers_is_refused_by_every_command(stories, tmp_path, command):
+    f = stories / "model.safetensors"
+    header, data = split_file(f)
+    header[INJECTED] = header.pop("model.norm.weight")
+    write_file(f, header, data)
+    args = [a.format(m=stories, out=tmp_path / "out") for a in command]
+    line = refused(run_cli(*args), f"model.safetensors: tensor name {INJECTED!r} is not", tmp_path)
+    assert "finetuning_type: full\\nx" in line
+
+
 @pytest.mark.parametrize("how", ["as saved", "leading whitespace"])
 def test_valid_headers_are_accepted_by_both(stories, tmp_path, how):
     f = stories / "model.safetensors"
@@ -252,11 +277,28 @@ def test_an_absurd_layer_count_is_refused_at_once_in_bounded_memory(stories, tmp
         ({"num_hidden_layers": "5"}, "num_hidden_layers"),
         ({"model_type": ["llama"]}, "model_type must be a string"),
         ({"quantization_config": "gptq"}, "quantized"),
+        # sizes and epsilons that describe no model (arch/config_values.py)
+        ({"num_attention_heads": -8}, "config.json: num_attention_heads must be a positive integer, got -8"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
+        ({"hidden_size": 64.0}, "hidden_size must be a positive integer, got 64.0"),
+        ({"intermediate_size": [256, -1]}, "intermediate_size must be a positive integer, got [256, -1]"),
+        ({"head_dim": -1}, "head_dim must be a non-negative integer"),
+        ({"rms_norm_eps": math.inf}, "rms_norm_eps must be a positive finite number, got Infinity"),
+        ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be a positive finite number"),
+        ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a positive finite number"),
+        ({"text_config": {"vocab_size": 0}}, "config.json text_config: vocab_size must be a positive"),
     ],
 )
 def test_malformed_config_fields(stories, tmp_path, fields, message):
     _edit_config(stories, **fields)
     refused(run_cli("expand", stories, "--out", tmp_path / "out", "--method", "copy"), message, tmp_path)
+
+
+@pytest.mark.parametrize("command", READING_COMMANDS, ids=[c[0] for c in READING_COMMANDS])
+def test_a_negative_head_count_is_refused_by_every_command(stories, tmp_path, command):
+    _edit_config(stories, num_attention_heads=-8)
+    args = [a.format(m=stories, out=tmp_path / "out") for a in command]
+    refused(run_cli(*args), "config.json: num_attention_heads must be a positive integer, got -8", tmp_path)
 
 
 def test_deeply_nested_config_json(stories, tmp_path):

@@ -184,6 +184,18 @@ def test_verify_card_adds_the_verdict_once_and_only_to_an_otdus_output(stories, 
     assert (out / CARD).read_bytes() == edited
 
 
+def test_verify_card_leaves_an_edited_manifest_unsealed(stories, tmp_path):
+    """Writing the card's record into an edited otdus.json would cover the edit with a new hash."""
+    out = tmp_path / "out"
+    expand(str(stories), out, ExpandOptions(method="copy", layers=1))
+    manifest = json.loads((out / "otdus.json").read_text())
+    (out / "otdus.json").write_text(json.dumps({**manifest, "function_preserving": True}))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    line = one_error_line(runner.invoke(app, ["verify", str(out), "--max-tokens", "200", "--card"]))
+    assert "otdus.json was edited since otdus wrote it" in line and "left alone" in line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_write_card_is_atomic_and_returns_its_bytes(tmp_path):
     (tmp_path / CARD).write_text("old")
     data = write_card(tmp_path, "---\nlicense: mit\n---\n\nnew\n")

@@ -44,6 +44,7 @@ def test_inspect_table_and_json(stories, tmp_path):
         "bytes": nbytes,
         "tie_word_embeddings": True,
         "manifest": manifest,
+        "manifest_check": "unchanged",  # otdus.json is what otdus wrote
         "card": {  # the model card's summary (card.py)
             "metadata": {
                 "library_name": "transformers",
@@ -66,6 +67,10 @@ def test_inspect_table_and_json(stories, tmp_path):
         ("model card", "base_model none; license none; tags otdus, depth-up-scaling, llama-pro"),
     ):
         assert any(row[0] in line and row[1] in line for line in table.splitlines()), row
+    assert "manifest " not in table  # no row about the manifest itself while it is what otdus wrote
+    (out / "otdus.json").write_text(json.dumps({**manifest, "new_parameters": []}))
+    assert json.loads(invoke("inspect", out, "--json").stdout)["manifest_check"] == "edited"
+    assert "otdus.json was edited since otdus wrote it" in invoke("inspect", out).stdout
     # a plain base model: no manifest rows
     assert "made by" not in invoke("inspect", stories).stdout
     bad = runner.invoke(app, ["inspect", str(tmp_path)])

@@ -165,6 +165,21 @@ def test_bad_option_values_are_refused_before_torch_or_transformers_is_imported(
         ["diagnose", "bundled:stories260k", "--pair", "1,3"],
         ["diagnose", "bundled:stories260k", "--text", str(tmp_path / "missing.txt")],
         ["demo", "--method", "nope"],
+        # list options: an empty item, a value named twice (where twice means nothing more)
+        *(
+            ["shrink", "bundled:stories260k", "-o", str(tmp_path / "o"), "--remove", removed]
+            for removed in ["", "0,0", "1,,2"]
+        ),
+        ["plan", "bundled:stories260k", "--shrink", "drop", "--remove", "1,01"],
+        ["expand", "bundled:stories260k", "-o", str(tmp_path / "o"), "--after", ""],
+        ["plan", "bundled:stories260k", "--after", "1,,2"],
+        ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--seeds", "1,1"],
+        ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--methods", "ot,,copy"],
+        ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--methods", "ot,ot"],
+        ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--lr-sweep", "1e-3,0.001"],
+        ["study", "bundled:stories260k", "--train", "bundled:tinystories-sample", "--lr-sweep", "1e-3,inf"],
+        ["diagnose", "bundled:stories260k", "--pair", "1,"],
+        ["trainable", str(tmp_path / "o"), "--also", "head", "--also", "head"],
     ]
     script = textwrap.dedent(
         """
@@ -184,6 +199,7 @@ def test_bad_option_values_are_refused_before_torch_or_transformers_is_imported(
         [sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert not (tmp_path / "o").exists()
 
 
 # -- output through a pipe ------------------------------------------------------------------------

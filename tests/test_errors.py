@@ -93,6 +93,13 @@ def test_missing_model_and_bad_recipe(tmp_path):
     assert_clean_failure(run_cli("expand", "--recipe", recipe, "--out", tmp_path / "out"), "layerz", tmp_path)
 
 
+def test_a_recipe_placing_no_layer_is_refused(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: bundled:stories260k\nexpand:\n  method: copy\n  after: []\n")
+    result = run_cli("expand", "--recipe", recipe, "--out", tmp_path / "out")
+    assert_clean_failure(result, "expand.after: List should have at least 1 item", tmp_path)
+
+
 def test_out_inside_source_is_refused(stories, tmp_path):
     result = run_cli("expand", stories, "--out", stories / "deeper", "--method", "copy")
     assert result.exit_code == 2 and "inside the source" in result.stderr

@@ -154,6 +154,12 @@ def _absolute(folder: Path) -> None:
     _set_index(folder, index)
 
 
+def _odd_name(folder: Path) -> None:
+    index = _index(folder)
+    index["weight_map"]["model.norm\nx: y"] = "a.safetensors"
+    _set_index(folder, index)
+
+
 def _bad_weight_map(folder: Path) -> None:
     _set_index(folder, {"weight_map": ["a.safetensors"]})
 
@@ -180,6 +186,11 @@ DAMAGED = [
         "tensor model.norm.weight is stored twice, in b.safetensors and c.safetensors",
     ),
     ("an absolute shard path", _absolute, "index names an absolute shard path"),
+    (
+        "an index naming a tensor that is not identifiers joined by dots",
+        _odd_name,
+        "model.safetensors.index.json: tensor name 'model.norm\\nx: y' is not",
+    ),
     (
         "a weight_map that is not a map",
         _bad_weight_map,
@@ -220,6 +231,13 @@ def test_a_pickle_that_runs_code_is_not_loaded(tmp_path):
     folder = _folder(tmp_path / "m")
     torch.save({"w": torch.zeros(1), "f": Path}, folder / "pytorch_model.bin")  # a class: not weights-only
     with pytest.raises(OtdusError, match="cannot load safely with weights_only"):
+        CheckpointReader(folder)
+
+
+def test_a_pickle_holding_a_name_that_is_not_identifiers_is_refused(tmp_path):
+    folder = _folder(tmp_path / "m")
+    torch.save({"model.norm\nx: y": torch.zeros(1)}, folder / "pytorch_model.bin")
+    with pytest.raises(OtdusError, match=r"pytorch_model.bin: tensor name 'model.norm\\nx: y' is not"):
         CheckpointReader(folder)
 
 

@@ -103,7 +103,7 @@ def test_a_command_of_its_own_writes_a_whole_output(stories, tmp_path):
     # the keys the command set, in the model's order; the ones it did not set are not written
     assert list(manifest) == [
         "otdus_version", "created", "source", "method", "num_hidden_layers", "layers", "copied_files",
-        "warnings", "card", "files",
+        "warnings", "card", "files", "manifest_sha256",
     ]  # fmt: skip
     assert _left_beside(tmp_path) == []
 

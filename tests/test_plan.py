@@ -62,6 +62,7 @@ def test_explicit_after_allows_repeats_and_ratio():
     lm = plan_layers(6, get_method("copy"), after=[5, 2, 2])
     assert [lay.source for lay in lm] == [0, 1, 2, 2, 2, 3, 4, 5, 5]
     assert len(plan_layers(10, get_method("copy"), ratio=0.3)) == 13
+    assert len(plan_layers(6, get_method("copy"), after=[1, 1], layers=2)) == 8  # a count that agrees
 
 
 @pytest.mark.parametrize(
@@ -75,6 +76,11 @@ def test_explicit_after_allows_repeats_and_ratio():
         (dict(method="stack", layers=3), "multiple"),
         (dict(method="copy", after=[9]), "not a base layer"),
         (dict(method="copy", layers=0), "at least one"),
+        # explicit places contradicted by a count or a method that places its layers itself
+        (dict(method="copy", after=[3], layers=2), "--after names 1 new layer"),
+        (dict(method="copy", after=[1, 3], ratio=0.2), "--after names 2 new layer"),
+        (dict(method="solar", after=[2], layers=1), "places its new layers itself"),
+        (dict(method="stack", after=[2]), "places its new layers itself"),
     ],
 )
 def test_impossible_requests_are_refused(kwargs, message):

@@ -17,6 +17,7 @@ from otdus_cli.io.safetensors_format import (
     DATA_ALIGNMENT,
     KNOWN_CODES,
     MAX_HEADER_BYTES,
+    TENSOR_NAME,
     build_header,
     code_of,
     itemsize,
@@ -163,6 +164,12 @@ MALFORMED = [
         "its tensors cover 4 bytes of a 6-byte data buffer",
     ),
     (
+        "a name that writes YAML keys",
+        {"model.norm\nfinetuning_type: full\nx: norm.weight": _entry()},
+        b"abcd",
+        "tensor name 'model.norm\\nfinetuning_type: full\\nx: norm.weight' is not letters, digits",
+    ),
+    (
         "a name given twice",
         '{"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, '
         '"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
@@ -197,3 +204,28 @@ def test_a_short_or_overlong_file_is_refused_before_its_header_is_read(tmp_path)
 def test_a_missing_file_is_named():
     with pytest.raises(OtdusError, match="missing shard: /nonexistent/x.safetensors"):
         read_header("/nonexistent/x.safetensors")
+
+
+# names of real checkpoints (transformers' own, state-space and GPT-2 style), and names that are not
+# identifiers joined by dots
+REAL_NAMES = [
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.31.mlp.experts.gate_up_proj",
+    "backbone.layers.0.mixer.A_log",
+    "transformer.h.11.attn.c_attn.bias",
+    "lm_head.weight",
+    "model.language_model.layers.0.input_layernorm.weight",
+]
+NOT_NAMES = ["", "a..b", ".a", "a.", "a b", "a-b", "a/b", "a\nb", "a\x00b", "Ä.weight", "a:b", "a.weight\n"]
+
+
+@pytest.mark.parametrize("name", REAL_NAMES + NOT_NAMES)
+def test_a_tensor_name_is_identifiers_joined_by_dots(tmp_path, name):
+    assert bool(TENSOR_NAME.fullmatch(name)) == (name in REAL_NAMES)
+    path = _write(tmp_path / "x.safetensors", {name: _entry()}, b"abcd")
+    if name in REAL_NAMES:
+        assert list(read_header(str(path))[0]) == [name]
+        return
+    with pytest.raises(OtdusError) as caught:
+        read_header(str(path))
+    assert str(caught.value).startswith(f"x.safetensors: tensor name {name!r} is not")

@@ -133,6 +133,71 @@ def test_force_refuses_an_output_whose_manifest_records_no_hashes(stories, earli
     assert tree_digest(earlier_output) == before
 
 
+def test_the_manifest_records_the_hash_of_its_own_canonical_content(earlier_output):
+    manifest = json.loads((earlier_output / "otdus.json").read_text())
+    assert list(manifest)[-1] == "manifest_sha256"
+    content = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+    assert manifest["manifest_sha256"] == hashlib.sha256(canonical).hexdigest()
+
+
+def _rewrite_manifest(folder: Path, edit, seal: bool = False) -> None:
+    path = folder / "otdus.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(file_hashes.sealed(manifest) if seal else manifest, indent=2))
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda m: m.update(method="ot"), "otdus.json was edited since otdus wrote it"),
+        (lambda m: m["files"].pop("tokenizer.json"), "otdus.json was edited since otdus wrote it"),
+        (lambda m: m.pop("manifest_sha256"), "records no hash of itself (an earlier otdus version)"),
+    ],
+    ids=["a value", "a file left out of its list", "its own hash removed"],
+)
+def test_force_refuses_an_output_whose_manifest_was_edited(stories, earlier_output, edit, expected):
+    """The manifest covers itself: a manifest edited to list fewer files (so --force would delete one
+    that is no longer otdus's), or to say anything else, is refused like an edited shard."""
+    _rewrite_manifest(earlier_output, edit)
+    before = tree_digest(earlier_output.parent)
+    line = one_error_line(_force(stories, earlier_output))
+    assert expected in line and "--force replaces only an unchanged otdus output" in line, line
+    assert tree_digest(earlier_output.parent) == before
+
+
+def test_force_replaces_a_manifest_only_reformatted(stories, earlier_output):
+    """The hash is of the canonical content: the same manifest indented otherwise is unchanged."""
+    path = earlier_output / "otdus.json"
+    path.write_text(json.dumps(json.loads(path.read_text()), indent=8))
+    assert _force(stories, earlier_output).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("edit", "damaged"),
+    [
+        (lambda m: m["files"].update({"model.safetensors\x00x": m["files"]["config.json"]}), "files"),
+        (lambda m: m["files"].update({"..": m["files"]["config.json"]}), "files"),
+        (lambda m: m["copied_files"].append("../../.bashrc"), "copied_files"),
+        (lambda m: m["copied_files"].append("tokenizer.json\x00"), "copied_files"),
+    ],
+    ids=["files: NUL", "files: ..", "copied_files: outside", "copied_files: NUL"],
+)
+def test_a_manifest_naming_a_file_outside_its_folder_is_damaged(stories, earlier_output, edit, damaged):
+    """Entries are file names inside the output folder, checked on read, even under a valid hash: one
+    error line (exit 2) from --force, verify and inspect, never an unexpected error."""
+    _rewrite_manifest(earlier_output, edit, seal=True)
+    before = tree_digest(earlier_output.parent)
+    line = one_error_line(_force(stories, earlier_output))
+    assert "the file list of its otdus.json is damaged" in line, line
+    for command in (["verify", earlier_output, "--static"], ["inspect", earlier_output]):
+        line = one_error_line(run_cli(*command))
+        assert f"otdus.json is damaged ({damaged}: Value error, " in line, line
+        assert "is not the name of a file in the output folder" in line and "\x00" not in line
+    assert tree_digest(earlier_output.parent) == before
+
+
 def test_force_says_when_it_replaced_an_earlier_output(stories, earlier_output, tmp_path):
     result = _force(stories, earlier_output)
     assert result.exit_code == 0, result.output

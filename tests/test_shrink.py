@@ -340,6 +340,21 @@ def test_a_recipe_shrinks_as_its_flags_would(tmp_path):
     assert manifest["transport"]["2"]["variant"] == "structured"
 
 
+@pytest.mark.parametrize(
+    ("remove", "message"),
+    [([], "List should have at least 1 item"), ([1, 1], "names a layer twice ([1, 1])")],
+)
+def test_a_recipe_removing_no_layer_or_one_twice_is_refused(tmp_path, remove, message):
+    recipe = tmp_path / "shrink.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {"model": "bundled:stories260k", "out": str(tmp_path / "out"), "shrink": {"remove": remove}}
+        )
+    )
+    one_error_line(runner.invoke(app, ["shrink", "--recipe", str(recipe)]), 2, f"shrink.remove: {message}")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("recipe", sorted((Path(__file__).parent.parent / "recipes").glob("shrink-*.yaml")))
 def test_the_shipped_shrink_recipes_plan(recipe):
     """Every shipped shrink recipe is valid and plans on its model (bundled: offline)."""

@@ -123,7 +123,15 @@ def test_a_layer_map_that_claims_a_wrong_copy_is_noted(stories, llama_pro):
     assert proof["layers"][2]["note"] == "claimed a copy of base layer 2, but its tensors differ"
 
 
-@pytest.mark.parametrize("spec, message", [("0,x,1", "'x' is neither"), ("0,1", "lists 2 layers")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("0,x,1", "'x' is neither"),
+        ("0,1", "lists 2 layers"),
+        ("0,1,,2", "'' is neither"),
+        ("0,new,1,new,2,new,3,new,99,new", "names base layer 99; the base has layers 0..4"),
+    ],
+)
 def test_bad_layer_maps_are_one_line(stories, llama_pro, spec, message):
     result = run_cli("verify", llama_pro, "--base", stories, "--layer-map", spec, "--static")
     assert result.exit_code == 2, result.output

@@ -73,6 +73,19 @@ def test_manifest_pointing_at_another_model_is_a_wrong_base(expanded, tmp_path):
     assert "is not the model this expansion was made from: config.json field rms_norm_eps" in line
 
 
+def test_an_edited_manifest_is_said_at_once_and_in_the_report(expanded):
+    result = run_cli("verify", expanded, *VERIFY, "--json")
+    assert json.loads(result.stdout)["proof"]["manifest_check"] == "unchanged"
+    assert "edited" not in result.stderr
+    _edit_manifest(expanded, lambda m: m.update(warnings=["hand-written"]))
+    result = run_cli("verify", expanded, *VERIFY, "--json")
+    assert result.exit_code == 0, result.output  # the claims are checked all the same: still parity
+    assert json.loads(result.stdout)["proof"]["manifest_check"] == "edited"
+    assert f"warning: {expanded / 'otdus.json'} was edited since otdus wrote it" in result.stderr
+    static = run_cli("verify", expanded, "--static")
+    assert "was edited since otdus wrote it" in static.stderr
+
+
 def test_a_base_resaved_with_another_layout_is_still_the_base(expanded, tmp_path):
     from tests.support.tiny_models import load_causal_lm
 

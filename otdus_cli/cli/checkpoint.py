@@ -38,7 +38,7 @@ from otdus_cli.cli.flags import (
     with_method_flags,
 )
 from otdus_cli.cli.shrinking import Calib, CalibTokens, Remove, Select
-from otdus_cli.cli.values import MethodName, device_parser, model_name, output_folder
+from otdus_cli.cli.values import MethodName, device_parser, int_list, ints, model_name, output_folder
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.registry import METHODS
 from otdus_cli.options import Position as PositionName
@@ -61,7 +61,9 @@ Ratio = Annotated[
 ]
 After = Annotated[
     str | None,
-    typer.Option(help="Explicit base indices to insert after, e.g. '3,7,11' (overrides --position)."),
+    typer.Option(
+        help="Explicit base indices to insert after, e.g. '3,7,11' (overrides --position).", parser=int_list
+    ),
 ]
 
 
@@ -129,10 +131,7 @@ def _options(
     after = flags.pop("after")
     updates = {k: v for k, v in flags.items() if v is not None}
     if after is not None:
-        try:
-            updates["after"] = [int(x) for x in after.split(",") if x.strip()]
-        except ValueError:
-            raise OtdusError(f"--after takes comma-separated layer indices, got {after!r}") from None
+        updates["after"] = ints(after)
     defaults = base.expand if base else ExpandOptions()
     return model, validated_options(ExpandOptions, defaults, updates, method_flags), base
 
@@ -505,6 +504,7 @@ def inspect(
     """Describe a checkpoint or manifest: layers, parameters, dtypes, size, and how it was made."""
     from otdus_cli.bundled import BUNDLED_MODELS
     from otdus_cli.card import card_line, card_summary
+    from otdus_cli.io.file_hashes import edited_line, manifest_check
     from otdus_cli.io.reader import CheckpointReader
     from otdus_cli.manifest import MANIFEST, read_manifest
 
@@ -537,6 +537,8 @@ def inspect(
             )
         if manifest:
             info["manifest"] = manifest
+            # whether otdus.json is what otdus wrote: unchanged, edited, or unrecorded (older otdus)
+            info["manifest_check"] = manifest_check(manifest)
         card = card_summary(folder)
         if card is not None:
             info["card"] = card
@@ -568,6 +570,13 @@ def inspect(
         new = [str(lay["index"]) for lay in manifest["layers"] if lay["new"]]
         table.add_row("new layers", ", ".join(new))
         table.add_row("new parameters", f"{len(manifest['new_parameters'])} tensors")
+        if info["manifest_check"] != "unchanged":
+            table.add_row(
+                "manifest",
+                edited_line(folder)
+                if info["manifest_check"] == "edited"
+                else "records no hash of itself (an earlier otdus): edits cannot be told",
+            )
         method = METHODS.get(manifest["method"])  # None: a method this version does not offer
         for name, text in method.inspect_rows(manifest) if method and method.inspect_rows else []:
             table.add_row(name, text)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +19,7 @@ from otdus_cli.cli.console import (
     JsonFlag,
     Quiet,
     emit_json,
+    err_console,
     out_console,
     quiet_transformers,
     tick_progress,
@@ -242,16 +245,23 @@ def _evaluate(
     with user_errors():
         world = current_world()  # under torchrun/srun: this process's rank (see distributed.py)
     # every rank reports its errors; only rank 0 its progress and results
-    with user_errors(), tick_progress(command, quiet or not world.is_main) as on_tick:
+    edited: list[str] = []  # what to say of an edited manifest, once the model folder is known
+    with (
+        user_errors(),
+        tick_progress(command, quiet or not world.is_main) as on_tick,
+        _saying_in_errors(edited),
+    ):
         # everything the user can get wrong is checked before torch and transformers are imported
         model_dir = _local_model(model)
+        if card:
+            check_card_target(model, static)  # an edited manifest refused here, in its own words
+        if find_base:
+            edited += _edited_manifest(Path(model_dir))
         claimed = parse_layer_map(layer_map)
         if base is None and find_base:
             recorded = manifest_source(model_dir)
             base = str(resolve_source(*recorded).folder) if recorded else None
         base_dir = _local_model(base) if base else None
-        if card:
-            check_card_target(model, static)
         if find_base and base_dir is None:
             # parity needs a base: a perplexity table alone would look like a verdict it is not
             raise OtdusError(
@@ -263,6 +273,7 @@ def _evaluate(
 
             proof = static_check(base_dir, model_dir, claimed)
             if world.is_main:
+                _warn(edited)
                 _print_static(proof, json_out, _shrink_record(Path(model_dir)))
             return
         # "auto"/"cuda" under several ranks: this rank's GPU; a GPU that is not there fails here (after
@@ -288,6 +299,7 @@ def _evaluate(
         _print_ppl(report, json_out, model)
         _note_token_count(report.metrics, flags, json_out)
         return
+    _warn(edited)
     if card:
         with user_errors():
             written = add_verification(Path(model), report.to_dict())
@@ -324,6 +336,34 @@ def _evaluate(
             )
     if report.exit_code:
         raise typer.Exit(report.exit_code)
+
+
+def _edited_manifest(model_dir: Path) -> list[str]:
+    """What to say when the expansion's otdus.json is no longer what otdus wrote: its layer map and
+    base are then a stranger's claims (checked all the same; the JSON has proof.manifest_check)."""
+    from otdus_cli.io.file_hashes import edited_line, manifest_check
+    from otdus_cli.manifest import read_manifest
+
+    manifest = read_manifest(model_dir)
+    if manifest is None or manifest_check(manifest) != "edited":
+        return []
+    return [f"{edited_line(model_dir)}; what it claims is checked, not trusted"]
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        err_console.print(f"warning: {line}", highlight=False, markup=False, soft_wrap=True)
+
+
+@contextmanager
+def _saying_in_errors(notes: list[str]) -> Iterator[None]:
+    """An error's one line also says ``notes`` (as they stand when it is raised)."""
+    try:
+        yield
+    except OtdusError as exc:
+        if notes:
+            exc.args = (f"{exc} ({'; '.join(notes)})",)
+        raise
 
 
 def _shrink_record(model_dir: Path) -> dict | None:

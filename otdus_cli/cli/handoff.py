@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import typer
 
 from otdus_cli.cli.console import err_console, out_console, user_errors
+from otdus_cli.cli.values import each_once
 from otdus_cli.trainable import ALSO, FORMATS
 
 # a closed set: --help shows the values, the shell completes them, a wrong one is refused at parse
@@ -42,6 +43,7 @@ def trainable(
             metavar=f"<{'|'.join(ALSO)}>",
             parser=_also,
             help="Also train these (repeatable): embeddings, norms (every layer's and the final one), head.",
+            callback=each_once,
         ),
     ] = None,
     zero_init_only: Annotated[

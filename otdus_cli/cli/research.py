@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Annotated
@@ -19,7 +20,17 @@ from otdus_cli.cli.console import (
     task_progress,
     user_errors,
 )
-from otdus_cli.cli.values import device_parser, int_list, ints, method_specs, model_name, text_spec
+from otdus_cli.cli.values import (
+    device_parser,
+    distinct,
+    distinct_int_list,
+    int_list,
+    ints,
+    items,
+    method_specs,
+    model_name,
+    text_spec,
+)
 from otdus_cli.errors import OtdusError
 from otdus_cli.study_settings import DEFAULT_METHODS, StudySettings
 
@@ -32,18 +43,19 @@ def _help(field: str, text: str | None = None) -> str:
 
 
 def float_list(value: str) -> str:
-    """Comma-separated positive numbers (kept as text; the command splits them)."""
+    """Comma-separated distinct positive finite numbers (kept as text; the command splits them)."""
     try:
-        ok = all(float(x) > 0 for x in value.split(",") if x.strip())
+        numbers = floats(value)
     except ValueError:
-        ok = False
-    if not ok or not value.strip():
+        numbers = []
+    if not numbers or not all(0 < x < math.inf for x in numbers):
         raise typer.BadParameter(f"takes comma-separated positive numbers, got {value!r}")
+    distinct(numbers, value)
     return value
 
 
 def floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+    return [float(x) for x in items(text)]
 
 
 def window_count(value: str) -> str:
@@ -120,9 +132,9 @@ def study(
             parser=method_specs,
         ),
     ] = ",".join(DEFAULT_METHODS),
-    seeds: Annotated[str, typer.Option(help=_help("seeds", "Comma-separated seeds."), parser=int_list)] = (
-        ",".join(map(str, _DEFAULTS.seeds))
-    ),
+    seeds: Annotated[
+        str, typer.Option(help=_help("seeds", "Comma-separated seeds."), parser=distinct_int_list)
+    ] = (",".join(map(str, _DEFAULTS.seeds))),
     steps: Annotated[int, typer.Option(help=_help("steps"), min=1)] = _DEFAULTS.steps,
     lr: Annotated[float, typer.Option(help=_help("lr"), min=0)] = _DEFAULTS.lr,
     lr_sweep: Annotated[
@@ -225,7 +237,7 @@ def study(
                     base,
                     train,
                     eval_text,
-                    methods=[m.strip() for m in methods.split(",") if m.strip()],
+                    methods=items(methods),
                     reference=reference,
                     expand_options=expand_options or None,
                     shrink_options=shrink_options or None,

@@ -36,7 +36,7 @@ from otdus_cli.cli.flags import (
     validated_options,
     with_method_flags,
 )
-from otdus_cli.cli.values import device_parser, int_list, ints, output_folder, text_spec
+from otdus_cli.cli.values import device_parser, distinct_int_list, ints, output_folder, text_spec
 from otdus_cli.methods.merge import SHRINK_METHODS
 from otdus_cli.plan.shrink_map import Selection, ShrinkMethod
 
@@ -54,7 +54,9 @@ Select = Annotated[
 ]
 Remove = Annotated[
     str | None,
-    typer.Option(help="The source layers to remove, e.g. '3,4' (--select explicit).", parser=int_list),
+    typer.Option(
+        help="The source layers to remove, e.g. '3,4' (--select explicit).", parser=distinct_int_list
+    ),
 ]
 Calib = Annotated[
     str | None,

@@ -52,26 +52,55 @@ def text_spec(value: str) -> str:
     return value
 
 
+def items(value: str) -> list[str]:
+    """The comma-separated items of a list option, stripped; an empty one ('', '1,,2', '3,') is
+    refused rather than skipped (`--remove ''` would otherwise remove layers chosen by score)."""
+    parts = [part.strip() for part in value.split(",")]
+    if not all(parts):
+        raise typer.BadParameter(f"an empty item in {value!r}; separate the values by single commas")
+    return parts
+
+
+def distinct(values: list, value: str) -> None:
+    """Refuse a list option naming one value twice ('0,0', '1,01'), where twice means nothing more."""
+    twice = sorted({str(v) for v in values if values.count(v) > 1})
+    if twice:
+        raise typer.BadParameter(f"{', '.join(twice)} given twice in {value!r}; name each once")
+
+
+def each_once(values: list[str] | None) -> list[str] | None:
+    """A repeatable option given the same value twice (`--also head --also head`) is refused."""
+    twice = sorted({v for v in values or () if values.count(v) > 1})
+    if twice:
+        raise typer.BadParameter(f"{', '.join(twice)} given twice; give each once")
+    return values
+
+
 def int_list(value: str) -> str:
-    """Comma-separated integers (kept as text; the command splits them)."""
+    """Comma-separated integers (kept as text; the command splits them with :func:`ints`)."""
     try:
-        [int(x) for x in value.split(",") if x.strip()]
+        [int(x) for x in items(value)]
     except ValueError:
         raise typer.BadParameter(f"takes comma-separated integers, got {value!r}") from None
     return value
 
 
+def distinct_int_list(value: str) -> str:
+    """Comma-separated integers, each named once."""
+    distinct(ints(int_list(value)), value)
+    return value
+
+
 def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    return [int(x) for x in items(text)]
 
 
 def method_specs(value: str) -> str:
     """Comma-separated study method specs, each checked as the study will read it."""
     from otdus_cli.study_arms import parse_method
 
-    specs = [m.strip() for m in value.split(",") if m.strip()]
-    if not specs:
-        raise typer.BadParameter("give at least one method spec")
+    specs = items(value)
+    distinct(specs, value)
     for spec in specs:
         try:
             parse_method(spec)

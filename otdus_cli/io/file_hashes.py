@@ -7,11 +7,15 @@ first at 0 (the safetensors header, which any re-save rewrites) and the last at 
 16 MiB of a shard whatever its size, right after it was written (from the page cache), instead of a
 second pass over the whole checkpoint; an edit that keeps the size and touches no sampled block of a
 large shard goes unseen, which the README says.
+
+The manifest covers itself too: :data:`SELF_HASH` records the SHA-256 of its canonical content (sorted
+keys, no spaces, that field left out), so an edit of otdus.json is seen (:func:`manifest_check`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 from pathlib import Path
@@ -20,6 +24,41 @@ WHOLE_LIMIT = 64 * 2**20
 BLOCK = 2**20
 BLOCKS = 16
 _READ = 8 * 2**20
+
+
+SELF_HASH = "manifest_sha256"
+
+
+def _canonical_digest(manifest: dict) -> str:
+    content = {k: v for k, v in manifest.items() if k != SELF_HASH}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def sealed(manifest: dict) -> dict:
+    """``manifest`` as JSON reads it back (integer keys become strings, which sort otherwise), with the
+    hash of its own canonical content as its last key."""
+    content = json.loads(json.dumps({k: v for k, v in manifest.items() if k != SELF_HASH}))
+    return content | {SELF_HASH: _canonical_digest(content)}
+
+
+def manifest_check(manifest: dict) -> str:
+    """'unchanged' when ``manifest`` (read back) still hashes to the value it records, 'edited' when it
+    does not, 'unrecorded' when it records none (written by an otdus before the field existed)."""
+    recorded = manifest.get(SELF_HASH)
+    if recorded is None:
+        return "unrecorded"
+    return "unchanged" if recorded == _canonical_digest(manifest) else "edited"
+
+
+def edited_line(folder: Path) -> str:
+    """What every command says of a manifest :func:`manifest_check` finds edited."""
+    return f"{folder / 'otdus.json'} was edited since otdus wrote it (its {SELF_HASH} does not match it)"
+
+
+def plain_name(name: object) -> bool:
+    """Whether ``name`` (read from a manifest: untrusted) names a file directly inside the output
+    folder: a non-empty string, no separator, no NUL, not '.' or '..'."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\x00" not in name
 
 
 def _offsets(size: int) -> list[int]:
@@ -67,7 +106,7 @@ def valid_records(records: object) -> bool:
     if not isinstance(records, dict):
         return False
     for name, rec in records.items():
-        if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        if not plain_name(name):
             return False
         if not isinstance(rec, dict) or rec.get("hashed") not in ("whole", "sampled"):
             return False

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from otdus_cli.errors import Interrupted, OtdusError
-from otdus_cli.io.file_hashes import file_changes, valid_records
+from otdus_cli.io.file_hashes import edited_line, file_changes, manifest_check, plain_name, valid_records
 from otdus_cli.io.output_lock import OutputLock
 from otdus_cli.signals import output_in_place
 
@@ -121,7 +121,20 @@ def earlier_output_files(out: Path) -> set[str]:
             "its files, so otdus cannot tell whether they changed since (a model saved into it?); --force "
             "replaces only outputs it can check: choose another --out, or move or delete the folder yourself"
         )
-    if not valid_records(records):
+    check = manifest_check(manifest)
+    if check != "unchanged":
+        what = (
+            edited_line(out)
+            if check == "edited"
+            else f"the otdus.json of {out} records no hash of itself (an earlier otdus version)"
+        )
+        raise OtdusError(
+            f"--out {out}: {what}, so otdus cannot tell whether it still lists what it wrote there; "
+            "--force replaces only an unchanged otdus output: choose another --out, or move or delete "
+            "the folder yourself"
+        )
+    copied = manifest.get("copied_files", [])
+    if not valid_records(records) or not (isinstance(copied, list) and all(map(plain_name, copied))):
         raise OtdusError(
             f"--out {out}: the file list of its otdus.json is damaged, so otdus cannot tell what it wrote "
             "there; choose another --out, or move or delete the folder yourself"

@@ -3,7 +3,8 @@
 Tensors are located through the index's weight_map (or the single `model.safetensors`); shards are
 never globbed, since some repos ship extra files such as Mistral's `consolidated.safetensors`.
 Every header is validated up front, so a missing, truncated or corrupt shard, or an index entry
-that points outside the model folder, is one clear error before any output exists.
+that points outside the model folder, is one clear error before any output exists; so are the sizes
+and epsilons of config.json (arch/config_values.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from otdus_cli.arch.config_values import check_config_values
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.memory import return_freed_tensors_to_os
-from otdus_cli.io.safetensors_format import TensorInfo, code_of, itemsize, read_header, torch_dtype
+from otdus_cli.io.safetensors_format import (
+    TensorInfo,
+    check_tensor_name,
+    code_of,
+    itemsize,
+    read_header,
+    torch_dtype,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -101,13 +110,17 @@ class CheckpointReader:
         path = self.folder / "config.json"
         if not path.is_file():
             raise OtdusError(f"no config.json in {self.folder}")
-        return read_json_object(path)
+        config = read_json_object(path)
+        check_config_values(config)
+        return config
 
     def _read_index(self, name: str) -> dict[str, Path]:
         index = read_json_object(self.folder / name)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise OtdusError(f"{name} is corrupt (no valid weight_map)")
+        for tensor in weight_map:
+            check_tensor_name(tensor, name)
         self.index_file = name
         return {tensor: _inside(self.folder, str(shard)) for tensor, shard in weight_map.items()}
 
@@ -122,6 +135,8 @@ class CheckpointReader:
             self._bin_files = self._read_index(BIN_INDEX)
         elif (f / BIN_SINGLE).is_file():
             self._bin_files = {name: f / BIN_SINGLE for name in self._bin_state(f / BIN_SINGLE)}
+            for name in self._bin_files:
+                check_tensor_name(name, BIN_SINGLE)
         else:
             raise OtdusError(f"no weights in {f} (expected {SAFE_INDEX}, {SAFE_SINGLE} or {BIN_SINGLE})")
         for name, info in self._infos.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -44,6 +45,23 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 # aligned otherwise (DBRX's experts, a row slice multiplied by x.matmul(w.T), differ in the last bit
 # when 8 bytes off), and a checkpoint laid out otherwise would not compute what it computed in memory
 DATA_ALIGNMENT = 64
+
+
+# A tensor name: identifiers joined by dots, as in every checkpoint transformers writes
+# (model.layers.0.self_attn.q_proj.weight). safetensors allows any string, but names reach YAML,
+# Markdown and JSON that otdus writes: a newline or a quote in one could add keys of its own there.
+TENSOR_NAME = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
+
+
+def check_tensor_name(name: object, where: str) -> None:
+    """Refuse (OtdusError naming ``where``) a tensor name that is not identifiers joined by dots."""
+    if isinstance(name, str) and TENSOR_NAME.fullmatch(name):
+        return
+    shown = repr(name[:200] + "..." if isinstance(name, str) and len(name) > 200 else name)
+    raise OtdusError(
+        f"{where}: tensor name {shown} is not letters, digits and underscores joined by dots; "
+        "otdus reads no checkpoint holding such a name"
+    )
 
 
 def itemsize(code: str) -> int:
@@ -109,8 +127,9 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     clear error before any output is written: a JSON object header of at most 100 MB, metadata a map
     of strings, every entry a known dtype, a shape of non-negative integers and offsets matching it,
     the tensors' byte ranges contiguous from 0 (no overlap, no gap) and ending exactly at the end of
-    the file. Stricter in one point: a name given twice is refused (the library keeps one of them,
-    and another reader might keep the other).
+    the file. Stricter in two points: a name given twice is refused (the library keeps one of them,
+    and another reader might keep the other), and so is a name that is not identifiers joined by
+    dots (:data:`TENSOR_NAME`).
     """
     name = os.path.basename(path)
     try:
@@ -143,6 +162,7 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
     for tname, entry in header.items():
+        check_tensor_name(tname, name)
         if not isinstance(entry, dict):
             raise OtdusError(f"{name}: corrupt header entry for tensor {tname!r}")
         code, shape, offsets = (

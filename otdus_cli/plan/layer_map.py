@@ -169,6 +169,12 @@ def plan_layers(
 ) -> list[OutputLayer]:
     """The output stack for a method and placement; raises OtdusError for impossible requests."""
     zero = method.zero_init_default if zero_init is None else zero_init
+    if after:  # the layers placed explicitly: a count or layout saying otherwise contradicts them
+        if method.layout in ("stack", "solar"):
+            raise OtdusError(f"--method {method.name} places its new layers itself; leave out --after")
+        asked = None if layers is None and ratio is None else _count(base_layers, layers, ratio)
+        if asked is not None and asked != len(after):
+            raise OtdusError(f"--after names {len(after)} new layer(s), --layers or --ratio asks for {asked}")
     if method.layout == "stack":
         count = _count(base_layers, base_layers if layers is None and ratio is None else layers, ratio)
         if count % base_layers:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from otdus_cli.arch.families import family_for
 from otdus_cli.arch.identity_values import holds
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.file_hashes import manifest_check
 from otdus_cli.io.fingerprint import SCHEME, group_fingerprint, slice_fingerprint, tensor_fingerprint
 from otdus_cli.io.reader import CheckpointReader, file_sha256
 from otdus_cli.io.safetensors_format import itemsize
@@ -165,6 +166,8 @@ class StaticProof:
     claims_preserving: bool | None = None  # what the claimed layer map says (None: no claim)
     base_checks: list[str] = field(default_factory=list)
     claimed: list[dict] | None = None  # the layer map checked (the manifest's, seen from the given base)
+    # whether the manifest is what otdus wrote (io/file_hashes.manifest_check); None: there is none
+    manifest_check: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -308,6 +311,7 @@ def static_check(
 
     base_stack, expanded_stack = open_stack(base), open_stack(expanded)
     manifest = read_manifest(expanded_stack.reader.folder)
+    recorded = None if manifest is None else manifest_check(manifest)
     try:
         checks = check_recorded_base(manifest, base_stack)
     except WrongBase:
@@ -331,9 +335,16 @@ def static_check(
         raise OtdusError(
             f"the layer map lists {len(claimed)} layers, the expanded checkpoint has {expanded_stack.depth}"
         )
+    sources = [e.get("source") for e in claimed or ()]
+    beyond = [i for i in sources if isinstance(i, int) and not 0 <= i < base_stack.depth]
+    if beyond:
+        raise OtdusError(
+            f"the layer map names base layer {beyond[0]}; the base has layers 0..{base_stack.depth - 1}"
+        )
     proof = prove(base_stack, expanded_stack, claimed)
     proof.base_checks = checks
     proof.claimed = None if claimed is None else list(claimed)
+    proof.manifest_check = recorded
     return proof
 
 
