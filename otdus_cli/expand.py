@@ -39,7 +39,7 @@ from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
 from otdus_cli.manifest import Manifest, ManifestLayer, created_now, source_record
 from otdus_cli.methods.base import BuildContext, Method
-from otdus_cli.methods.registry import get_method
+from otdus_cli.methods.registry import METHODS, get_method
 from otdus_cli.options import ExpandOptions, ignored_options
 from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
 from otdus_cli.plan.layer_map import OutputLayer, check_parent_kinds, is_function_preserving, plan_layers
@@ -97,7 +97,8 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
         if family.name == "generic":
             raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
         if not method.needs_roles:
-            also = ", ot or lesa" if family.roles else ""
+            role_wise = " or ".join(m.name for m in METHODS.values() if m.needs_roles)
+            also = f", {role_wise}" if family.roles else ""
             raise OtdusError(
                 f"--method {method.name} needs an exact template; {family.name} was read off transformers' "
                 f"class: use copy, interpose, llama-pro, solar or stack{also}"
@@ -130,7 +131,7 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
     )
     check_parent_kinds(source.family, source.text_config, source.depth, layer_map, method.name)
     if method.needs_roles:
-        check_role_kinds(source, layer_map, method.name)
+        check_role_kinds(source, layer_map, method.name, method.roles_of_every_layer)
     if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
         why = source.family.zero_init_note or "it needs an exact template (which tensors to zero)"
         raise OtdusError(f"zero-init for {source.family.name}: {why}; {WITHOUT_ZERO_INIT}")

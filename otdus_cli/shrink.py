@@ -11,11 +11,12 @@ atomically, with the same manifest, card, --json and torchrun/srun support.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -28,6 +29,7 @@ from otdus_cli.expand import (
     expand,
     output_layout,
 )
+from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.methods.base import Method, variants_note
 from otdus_cli.methods.merge import SHRINK_METHODS
 from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS
@@ -42,6 +44,9 @@ from otdus_cli.plan.shrink_map import (
     shrink_layers,
 )
 from otdus_cli.source import SourceModel, open_source
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ShrinkSettings(BaseModel):
@@ -231,13 +236,38 @@ def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | N
     """The selection scores of ``source`` on the calibration text (blocks of one layer and of the
     removal count)."""
     from otdus_cli.device import resolve_device
-    from otdus_cli.plan.layer_scores import layer_scores  # torch
 
     count = removal_count(source.depth, options.layers, options.ratio)
     device = resolve_device(options.device, world)
     scoring = f"scoring the layers on up to {options.calib_tokens} tokens of {options.calib}"
     with doing(scoring, "fewer --calib-tokens"):
-        return layer_scores(source.reader, options.calib, options.calib_tokens, count, device=device)
+        return scores_of(source.reader, options.calib, options.calib_tokens, count, device)
+
+
+def scores_of(
+    model: str | os.PathLike[str] | CheckpointReader,
+    calib: str,
+    calib_tokens: int,
+    block: int,
+    device: str | torch.device = "cpu",
+) -> LayerScores:
+    """The selection scores (plan/layer_scores.py) of ``model`` (a folder, or the reader a plan has
+    open already), streamed by verify's evaluator over up to ``calib_tokens`` tokens of ``calib``."""
+    import torch
+
+    from otdus_cli.methods.ot.calibration import calibration_windows
+    from otdus_cli.plan.layer_scores import layer_scores
+    from otdus_cli.verify.metrics import model_max_positions
+    from otdus_cli.verify.streaming import StreamedModel
+
+    reader = model if isinstance(model, CheckpointReader) else CheckpointReader(model)
+    max_positions = model_max_positions(reader.config)
+    windows = calibration_windows(reader.folder, calib, calib_tokens, max_positions, "scoring the layers")
+    run = StreamedModel(reader, device=device, dtype=torch.float32, batch_size=8)
+    try:
+        return layer_scores(run, windows, calib, block)
+    finally:
+        run.weights.free_shell()
 
 
 def plan_shrink(model: str, options: ShrinkOptions) -> ShrinkPlan:

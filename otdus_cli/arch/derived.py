@@ -27,7 +27,7 @@ from otdus_cli.arch.layer_storage import numbered_outside
 from otdus_cli.arch.plan_differences import POSITION_DIFFERS
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
-from otdus_cli.verify.quiet import quiet_transformers
+from otdus_cli.quiet import quiet_transformers
 
 # what a refused derivation tells the user to do
 _NEEDS_TEMPLATE = "expanding it needs an exact template (otdus_cli/arch/families.py)"

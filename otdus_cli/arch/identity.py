@@ -51,7 +51,7 @@ from otdus_cli.arch.identity_values import (
     value_tensor,
 )
 from otdus_cli.arch.layer_run import LayerRun, is_norm, stored_buffers
-from otdus_cli.verify.quiet import quiet_transformers
+from otdus_cli.quiet import quiet_transformers
 
 # a model at most this large is proved on as it is; a larger one on a copy with these widths
 MAX_PROOF_PARAMETERS = 20_000_000

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
-from otdus_cli.verify.quiet import quiet_transformers
+from otdus_cli.quiet import quiet_transformers
 
 if TYPE_CHECKING:
     import torch

@@ -8,18 +8,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 from otdus_cli.errors import OtdusError
 
 if TYPE_CHECKING:
     from otdus_cli.arch.families import Family
-    from otdus_cli.methods.base import Method
 
-POSITIONS = ("top", "bottom", "mid", "top-bottom", "uniform")
+Position = Literal["top", "bottom", "mid", "top-bottom", "uniform"]
+POSITIONS: tuple[str, ...] = get_args(Position)
 # No growth operator in the literature goes beyond a few times the base depth; a bound keeps a typo
 # (--layers 1000000000) from building a layer map until memory runs out.
 MAX_GROWTH = 64
+
+
+class Placement(Protocol):
+    """What a layer map reads of a method (methods/base.py: Method), passed in by the caller."""
+
+    @property
+    def layout(self) -> str: ...
+    @property
+    def pair(self) -> bool: ...
+    @property
+    def builder(self) -> str: ...
+    @property
+    def zero_init_default(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -160,7 +173,7 @@ def is_function_preserving(layer_map: list[OutputLayer], base_layers: int) -> bo
 
 def plan_layers(
     base_layers: int,
-    method: Method,
+    method: Placement,
     position: str = "top",
     layers: int | None = None,
     ratio: float | None = None,

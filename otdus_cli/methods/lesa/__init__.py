@@ -110,6 +110,7 @@ LESA = Method(
     zero_init_default=True,
     pair=True,
     needs_roles=True,
+    roles_of_every_layer=True,
     zero_init_off_for=("published",),
     label="LESA",
     options=LesaOptions,

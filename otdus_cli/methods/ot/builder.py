@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
+from otdus_cli.arch.heads import Heads
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.methods.layer_roles import (
     NORM_ROLES,
-    Heads,
     ParentPair,
     ParentRoles,
     RoleLayout,
