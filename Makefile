@@ -66,9 +66,11 @@ test-compat: setup-compat
 check-docs: setup
 	$(PY) -m scripts.check_docs
 
+# lint-imports: the layers and no import cycle (pyproject.toml, [tool.importlinter]; make test runs it too)
 lint: setup
 	$(VENV)/bin/ruff check otdus_cli tests scripts
 	$(VENV)/bin/ruff format --check otdus_cli tests scripts
+	$(VENV)/bin/lint-imports
 
 # docs/evidence.md's generated tables, verdicts and inline figures, from the stored results under
 # docs/evidence/ and the recipes' declared primary families (no training: seconds)

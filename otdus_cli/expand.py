@@ -37,13 +37,13 @@ from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError, doing
 from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
-from otdus_cli.manifest import Manifest, ManifestLayer, created_now, source_record
+from otdus_cli.manifest import Manifest, ManifestLayer, created_now
 from otdus_cli.methods.base import BuildContext, Method
 from otdus_cli.methods.registry import METHODS, get_method
 from otdus_cli.options import ExpandOptions, ignored_options
 from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
 from otdus_cli.plan.layer_map import OutputLayer, check_parent_kinds, is_function_preserving, plan_layers
-from otdus_cli.source import SourceModel, open_source
+from otdus_cli.source import SourceModel, open_source, source_record
 
 SCRATCH = ".otdus-scratch"  # inside the staging folder; never part of an output
 

@@ -42,7 +42,7 @@ from otdus_cli.arch.families import (
     Family,
 )
 from otdus_cli.arch.heads import Heads
-from otdus_cli.arch.identity import PROOF_TOKENS, TinyInstance, tiny_ids
+from otdus_cli.arch.tiny import PROOF_TOKENS, TinyInstance, tiny_ids
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.plan.layer_map import index_ranges, layer_kinds
@@ -280,7 +280,7 @@ def shape_error(fam: Family, tensors: dict[str, list[int]], config: dict) -> str
 
 def derive_roles(config: dict, found: dict, instance: TinyInstance | Exception) -> RoleProof:
     """Match every layer kind of the derived template ``found`` (arch/derived.py: derive_template) against
-    the exact templates' roles and prove the matches on the tiny ``instance`` (identity.tiny_instance).
+    the exact templates' roles and prove the matches on the tiny ``instance`` (arch/tiny.py: tiny_instance).
     Roles are optional (copy-type methods and zero-init need none): a derivation that fails leaves every
     kind without."""
     try:
@@ -291,7 +291,7 @@ def derive_roles(config: dict, found: dict, instance: TinyInstance | Exception) 
 
 
 def _derive_roles(config: dict, found: dict, instance: TinyInstance | Exception) -> RoleProof:
-    from otdus_cli.arch.derived import modules_of
+    from otdus_cli.arch.modules import modules_of
 
     proof = RoleProof()
     text = text_config(config)

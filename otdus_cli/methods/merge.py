@@ -58,9 +58,7 @@ class OTMergeBuilder:
     parents_needed = None
 
     def __init__(self) -> None:
-        from otdus_cli.methods.ot.builder import OTBuilder
-
-        self.pair_builder = OTBuilder()
+        self.pair_builder = OT.make_builder()
         self.scratch: Path | None = None
 
     def prepare(

@@ -31,8 +31,9 @@ __all__ = ["OT", "OTOptions", "transport_warnings"]
 
 def _builder() -> LayerBuilder:
     from otdus_cli.methods.ot.builder import OTBuilder  # torch only when building
+    from otdus_cli.methods.ot.moe import build_moe_layer
 
-    return OTBuilder()
+    return OTBuilder(moe_layer=build_moe_layer)
 
 
 def _ignored(ot: OTOptions) -> dict[str, str]:
