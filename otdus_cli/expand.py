@@ -90,25 +90,31 @@ class ExpansionPlan:
         ]
 
 
+def _either(names: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b or c" (the methods a message offers, from the registry)."""
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
+
+
 def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
     method = get_method(options.method)
     family = source.family
     if family.copy_only and method.builder != "copy":
         if family.name == "generic":
             raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+        copy_type = _either([m.name for m in METHODS.values() if m.builder == "copy"])
         if not method.needs_roles:
-            role_wise = " or ".join(m.name for m in METHODS.values() if m.needs_roles)
+            role_wise = _either([m.name for m in METHODS.values() if m.needs_roles])
             also = f", {role_wise}" if family.roles else ""
             raise OtdusError(
                 f"--method {method.name} needs an exact template; {family.name} was read off transformers' "
-                f"class: use copy, interpose, llama-pro, solar or stack{also}"
+                f"class: use {copy_type}{also}"
             )
         if not family.roles:
             why = "; ".join(f"{k}: {v}" for k, v in (family.roles_proof or {}).get("unmatched", {}).items())
             raise OtdusError(
                 f"--method {method.name} computes new tensors from the layer roles (q/k/v/o, gate/up/down); "
                 f"{family.name} was read off transformers' class, and no kind of its layers has an exact "
-                f"template's roles ({why or 'none'}): use copy, interpose, llama-pro, solar or stack"
+                f"template's roles ({why or 'none'}): use {copy_type}"
             )
     refusal = method.refusal(source.family)
     if refusal:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -31,13 +31,12 @@ from otdus_cli.expand import (
 )
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.methods.base import Method, variants_note
-from otdus_cli.methods.merge import SHRINK_METHODS
 from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS
+from otdus_cli.methods.registry import SHRINK_METHODS
 from otdus_cli.options import OutputDtype, invalid, merge_options, read_yaml
 from otdus_cli.plan.shrink_map import (
     LayerScores,
     Selection,
-    ShrinkMethod,
     merge_groups,
     removal_count,
     select_removed,
@@ -49,13 +48,16 @@ if TYPE_CHECKING:
     import torch
 
 
+ShrinkMethod = Literal[tuple(SHRINK_METHODS)]  # type: ignore[valid-type]
+
+
 class ShrinkSettings(BaseModel):
     """What decides a shrink besides the merge methods' own options (ShrinkOptions adds one option
-    group per shrink method that has options, from methods/merge.py)."""
+    group per shrink method that has options, from the registry: methods/registry.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    method: ShrinkMethod = "drop"
+    method: ShrinkMethod = "drop"  # type: ignore[valid-type]
     layers: int | None = Field(None, ge=1, description="number of layers removed (default 1)")
     ratio: float | None = Field(None, gt=0, lt=1, description="layers removed, as a fraction of the depth")
     select: Selection | None = None  # None: explicit when remove names layers, else bi

@@ -22,7 +22,7 @@ from otdus_cli.cli import app
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
-from otdus_cli.methods.merge import SHRINK_METHODS
+from otdus_cli.methods.registry import SHRINK_METHODS
 from otdus_cli.options import ExpandOptions
 from otdus_cli.plan.shrink_map import (
     LayerScores,

@@ -106,7 +106,7 @@ def transport_warnings(manifest: dict) -> list[str]:
 
 OT = Method(
     "ot",
-    "OT-DUS: neurons of f_i aligned to f_{i+1} by optimal transport, then averaged",
+    "OT-DUS: neurons of f_i aligned to f_{i+1} by optimal transport, then averaged (docs/ot.md)",
     "placed",
     builder="ot",
     zero_init_default=True,
