@@ -1,8 +1,8 @@
 """README's tables of the methods, made from the method registry (otdus_cli/methods/registry.py).
 
     python -m scripts.methods_table           # print both tables
-    python -m scripts.methods_table --write   # replace them in README.md (tests/test_methods_table.py
-                                              # checks README holds what this prints)
+    python -m scripts.methods_table --write   # replace them in README.md (make methods-table;
+                                              # tests/test_methods_table.py checks README holds them)
 
 Each table follows a marker line in README.md (MARKERS); what a method's row says comes from its
 declaration: its summary, and its zero-init default per variant (Method.zero_init_for).
@@ -21,8 +21,8 @@ from otdus_cli.shrink import ShrinkSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-EXPAND_MARKER = "<!-- the expand methods: python -m scripts.methods_table --write -->"
-SHRINK_MARKER = "<!-- the shrink methods: python -m scripts.methods_table --write -->"
+EXPAND_MARKER = "<!-- the expand methods: make methods-table -->"
+SHRINK_MARKER = "<!-- the shrink methods: make methods-table -->"
 
 
 def _per_variant(method: Method, say) -> str:
