@@ -10,7 +10,7 @@ COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 OLDEST_TRANSFORMERS ?= transformers==4.57.6
 
-.PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint evidence bench bench-copy bench-8b-copy faults coverage \
+.PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint methods-table evidence bench bench-copy bench-8b-copy faults coverage \
 	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl shrink-ppl synthetic mergekit-outputs \
 	output-hashes device-wheels device-check device-check-dry-run clean
 
@@ -74,9 +74,16 @@ test-compat: setup-compat
 check-docs: setup
 	$(PY) -m scripts.check_docs
 
+# lint-imports: the layers and no import cycle (pyproject.toml, [tool.importlinter], with the contract
+# type of scripts.import_contracts; make test runs it too)
 lint: setup
 	$(VENV)/bin/ruff check otdus_cli tests scripts
 	$(VENV)/bin/ruff format --check otdus_cli tests scripts
+	$(VENV)/bin/lint-imports
+
+# README's methods tables, from the method registry (tests/test_methods_table.py checks them)
+methods-table: setup
+	$(PY) -m scripts.methods_table --write
 
 # docs/evidence.md's generated tables, verdicts and inline figures, from the stored results under
 # docs/evidence/ and the recipes' declared primary families (no training: seconds)

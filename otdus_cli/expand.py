@@ -37,13 +37,13 @@ from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError, doing
 from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
-from otdus_cli.manifest import Manifest, ManifestLayer, created_now, source_record
+from otdus_cli.manifest import Manifest, ManifestLayer, created_now
 from otdus_cli.methods.base import BuildContext, Method
-from otdus_cli.methods.registry import get_method
+from otdus_cli.methods.registry import METHODS, get_method
 from otdus_cli.options import ExpandOptions, ignored_options
 from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
 from otdus_cli.plan.layer_map import OutputLayer, check_parent_kinds, is_function_preserving, plan_layers
-from otdus_cli.source import SourceModel, open_source
+from otdus_cli.source import SourceModel, open_source, source_record
 
 SCRATCH = ".otdus-scratch"  # inside the staging folder; never part of an output
 
@@ -92,24 +92,31 @@ class ExpansionPlan:
         ]
 
 
+def _either(names: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b or c" (the methods a message offers, from the registry)."""
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
+
+
 def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
     method = get_method(options.method)
     family = source.family
     if family.copy_only and method.builder != "copy":
         if family.name == "generic":
             raise OtdusError(f"--allow-unknown-arch supports only copy-type methods, not {method.name}")
+        copy_type = _either([m.name for m in METHODS.values() if m.builder == "copy"])
         if not method.needs_roles:
-            also = ", ot or lesa" if family.roles else ""
+            role_wise = _either([m.name for m in METHODS.values() if m.needs_roles])
+            also = f", {role_wise}" if family.roles else ""
             raise OtdusError(
                 f"--method {method.name} needs an exact template; {family.name} was read off transformers' "
-                f"class: use copy, interpose, llama-pro, solar or stack{also}"
+                f"class: use {copy_type}{also}"
             )
         if not family.roles:
             why = "; ".join(f"{k}: {v}" for k, v in (family.roles_proof or {}).get("unmatched", {}).items())
             raise OtdusError(
                 f"--method {method.name} computes new tensors from the layer roles (q/k/v/o, gate/up/down); "
                 f"{family.name} was read off transformers' class, and no kind of its layers has an exact "
-                f"template's roles ({why or 'none'}): use copy, interpose, llama-pro, solar or stack"
+                f"template's roles ({why or 'none'}): use {copy_type}"
             )
     refusal = method.refusal(source.family)
     if refusal:
@@ -132,7 +139,7 @@ def make_plan(source: SourceModel, options: ExpandOptions) -> ExpansionPlan:
     )
     check_parent_kinds(source.family, source.text_config, source.depth, layer_map, method.name)
     if method.needs_roles:
-        check_role_kinds(source, layer_map, method.name)
+        check_role_kinds(source, layer_map, method.name, method.roles_of_every_layer)
     if not source.family.zero_init and any(lay.zero_init for lay in layer_map):
         why = source.family.zero_init_note or "it needs an exact template (which tensors to zero)"
         raise OtdusError(f"zero-init for {source.family.name}: {why}; {WITHOUT_ZERO_INIT}")

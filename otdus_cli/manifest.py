@@ -16,7 +16,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import (
     BaseModel,
@@ -32,11 +32,7 @@ from pydantic import (
 from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.file_hashes import plain_name, record_files, sealed
-from otdus_cli.io.fingerprint import stack_fingerprints
 from otdus_cli.io.reader import read_json_object
-
-if TYPE_CHECKING:
-    from otdus_cli.source import SourceModel
 
 MANIFEST = "otdus.json"
 
@@ -163,24 +159,6 @@ class Manifest(BaseModel):
 def created_now() -> dict[str, str]:
     """The first keys of a new manifest: which otdus wrote it, and when (UTC)."""
     return {"otdus_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def source_record(src: SourceModel) -> ManifestSource:
-    """What a manifest records of its source, so verify can tell whether a base is that model."""
-    return ManifestSource(
-        id=src.resolved.id,
-        revision=src.resolved.revision,
-        path=str(src.resolved.folder.absolute()),
-        model_type=src.config.get("model_type"),
-        family=src.family.name,
-        num_hidden_layers=src.depth,
-        **({"zero_init_proof": src.family.zero_init_proof} if src.family.zero_init_proof else {}),
-        **({"roles_proof": src.family.roles_proof} if src.family.roles_proof else {}),
-        kind=src.resolved.kind,
-        **src.reader.fingerprint(),
-        fingerprints=stack_fingerprints(src),
-        config=src.config,
-    )
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> dict:

@@ -11,9 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import variants_note
 from otdus_cli.methods.registry import METHODS, get_method
+from otdus_cli.plan.layer_map import Position
 
 # The closed sets of values, shared with the CLI (which offers them as choices and completions).
-Position = Literal["top", "bottom", "mid", "top-bottom", "uniform"]
 OutputDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 

@@ -11,11 +11,12 @@ atomically, with the same manifest, card, --json and torchrun/srun support.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
@@ -29,14 +30,14 @@ from otdus_cli.expand import (
     expand,
     output_layout,
 )
+from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.methods.base import Method, variants_note
-from otdus_cli.methods.merge import SHRINK_METHODS
 from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MIN_CALIB_TOKENS
+from otdus_cli.methods.registry import SHRINK_METHODS
 from otdus_cli.options import OutputDtype, invalid, merge_options, read_yaml
 from otdus_cli.plan.shrink_map import (
     LayerScores,
     Selection,
-    ShrinkMethod,
     merge_groups,
     removal_count,
     select_removed,
@@ -44,14 +45,20 @@ from otdus_cli.plan.shrink_map import (
 )
 from otdus_cli.source import SourceModel, open_source
 
+if TYPE_CHECKING:
+    import torch
+
+
+ShrinkMethod = Literal[tuple(SHRINK_METHODS)]  # type: ignore[valid-type]
+
 
 class ShrinkSettings(BaseModel):
     """What decides a shrink besides the merge methods' own options (ShrinkOptions adds one option
-    group per shrink method that has options, from methods/merge.py)."""
+    group per shrink method that has options, from the registry: methods/registry.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    method: ShrinkMethod = "drop"
+    method: ShrinkMethod = "drop"  # type: ignore[valid-type]
     layers: int | None = Field(None, ge=1, description="number of layers removed (default 1)")
     ratio: float | None = Field(None, gt=0, lt=1, description="layers removed, as a fraction of the depth")
     select: Selection | None = None  # None: explicit when remove names layers, else bi
@@ -243,12 +250,37 @@ def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | N
     """The selection scores of ``source`` on the calibration text (blocks of one layer and of the
     removal count)."""
     from otdus_cli.device import resolve_device
-    from otdus_cli.plan.layer_scores import layer_scores  # torch
 
     count = removal_count(source.depth, options.layers, options.ratio)
     device = resolve_device(options.device, world)
     with doing(_scoring(options), "fewer --calib-tokens"):
-        return layer_scores(source.reader, options.calib, options.calib_tokens, count, device=device)
+        return scores_of(source.reader, options.calib, options.calib_tokens, count, device)
+
+
+def scores_of(
+    model: str | os.PathLike[str] | CheckpointReader,
+    calib: str,
+    calib_tokens: int,
+    block: int,
+    device: str | torch.device = "cpu",
+) -> LayerScores:
+    """The selection scores (plan/layer_scores.py) of ``model`` (a folder, or the reader a plan has
+    open already), streamed by verify's evaluator over up to ``calib_tokens`` tokens of ``calib``."""
+    import torch
+
+    from otdus_cli.methods.ot.calibration import calibration_windows
+    from otdus_cli.plan.layer_scores import layer_scores
+    from otdus_cli.verify.metrics import model_max_positions
+    from otdus_cli.verify.streaming import StreamedModel
+
+    reader = model if isinstance(model, CheckpointReader) else CheckpointReader(model)
+    max_positions = model_max_positions(reader.config)
+    windows = calibration_windows(reader.folder, calib, calib_tokens, max_positions, "scoring the layers")
+    run = StreamedModel(reader, device=device, dtype=torch.float32, batch_size=8)
+    try:
+        return layer_scores(run, windows, calib, block)
+    finally:
+        run.weights.free_shell()
 
 
 def plan_shrink(model: str, options: ShrinkOptions) -> ShrinkPlan:

@@ -15,12 +15,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from otdus_cli.arch.families import family_for
+from otdus_cli.arch.family_lookup import family_for
 from otdus_cli.bundled import BUNDLED_MODELS
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.fingerprint import stack_fingerprints
 from otdus_cli.io.reader import CheckpointReader, read_json_object
 from otdus_cli.io.stack import LayerStack, read_stack
-from otdus_cli.manifest import MANIFEST
+from otdus_cli.manifest import MANIFEST, ManifestSource
 
 # Small files worth carrying to the expanded model (everything else a repo holds is left behind).
 SIDE_FILE_PATTERNS = [
@@ -218,3 +219,21 @@ def copy_side_files(source_folder: Path, folder: Path) -> list[str]:
         shutil.copyfile(path, folder / path.name)  # follows hub-cache symlinks
         copied.append(path.name)
     return copied
+
+
+def source_record(src: SourceModel) -> ManifestSource:
+    """What a manifest records of its source, so verify can tell whether a base is that model."""
+    return ManifestSource(
+        id=src.resolved.id,
+        revision=src.resolved.revision,
+        path=str(src.resolved.folder.absolute()),
+        model_type=src.config.get("model_type"),
+        family=src.family.name,
+        num_hidden_layers=src.depth,
+        **({"zero_init_proof": src.family.zero_init_proof} if src.family.zero_init_proof else {}),
+        **({"roles_proof": src.family.roles_proof} if src.family.roles_proof else {}),
+        kind=src.resolved.kind,
+        **src.reader.fingerprint(),
+        fingerprints=stack_fingerprints(src),
+        config=src.config,
+    )

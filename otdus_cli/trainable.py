@@ -65,7 +65,7 @@ class TrainableSet:
 
 def _layer_parser(config: dict):
     """name -> (layer, suffix) or None: the family's layer prefix, else the usual ``*.layers.N.``."""
-    from otdus_cli.arch.families import family_for
+    from otdus_cli.arch.family_lookup import family_for
 
     try:
         family = family_for(config)

@@ -43,10 +43,9 @@ from otdus_cli.manifest import (
     created_now,
     read_manifest,
     seen_from_first_source,
-    source_record,
 )
 from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
-from otdus_cli.source import SourceModel, open_source
+from otdus_cli.source import SourceModel, open_source, source_record
 
 if TYPE_CHECKING:
     import torch

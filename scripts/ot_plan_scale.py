@@ -20,7 +20,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from otdus_cli.arch.families import family_for
+from otdus_cli.arch.family_lookup import family_for
 from otdus_cli.bundled import STORIES260K
 from otdus_cli.methods.base import BuildContext
 from otdus_cli.methods.ot import OTOptions

@@ -1,5 +1,6 @@
-"""README's worked example of adding a method ("Adding a method"), run as written: its module,
-registered with one line, gives `otdus expand` the method, its flag and its recipe keys."""
+"""README's worked examples of adding a method ("Adding a method"), run as written: each module,
+registered with one line, gives `otdus expand` (`otdus shrink`) the method, its flag, its place in
+--help, `otdus plan` and the recipe keys, and a row in README's methods table."""
 
 from __future__ import annotations
 
@@ -17,37 +18,39 @@ from otdus_cli.bundled import STORIES260K
 from otdus_cli.io.reader import CheckpointReader
 
 ROOT = Path(__file__).resolve().parent.parent
-# the registry line README asks for, done before the CLI is imported (as registry.py would)
-RUN = (
-    "import sys\n"
-    "from otdus_cli.methods.registry import register\n"
-    "import scale\n"
-    "register(scale.SCALE)\n"
-    "from otdus_cli.cli import main\n"
-    "main(sys.argv[1:])\n"
-)
+# the registry lines README asks for, done before the CLI is imported (as registry.py would)
+REGISTER = "from otdus_cli.methods.registry import register\nimport halfway, scale\n"
+REGISTER += "register(scale.SCALE)\nregister(halfway.HALFWAY)\n"
+RUN = "import sys\n" + REGISTER + "from otdus_cli.cli import main\nmain(sys.argv[1:])\n"
+TABLES = REGISTER + "from scripts.methods_table import expand_table, shrink_table\n"
+TABLES += "print(expand_table())\nprint(shrink_table())\n"
+
+
+def _example(readme: str, module: str) -> str:
+    section = readme[readme.index("### Adding a method") :]
+    start = rf"```python\n(# {module}\.py, a new module of the package otdus_cli.methods\n"
+    code = re.search(start + r".*?)```", section, re.S)
+    assert code, f"README's example module {module}.py"
+    return code.group(1)
 
 
 @pytest.fixture
-def otdus_with_scale(tmp_path):
+def otdus_with_examples(tmp_path):
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Adding a method") :]
-    start = r"```python\n(# scale.py, a new module of the package otdus_cli.methods\n"
-    code = re.search(start + r".*?)```", section, re.S)
-    assert code, "README's example module"
-    (tmp_path / "scale.py").write_text(code.group(1))
+    for module in ("scale", "halfway"):
+        (tmp_path / f"{module}.py").write_text(_example(readme, module))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
 
-    def run(*args: str) -> subprocess.CompletedProcess:
+    def run(*args: str, code: str = RUN) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-c", RUN, *args], capture_output=True, text=True, env=env, timeout=300
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=300
         )
 
     return run
 
 
-def test_the_readme_method_expands_with_its_flag_and_recipe_key(otdus_with_scale, tmp_path):
-    done = otdus_with_scale(
+def test_the_readme_method_expands_with_its_flag_and_recipe_key(otdus_with_examples, tmp_path):
+    done = otdus_with_examples(
         "expand", "bundled:stories260k", "--method", "scale", "--scale-factor", "0.25", "--layers", "1",
         "--out", str(tmp_path / "out"), "--json",
     )  # fmt: skip
@@ -71,13 +74,89 @@ def test_the_readme_method_expands_with_its_flag_and_recipe_key(otdus_with_scale
     recipe.write_text(
         "model: bundled:stories260k\nexpand:\n  method: scale\n  layers: 1\n  scale:\n    factor: 0.125\n"
     )
-    done = otdus_with_scale("expand", "--recipe", str(recipe), "--out", str(tmp_path / "r"), "--json")
+    done = otdus_with_examples("expand", "--recipe", str(recipe), "--out", str(tmp_path / "r"), "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["options"]["scale"] == {"factor": 0.125}
 
-    bad = otdus_with_scale(
+    bad = otdus_with_examples(
         "expand", "bundled:stories260k", "--method", "scale", "--scale-factor", "0", "--out", "x"
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --scale-factor 0.0: Input should be greater than 0"
+    ]
+
+
+def test_the_readme_methods_are_offered_in_help_plan_and_the_tables(otdus_with_examples):
+    expand_help = otdus_with_examples("expand", "--help")
+    assert expand_help.returncode == 0, expand_help.stderr
+    assert "scale" in re.search(r"--method <([^>]*)>", expand_help.stdout).group(1).split("|")
+    assert "--scale-factor" in expand_help.stdout and "--halfway-weight" not in expand_help.stdout
+    shrink_help = otdus_with_examples("shrink", "--help")
+    assert shrink_help.returncode == 0, shrink_help.stderr
+    assert re.search(r"--method <([^>]*)>", shrink_help.stdout).group(1).split("|")[-1] == "halfway"
+    flat = " ".join(shrink_help.stdout.split())
+    assert "halfway: the kept layer moved --halfway-weight of the way to its merge group's mean" in flat
+    assert "--halfway-weight" in flat and "--scale-factor" not in flat
+
+    plan = otdus_with_examples("plan", "bundled:stories260k", "--method", "scale", "--layers", "1", "--json")
+    assert plan.returncode == 0, plan.stderr
+    assert [lay["builder"] for lay in json.loads(plan.stdout)["layers"] if lay["new"]] == ["scale"]
+    plan = otdus_with_examples(
+        "plan",
+        "bundled:stories260k",
+        "--shrink",
+        "halfway",
+        "--select",
+        "explicit",
+        "--remove",
+        "3",
+        "--json",
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert [lay["builder"] for lay in json.loads(plan.stdout)["layers"] if lay["new"]] == ["halfway"]
+
+    tables = otdus_with_examples(code=TABLES)
+    assert tables.returncode == 0, tables.stderr
+    rows = tables.stdout.splitlines()
+    assert "| `scale` | a copy of f_i with every tensor scaled | off | only with `--zero-init` |" in rows
+    assert (
+        "| `halfway` | the kept layer moved --halfway-weight of the way to its merge group's mean |" in rows
+    )
+
+
+def test_the_readme_shrink_method_merges_with_its_flag_and_recipe_key(otdus_with_examples, tmp_path):
+    done = otdus_with_examples(
+        "shrink", "bundled:stories260k", "--method", "halfway", "--halfway-weight", "0.25",
+        "--select", "explicit", "--remove", "3", "--out", str(tmp_path / "out"), "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["method"] == "halfway" and report["options"]["halfway"] == {"weight": 0.25}
+    merged = [lay for lay in report["layers"] if lay["new"]]
+    assert [(lay["index"], lay["parents"], lay["builder"]) for lay in merged] == [(2, [2, 3], "halfway")]
+    src, out = CheckpointReader(STORIES260K), CheckpointReader(tmp_path / "out")
+    names = [n for n in out.names if n.startswith("model.layers.2.")]
+    assert names
+    for name in names:
+        kept, removed = (src.get(name.replace(".2.", f".{i}.", 1)) for i in (2, 3))
+        k, mean = kept.float(), (0 + kept.float() + removed.float()) / 2
+        assert torch.equal(out.get(name), (k + 0.25 * (mean - k)).to(kept.dtype)), name
+    for i, j in ((0, 0), (1, 1), (3, 4)):  # the kept layers, byte for byte
+        for name in (n for n in out.names if n.startswith(f"model.layers.{i}.")):
+            assert torch.equal(out.get(name), src.get(name.replace(f".{i}.", f".{j}.", 1))), name
+
+    recipe = tmp_path / "halfway.yaml"
+    recipe.write_text(
+        "model: bundled:stories260k\nshrink:\n  method: halfway\n  select: explicit\n  remove: [3]\n"
+        "  halfway:\n    weight: 0.125\n"
+    )
+    done = otdus_with_examples("shrink", "--recipe", str(recipe), "--out", str(tmp_path / "r"), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["options"]["halfway"] == {"weight": 0.125}
+
+    bad = otdus_with_examples(
+        "shrink", "bundled:stories260k", "--method", "halfway", "--halfway-weight", "2", "--out", "x"
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --halfway-weight 2.0: Input should be less than or equal to 1"
     ]

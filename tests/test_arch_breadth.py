@@ -38,7 +38,7 @@ def test_interpose_copies_every_byte(tiny_models, tmp_path, model_type, single_t
 def test_layer_templates_name_real_tensors(tiny_models):
     """Every role and zero-init target of a template names a tensor the real layer holds (a template
     with a wrong path would silently copy or zero nothing)."""
-    from otdus_cli.arch.families import family_for
+    from otdus_cli.arch.family_lookup import family_for
 
     for model_type in BREADTH_TYPES:
         folder = tiny_models[model_type]

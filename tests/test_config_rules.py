@@ -88,7 +88,7 @@ def test_families_that_skip_transformers_at_plan_time_really_have_no_derived_lay
 
     from transformers import AutoConfig
 
-    from otdus_cli.arch.families import family_for
+    from otdus_cli.arch.family_lookup import family_for
     from tests.support.tiny_models import COMMON, TINY_CONFIGS
 
     for model_type, extra in TINY_CONFIGS.items():

@@ -86,7 +86,7 @@ def test_derived_template_refusals(models, tmp_path, model_type, args, message):
 
 def test_no_remote_code_model_type_is_derived(models, tmp_path):
     """A model_type transformers does not ship is never derived (that would need remote code)."""
-    from otdus_cli.arch.families import family_for
+    from otdus_cli.arch.family_lookup import family_for
     from otdus_cli.errors import OtdusError
 
     config = json.loads((models["gemma"] / "config.json").read_text())

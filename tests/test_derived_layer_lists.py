@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from otdus_cli.arch.derived import layer_kinds
-from otdus_cli.arch.families import family_for
+from otdus_cli.arch.family_lookup import family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader

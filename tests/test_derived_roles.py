@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from otdus_cli.arch.derived_roles import _permutation_error, match_template, shape_error
-from otdus_cli.arch.families import UNGATED_MLP, family_for
+from otdus_cli.arch.families import UNGATED_MLP
+from otdus_cli.arch.family_lookup import family_for
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
@@ -179,7 +180,7 @@ def test_the_permutation_proof_catches_a_wrong_head_split():
     8, as a config that misstates head_dim would read them) permuting them changes a llama layer's output
     (rotary embeddings pair dimensions within a head); with the true split it does not."""
     from otdus_cli.arch.families import FAMILIES
-    from otdus_cli.arch.identity import tiny_instance
+    from otdus_cli.arch.tiny import tiny_instance
 
     config = {**COMMON, "model_type": "llama", "head_dim": 8}
     model, _, _ = tiny_instance(config)

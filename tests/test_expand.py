@@ -330,7 +330,7 @@ def test_input_is_never_modified(stories, tmp_path):
 
 
 def test_tiny_configs_cover_every_family():
-    from otdus_cli.arch.families import supported_model_types
+    from otdus_cli.arch.family_lookup import supported_model_types
 
     # Mllama's text model is built inside its wrapper (tests/test_wrappers.py): transformers builds no
     # causal LM from a bare mllama_text_model config

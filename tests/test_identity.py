@@ -187,11 +187,11 @@ def test_a_plan_is_proved_on_an_instance_as_large_as_the_base_one(tmp_path, monk
     """The grown tiny model is shrunk exactly when the base's is: a base just under the proof's size
     limit used to be proved against a grown model over it, built shrunk, which its tensors did not fit
     (LFM2-MoE refused zero-init: "the expanded tiny model did not run")."""
-    from otdus_cli.arch import identity
+    from otdus_cli.arch import tiny
 
     base = _save("exaone", tmp_path / "src")
     size = sum(p.numel() for p in load_causal_lm(tmp_path / "src").parameters())
-    monkeypatch.setattr(identity, "MAX_PROOF_PARAMETERS", size)  # the base fits, the grown model not
+    monkeypatch.setattr(tiny, "MAX_PROOF_PARAMETERS", size)  # the base fits, the grown model not
     _grows_exactly(tmp_path / "src", tmp_path / "out", base, verify=False, layers=2)
 
 

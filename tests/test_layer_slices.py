@@ -183,7 +183,7 @@ def test_a_copy_of_an_earlier_layer_among_the_sharing_ones_is_refused():
 
 
 def test_a_layer_built_from_others_has_no_slice_and_is_refused():
-    from otdus_cli.arch.families import derived_family
+    from otdus_cli.arch.family_lookup import derived_family
     from otdus_cli.arch.layer_slices import DepthSliced, check_sliced_sources
     from otdus_cli.errors import OtdusError
     from otdus_cli.plan.layer_map import interleave
@@ -198,7 +198,7 @@ def test_a_layer_built_from_others_has_no_slice_and_is_refused():
 def test_the_proof_instance_of_a_full_size_config_shrinks_the_per_layer_table():
     """Gemma 4 E2B's widths (its per-layer table: 262144 tokens x 256 a layer): the tiny instance the
     proofs run on holds a per-layer table of the shrunk vocabulary and width, not the full one."""
-    from otdus_cli.arch.identity import MAX_PROOF_PARAMETERS, tiny_instance
+    from otdus_cli.arch.tiny import MAX_PROOF_PARAMETERS, tiny_instance
 
     e2b = dict(hidden_size=1536, intermediate_size=6144, vocab_size=262144, head_dim=256)
     per_layer = dict(vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256)

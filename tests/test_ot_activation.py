@@ -264,7 +264,7 @@ def test_calibration_memory_is_bounded_whatever_the_number_of_pairs():
     """Kept activations + running sums peak at two layers' inputs + one pair's cross-products,
     the same for a chain of 2 pairs as of 4 (every adjacent pair of the model): statistics of a
     finished pair leave memory at once, and no layer's inputs outlive its pair."""
-    from otdus_cli.arch.families import family_for
+    from otdus_cli.arch.family_lookup import family_for
     from otdus_cli.methods.ot.calibration import (
         DEFAULT_CALIB,
         calibration_windows,

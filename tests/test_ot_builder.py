@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from otdus_cli.arch.families import FAMILIES, family_for
+from otdus_cli.arch.families import FAMILIES
+from otdus_cli.arch.family_lookup import family_for
 from otdus_cli.bundled import STORIES260K
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext

@@ -15,11 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from otdus_cli.arch.experts import expert_layout
-from otdus_cli.arch.families import family_for
+from otdus_cli.arch.family_lookup import family_for
 from otdus_cli.expand import expand
 from otdus_cli.methods.base import BuildContext
-from otdus_cli.methods.ot import OTOptions
-from otdus_cli.methods.ot.builder import OTBuilder
+from otdus_cli.methods.ot import OT, OTOptions
 from otdus_cli.options import ExpandOptions
 from tests.support.tiny_models import MOE_TYPES, load_causal_lm, logits
 
@@ -86,7 +85,7 @@ def test_permuted_experts_and_neurons_are_recovered(tiny_models, model_type, var
     ctx = BuildContext(
         family=family, config=config, options=OTOptions(variant=variant, solver=solver, tol=1e-5)
     )
-    out = dict(OTBuilder().build([DictLayer(1, a), DictLayer(2, b)], ctx))
+    out = dict(OT.make_builder().build([DictLayer(1, a), DictLayer(2, b)], ctx))
     assert sorted(out) == sorted(a)
     perm = ctx.stats["modules"]["experts"]["perm"]
     assert [perm[e] for e in order] == list(range(4))  # A's expert order[f] went to B's f

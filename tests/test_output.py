@@ -21,10 +21,9 @@ from otdus_cli.manifest import (
     ManifestSource,
     created_now,
     read_manifest,
-    source_record,
 )
 from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
-from otdus_cli.source import SourceModel, open_source
+from otdus_cli.source import SourceModel, open_source, source_record
 
 
 @dataclass

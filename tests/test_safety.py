@@ -142,14 +142,14 @@ def test_unwritable_parent_is_one_line(stories, tmp_path):
 # -- a failed or interrupted forced run keeps the earlier output -------------------------------------
 @pytest.mark.parametrize("failure", [OtdusError("builder failed"), KeyboardInterrupt()])
 def test_failed_forced_run_keeps_the_earlier_output(stories, earlier_output, monkeypatch, failure):
-    import otdus_cli.manifest as manifests
+    import otdus_cli.source as sources
 
     before = tree_digest(earlier_output)
 
     def fail(*args, **kwargs):
         raise failure
 
-    monkeypatch.setattr(manifests, "stack_fingerprints", fail)  # late in the run, before the swap
+    monkeypatch.setattr(sources, "stack_fingerprints", fail)  # late in the run, before the swap
     with pytest.raises(type(failure)):
         expand(str(stories), earlier_output, ExpandOptions(method="average", layers=2), force=True)
     assert tree_digest(earlier_output) == before
@@ -184,17 +184,17 @@ def _interrupted_forced_swap(stories: Path, earlier_output: Path) -> None:
 
 # -- concurrent runs and folders that appear ---------------------------------------------------------
 def test_a_folder_appearing_during_the_run_is_never_replaced(stories, tmp_path, monkeypatch):
-    import otdus_cli.manifest as manifests
+    import otdus_cli.source as sources
 
     out = tmp_path / "out"
-    real = manifests.stack_fingerprints
+    real = sources.stack_fingerprints
 
     def someone_else_writes(source):
         out.mkdir()
         (out / "their.bin").write_text("theirs")
         return real(source)
 
-    monkeypatch.setattr(manifests, "stack_fingerprints", someone_else_writes)
+    monkeypatch.setattr(sources, "stack_fingerprints", someone_else_writes)
     with pytest.raises(OtdusError, match="appeared while this run was writing"):
         expand(str(stories), out, ExpandOptions(method="copy"))
     assert (out / "their.bin").read_text() == "theirs"
@@ -203,16 +203,16 @@ def test_a_folder_appearing_during_the_run_is_never_replaced(stories, tmp_path, 
 
 
 def test_an_empty_folder_appearing_during_the_run_is_not_replaced_either(stories, tmp_path, monkeypatch):
-    import otdus_cli.manifest as manifests
+    import otdus_cli.source as sources
 
     out = tmp_path / "out"
-    real = manifests.stack_fingerprints
+    real = sources.stack_fingerprints
 
     def someone_else_claims(source):
         out.mkdir()  # os.rename would silently replace an empty folder
         return real(source)
 
-    monkeypatch.setattr(manifests, "stack_fingerprints", someone_else_claims)
+    monkeypatch.setattr(sources, "stack_fingerprints", someone_else_claims)
     with pytest.raises(OtdusError, match="appeared"):
         expand(str(stories), out, ExpandOptions(method="copy"))
     assert out.is_dir() and list(out.iterdir()) == []

@@ -22,7 +22,7 @@ from otdus_cli.cli import app
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.io.reader import CheckpointReader
-from otdus_cli.methods.merge import SHRINK_METHODS
+from otdus_cli.methods.registry import SHRINK_METHODS
 from otdus_cli.options import ExpandOptions
 from otdus_cli.plan.shrink_map import (
     LayerScores,
@@ -148,7 +148,7 @@ def test_scores_are_those_of_transformers_hidden_states():
     of the removal count (the only sizes measured), and the angular selection is the block closest
     by transformers' own distances."""
     from otdus_cli.methods.ot.calibration import calibration_windows
-    from otdus_cli.plan.layer_scores import layer_scores
+    from otdus_cli.shrink import scores_of
 
     windows = calibration_windows(STORIES260K, "bundled:tinystories-sample", 1024, 512)
     model = load_causal_lm(STORIES260K)
@@ -167,7 +167,7 @@ def test_scores_are_those_of_transformers_hidden_states():
         return float((torch.arccos(cos.clamp(-1, 1)) / torch.pi).mean())
 
     for block in (2, 3):
-        scores = layer_scores(STORIES260K, "bundled:tinystories-sample", 1024, block)
+        scores = scores_of(STORIES260K, "bundled:tinystories-sample", 1024, block)
         assert sorted(scores.angular) == [1, block]
         for i in range(5):
             cos = torch.nn.functional.cosine_similarity(hidden[i].double(), hidden[i + 1].double(), dim=-1)

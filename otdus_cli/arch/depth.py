@@ -70,8 +70,8 @@ def _module_list_lengths(config: dict) -> list[int] | None:
         import torch
 
         from otdus_cli.arch.causal_lm import build_causal_lm
-        from otdus_cli.arch.derived import NOT_TEXT
         from otdus_cli.arch.hf_config import transformers_config
+        from otdus_cli.arch.modules import NOT_TEXT
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -15,6 +15,7 @@ where a kind's tensors are an exact template's, are matched and proved in arch/d
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import re
 import warnings
@@ -24,10 +25,11 @@ from otdus_cli.arch.config_rules import layer_keyed
 from otdus_cli.arch.depth import depth_field, stated_depth
 from otdus_cli.arch.hf_config import transformers_config
 from otdus_cli.arch.layer_storage import numbered_outside
+from otdus_cli.arch.modules import NOT_TEXT, modules_of
 from otdus_cli.arch.plan_differences import POSITION_DIFFERS
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
-from otdus_cli.verify.quiet import quiet_transformers
+from otdus_cli.quiet import quiet_transformers
 
 # what a refused derivation tells the user to do
 _NEEDS_TEMPLATE = "expanding it needs an exact template (otdus_cli/arch/families.py)"
@@ -36,8 +38,6 @@ WITHOUT_ZERO_INIT = (
     "without zero-init a new layer changes the model's function until trained: use --method copy, "
     "interpose, solar or stack, or add --no-zero-init"
 )
-# module-name parts of towers that are not the text stack
-NOT_TEXT = ("vision", "visual", "audio", "image", "speech")
 
 
 def derivable(model_type: str) -> bool:
@@ -379,7 +379,9 @@ def check_planned_kinds(
         f"rewritten config (per-layer fields rewritten: {fields})"
     )
     new = sum(lay.new for lay in layer_map)
-    found = kind_keeping_placements(family, config, new, built)
+    found = kind_keeping_placements(
+        family, config, new, built, functools.partial(config_layer_kinds, rewritten=True)
+    )
     if found:
         raise OtdusError(
             f"{why}; place the new layers elsewhere: {' or '.join(found)} keeps every layer's kind"
@@ -390,13 +392,6 @@ def check_planned_kinds(
         "period or range the config states) in a way the rewritten config cannot change; try another "
         "number of layers, or add an exact template"
     )
-
-
-def modules_of(model, path: str) -> list:
-    module = model
-    for part in path.split("."):
-        module = getattr(module, part)
-    return list(module)
 
 
 def check_derived_plan(source, written_config: dict, layer_map: list) -> dict:

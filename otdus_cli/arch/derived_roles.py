@@ -41,7 +41,8 @@ from otdus_cli.arch.families import (
     UNGATED_MLP,
     Family,
 )
-from otdus_cli.arch.identity import PROOF_TOKENS, TinyInstance, tiny_ids
+from otdus_cli.arch.heads import Heads
+from otdus_cli.arch.tiny import PROOF_TOKENS, TinyInstance, tiny_ids
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.plan.layer_map import index_ranges, layer_kinds
@@ -172,7 +173,7 @@ def match_template(tensors: dict[str, list[int]]) -> tuple[Family | None, str]:
     if not missing and (second := _second_attention(fam, unexplained)):
         return None, (
             f"it holds a second attention ({', '.join(second)}: an encoder-decoder's cross-attention), for "
-            "which OT and LESA know no roles"
+            "which the role-wise methods know no roles"
         )
     if len(unexplained) == len(tensors):
         return None, f"its tensors ({_listed(list(tensors), '')}) are no exact template's roles"
@@ -247,9 +248,7 @@ def _listed(names: list[str], what: str) -> str:
 
 def shape_error(fam: Family, tensors: dict[str, list[int]], config: dict) -> str | None:
     """Why the layer's role tensors do not have the shapes ``config`` gives them as the methods read it
-    (methods/layer_roles.py: Heads.from_config), or None."""
-    from otdus_cli.methods.layer_roles import Heads
-
+    (arch/heads.py: Heads.from_config), or None."""
     try:
         heads = Heads.from_config(config)
     except (OtdusError, KeyError, TypeError, ValueError) as exc:
@@ -281,7 +280,7 @@ def shape_error(fam: Family, tensors: dict[str, list[int]], config: dict) -> str
 
 def derive_roles(config: dict, found: dict, instance: TinyInstance | Exception) -> RoleProof:
     """Match every layer kind of the derived template ``found`` (arch/derived.py: derive_template) against
-    the exact templates' roles and prove the matches on the tiny ``instance`` (identity.tiny_instance).
+    the exact templates' roles and prove the matches on the tiny ``instance`` (arch/tiny.py: tiny_instance).
     Roles are optional (copy-type methods and zero-init need none): a derivation that fails leaves every
     kind without."""
     try:
@@ -292,7 +291,7 @@ def derive_roles(config: dict, found: dict, instance: TinyInstance | Exception) 
 
 
 def _derive_roles(config: dict, found: dict, instance: TinyInstance | Exception) -> RoleProof:
-    from otdus_cli.arch.derived import modules_of
+    from otdus_cli.arch.modules import modules_of
 
     proof = RoleProof()
     text = text_config(config)
@@ -418,8 +417,6 @@ def _prove(model, layer, fam: Family, config: dict, ids, weightless: dict[str, s
 
 def _permutation_error(model, layer, fam: Family, config: dict, ids) -> str | None:
     import torch
-
-    from otdus_cli.methods.layer_roles import Heads
 
     heads = Heads.from_config(config)
     params = dict(layer.named_parameters())
@@ -593,23 +590,23 @@ def _sequence_error(model, layer, fam: Family, ids, weightless: dict[str, str]) 
     return None
 
 
-def check_role_kinds(source, layer_map: list, method: str) -> None:
+def check_role_kinds(source, layer_map: list, method: str, every_layer: bool = False) -> None:
     """The new layers ``method`` builds from roles come from parents whose kinds have them (a derived
     template's proved kinds; an exact template's roles describe every layer), stored under the roles'
-    names; LESA, which learns from every base layer, needs them in all. OtdusError naming the first that
-    does not, and what would work."""
+    names; a method that learns from ``every_layer`` (LESA) needs them in all. OtdusError naming the
+    first that does not, and what would work."""
     family, depth = source.family, source.depth
     if family.role_kinds is None:
         return
     kinds = layer_kinds(family, source.text_config, depth)
     unmatched = (family.roles_proof or {}).get("unmatched", {})
-    if method == "lesa":
+    if every_layer:
         lacking = [i for i, kind in enumerate(kinds) if kind not in family.role_kinds]
         if lacking:
             kind = kinds[lacking[0]]
             why = unmatched.get(kind, "none")
             raise OtdusError(
-                f"--method lesa learns from the projections of every base layer, and base layers "
+                f"--method {method} learns from the projections of every base layer, and base layers "
                 f"{index_ranges(lacking)} of {family.name} ({kind}) have no roles ({why}); "
                 "use ot between layers with roles, or copy, interpose, llama-pro, solar or stack"
             )

@@ -8,12 +8,23 @@ the output unnoticed. Only what the template's roles pin down is checked, from h
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from otdus_cli.errors import OtdusError
 
 if TYPE_CHECKING:
-    from otdus_cli.io.stack import LayerStack
+    from otdus_cli.arch.families import Family
+
+
+class Stack(Protocol):
+    """What the check reads of a checkpoint's layer stack (io/stack.py: LayerStack, which calls it)."""
+
+    reader: Any  # io/reader.py: CheckpointReader
+    family: Family
+    layers: list[Any]  # io/stack.py: SourceLayer
+    head: list[str]
+    tail: list[str]
+
 
 _HIDDEN_NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
 
@@ -45,7 +56,7 @@ def expected_shapes(config: dict, roles: dict[str, str]) -> dict[str, tuple[Dim,
     return {roles[role] + ".weight": shape for role, shape in wanted.items() if role in roles}
 
 
-def check_dimensions(stack: LayerStack, config: dict) -> None:
+def check_dimensions(stack: Stack, config: dict) -> None:
     """Refuse (OtdusError) a config whose dimensions disagree with the tensors' shapes (families
     otdus has a template for; an unknown architecture's fields may mean other things)."""
     if stack.family.copy_only:

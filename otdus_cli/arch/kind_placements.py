@@ -12,16 +12,32 @@ check_planned_kinds).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from otdus_cli.arch.depth import stated_depth
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
 
 
-def kind_keeping_placements(family, config: dict, new: int, built: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class _Copies:
+    """How the copy-type methods tried here place their layers (plan/layer_map.py: Placement): copy
+    after insertion points ("placed"), stack and solar by their layouts of the same names; none zeroed."""
+
+    layout: str
+    pair: bool = False
+    builder: str = "copy"
+    zero_init_default: bool = False
+
+
+def kind_keeping_placements(
+    family, config: dict, new: int, built: list[str], kinds_built: Callable[[dict], list[str]]
+) -> list[str]:
     """The expand flags of placements of ``new`` layers that keep every layer's kind (each checked in
-    transformers), given the kinds ``built`` at the new depth from the refused plan's config."""
-    from otdus_cli.methods.registry import get_method
+    transformers), given the kinds ``built`` at the new depth from the refused plan's config;
+    ``kinds_built``: the kinds transformers builds from a rewritten config (arch/derived.py, which
+    calls this: config_layer_kinds)."""
     from otdus_cli.plan.layer_map import layer_kinds, plan_layers
 
     text = text_config(config)
@@ -30,27 +46,28 @@ def kind_keeping_placements(family, config: dict, new: int, built: list[str]) ->
     candidates = []
     after = copies_fitting(kinds, built, new)
     if after is not None:
-        candidates.append((f"--after {','.join(map(str, after))}", "copy", {"after": after}))
+        candidates.append((f"--after {','.join(map(str, after))}", _Copies("placed"), {"after": after}))
     # stack copies whole runs of layers (the whole stack at most): whole periods of kinds
     for method, layers in dict.fromkeys([("stack", new), ("stack", depth), ("solar", new)]):
-        candidates.append((f"--method {method} --layers {layers}", method, {"layers": layers}))
+        candidates.append((f"--method {method} --layers {layers}", _Copies(method), {"layers": layers}))
     found = []
     for flags, method, placement in candidates:
         try:
-            layer_map = plan_layers(depth, get_method(method), **placement)
-            if _keeps_kinds(family, config, layer_map, kinds):
+            layer_map = plan_layers(depth, method, **placement)
+            if _keeps_kinds(family, config, layer_map, kinds, kinds_built):
                 found.append(flags)
         except OtdusError:
             continue
     return found
 
 
-def _keeps_kinds(family, config: dict, layer_map: list, kinds: list[str]) -> bool:
+def _keeps_kinds(
+    family, config: dict, layer_map: list, kinds: list[str], kinds_built: Callable[[dict], list[str]]
+) -> bool:
     from otdus_cli.arch.config_rules import family_config
-    from otdus_cli.arch.derived import config_layer_kinds
 
     written = family_config(family, config, layer_map)
-    return config_layer_kinds(written, rewritten=True) == [kinds[lay.source] for lay in layer_map]
+    return kinds_built(written) == [kinds[lay.source] for lay in layer_map]
 
 
 def copies_fitting(kinds: list[str], built: list[str], new: int) -> list[int] | None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
-from otdus_cli.verify.quiet import quiet_transformers
+from otdus_cli.quiet import quiet_transformers
 
 if TYPE_CHECKING:
     import torch
@@ -150,7 +150,7 @@ def _outside(model, layer_list: str) -> dict[str, tuple]:
 
 
 def _layers(model, layer_list: str) -> list:
-    from otdus_cli.arch.derived import modules_of
+    from otdus_cli.arch.modules import modules_of
 
     return modules_of(model, layer_list)
 
@@ -180,7 +180,7 @@ def _prove(config_json: str, layer_list: str, tensors: tuple[tuple[str, int], ..
     of layers 0 .. i-1 as they were, bit for bit, and changes layer i's. None when it does; else why not."""
     import torch
 
-    from otdus_cli.arch.identity import tiny_ids, tiny_instance
+    from otdus_cli.arch.tiny import tiny_ids, tiny_instance
 
     instance = tiny_instance(json.loads(config_json))
     if isinstance(instance, Exception):

@@ -69,7 +69,7 @@ def numbered_outside(model, layer_list: str, kinds: list[str]) -> dict[str, dict
     index numbers, has no rule (check_layers_stored_whole refuses it)."""
     from collections import Counter
 
-    from otdus_cli.arch.derived import modules_of
+    from otdus_cli.arch.modules import modules_of
     from otdus_cli.arch.saved_names import revert_names, saved_names
 
     layers = modules_of(model, layer_list)
@@ -134,7 +134,7 @@ def check_layers_stored_whole(source, base_model, layer_list: str) -> None:
     transformers saves it under (arch/saved_names.py), or outside it under a name numbered by the layer
     (read as part of the layer: io/stack.py); OtdusError naming the first that is not. One layer of each
     kind is asked (layers of one kind hold the same tensors: io/stack.py checks it)."""
-    from otdus_cli.arch.derived import modules_of
+    from otdus_cli.arch.modules import modules_of
     from otdus_cli.arch.saved_names import revert_names
     from otdus_cli.plan.layer_map import layer_kinds
 

@@ -56,7 +56,7 @@ def _layers_drawing(model, layers: list, ids) -> list[int] | None:
     the model's logits depend on that generator's state; else None."""
     import torch
 
-    from otdus_cli.arch.identity import seeded_logits
+    from otdus_cli.arch.tiny import seeded_logits
 
     if torch.equal(seeded_logits(model, ids, 0), seeded_logits(model, ids, 1)):
         return None

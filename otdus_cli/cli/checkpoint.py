@@ -38,11 +38,18 @@ from otdus_cli.cli.flags import (
     with_method_flags,
 )
 from otdus_cli.cli.shrinking import Calib, CalibTokens, Remove, Select
-from otdus_cli.cli.values import MethodName, device_parser, int_list, ints, model_name, output_folder
+from otdus_cli.cli.values import (
+    MethodName,
+    ShrinkMethodName,
+    device_parser,
+    int_list,
+    ints,
+    model_name,
+    output_folder,
+)
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.registry import METHODS
-from otdus_cli.options import Position as PositionName
-from otdus_cli.plan.shrink_map import ShrinkMethod
+from otdus_cli.plan.layer_map import Position as PositionName
 
 Recipe = Annotated[
     Path | None,
@@ -409,7 +416,7 @@ def plan(
     flags: LayoutFlags = None,
     method_flags: dict[str, Any] | None = None,  # those that change the layer map (--ot-variant...)
     shrink: Annotated[
-        ShrinkMethod | None,
+        ShrinkMethodName | None,
         typer.Option(
             "--shrink",
             help="Plan `otdus shrink` with this method instead of an expansion: the layers removed or merged "
@@ -459,7 +466,7 @@ def _plan_shrink(
     """`plan --shrink METHOD`: the shrink's selection and layer map (cli/shrinking.py)."""
     from otdus_cli.cli.flags import method_flags as method_flag_list
     from otdus_cli.cli.shrinking import quiet_if_scoring, show_shrink_plan, shrink_json, shrink_options
-    from otdus_cli.methods.merge import SHRINK_METHODS
+    from otdus_cli.methods.registry import SHRINK_METHODS
     from otdus_cli.shrink import plan_shrink
 
     expanding = {"--method": flags.method, "--position": flags.position, "--after": flags.after}

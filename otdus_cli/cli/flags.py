@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -22,7 +22,8 @@ import typer
 
 from otdus_cli.cli.values import model_name
 from otdus_cli.errors import OtdusError
-from otdus_cli.methods.base import Flag
+from otdus_cli.methods.base import Flag, Method
+from otdus_cli.methods.registry import METHODS, SHRINK_METHODS
 from otdus_cli.options import OutputDtype
 
 if TYPE_CHECKING:
@@ -117,11 +118,9 @@ def flag_name(loc: Sequence[Any]) -> str:
     """The command-line flag of an options field: ('ot', 'variant') -> --ot-variant, ('ot', 'reg') ->
     --reg (the flags a method's options model declares; options without a flag are named as in
     recipes, 'group.field'), ('layers',) -> --layers."""
-    from otdus_cli.options import option_groups
-
     names = tuple(map(str, loc))
-    if names[0] in option_groups():
-        flags = {(f.group, f.field): f.flag.name for f in method_flags()}
+    if names[0] in flag_groups():
+        flags = {(f.group, f.field): f.flag.name for f in method_flags(methods=None)}
         return flags.get(names[:2], ".".join(names[:2]))
     return "--" + names[-1].replace("_", "-")
 
@@ -146,7 +145,7 @@ def validated_options(
     a rule refuses is one OtdusError that names its flag."""
     from pydantic import ValidationError
 
-    from otdus_cli.options import merge_options, option_groups
+    from otdus_cli.options import merge_options
 
     groups: dict[str, dict[str, Any]] = {}
     for key, value in (method_flags or {}).items():
@@ -159,20 +158,26 @@ def validated_options(
         err = exc.errors()[0]
         message = err["msg"].removeprefix("Value error, ")
         loc = err["loc"]
-        if not loc or (len(loc) == 1 and loc[0] in option_groups()):  # a rule across options names its flags
+        if not loc or (len(loc) == 1 and loc[0] in flag_groups()):  # a rule across options names its flags
             raise OtdusError(message) from None
         raise OtdusError(f"{flag_name(loc)} {err['input']!r}: {message}") from None
 
 
-def method_flags(for_plan: bool = False) -> list[MethodFlag]:
-    """The flags of every registered method's options, in registry and field order (``for_plan``:
-    those of `otdus plan`, the options that change the layer map)."""
+def flag_groups(methods: Mapping[str, Method] | None = None) -> dict[str, type[BaseModel]]:
+    """Method name -> its options model, for the ``methods`` that have options (None: those of
+    `otdus expand` and of `otdus shrink`; a method of both, such as ot, has one group)."""
+    tables = [METHODS, SHRINK_METHODS] if methods is None else [methods]
+    return {m.name: m.options for table in tables for m in table.values() if m.options is not None}
+
+
+def method_flags(for_plan: bool = False, methods: Mapping[str, Method] | None = METHODS) -> list[MethodFlag]:
+    """The flags of the options of ``methods`` (default: `otdus expand`'s; None: every registered
+    method's), in registry and field order (``for_plan``: those of `otdus plan`, the options that
+    change the layer map)."""
     import typer
 
-    from otdus_cli.options import option_groups
-
     flags = []
-    for group, model in option_groups().items():
+    for group, model in flag_groups(methods).items():
         for name, info in model.model_fields.items():
             flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
             if flag is None or (for_plan and not flag.plan):
@@ -185,12 +190,14 @@ def method_flags(for_plan: bool = False) -> list[MethodFlag]:
 
 
 def with_method_flags(
-    for_plan: bool = False, keep: Callable[[MethodFlag], bool] | None = None
+    for_plan: bool = False,
+    keep: Callable[[MethodFlag], bool] | None = None,
+    methods: Mapping[str, Method] = METHODS,
 ) -> Callable[[Command], Command]:
-    """Shows Typer the methods' flags (those ``keep`` keeps) in place of the parameter ``method_flags``
-    and hands the command ``method_flags={"ot.variant": value or None, ...}``."""
+    """Shows Typer the flags of ``methods`` (those ``keep`` keeps) in place of the parameter
+    ``method_flags`` and hands the command ``method_flags={"ot.variant": value or None, ...}``."""
     return functools.partial(
-        _with_method_flags, [f for f in method_flags(for_plan) if keep is None or keep(f)]
+        _with_method_flags, [f for f in method_flags(for_plan, methods) if keep is None or keep(f)]
     )
 
 

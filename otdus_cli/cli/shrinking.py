@@ -36,9 +36,16 @@ from otdus_cli.cli.flags import (
     validated_options,
     with_method_flags,
 )
-from otdus_cli.cli.values import device_parser, distinct_int_list, ints, output_folder, text_spec
-from otdus_cli.methods.merge import SHRINK_METHODS
-from otdus_cli.plan.shrink_map import Selection, ShrinkMethod
+from otdus_cli.cli.values import (
+    ShrinkMethodName,
+    device_parser,
+    distinct_int_list,
+    ints,
+    output_folder,
+    text_spec,
+)
+from otdus_cli.methods.registry import SHRINK_METHODS, method_help
+from otdus_cli.plan.shrink_map import SELECTIONS, Selection
 
 # the shrink's own --calib/--calib-tokens stand for a method's options of the same name (OT's: one
 # text scores the layers and calibrates OT; shrink.shrink_owned)
@@ -47,9 +54,9 @@ _SHRINK_OWNS = ("calib", "calib_tokens")
 Select = Annotated[
     Selection | None,
     typer.Option(
-        help="How the removed layers are chosen. bi: lowest Block Influence (ShortGPT); angular: the block "
-        "of --layers consecutive layers whose input and output are closest (Gromov et al.); explicit: "
-        "--remove. Scores are measured on --calib text. [default: bi; explicit with --remove]"
+        help="How the removed layers are chosen. "
+        + "; ".join(f"{name}: {what}" for name, what in SELECTIONS.items())
+        + ". Scores are measured on --calib text. [default: bi; explicit with --remove]"
     ),
 ]
 Remove = Annotated[
@@ -171,7 +178,7 @@ def show_shrink_plan(plan) -> None:
     out_console.print(f"removes {layers} {', '.join(map(str, plan.removed))} (perplexity will move)")
 
 
-@with_method_flags(keep=lambda f: f.group in SHRINK_METHODS and f.field not in _SHRINK_OWNS)
+@with_method_flags(keep=lambda f: f.field not in _SHRINK_OWNS, methods=SHRINK_METHODS)
 def shrink(
     model: Model = None,
     out: Out = None,
@@ -180,12 +187,8 @@ def shrink(
         typer.Option("--recipe", help="YAML recipe with the model and shrink options (flags override it)."),
     ] = None,
     method: Annotated[
-        ShrinkMethod | None,
-        typer.Option(
-            help="What becomes of the removed layers. drop: left out; average: merged with the kept layer "
-            "before them by a plain mean; laco: LaCo's merge (the kept layer plus their differences from "
-            "it); ot: aligned by OT-DUS's transport flow, then averaged. [default: drop]"
-        ),
+        ShrinkMethodName | None,
+        typer.Option(help=method_help(SHRINK_METHODS, "What becomes of the removed layers.", "drop")),
     ] = None,
     layers: ShrinkLayers = None,
     ratio: ShrinkRatio = None,

@@ -16,9 +16,10 @@ import typer
 
 from otdus_cli.bundled import BUNDLED_MODELS, BUNDLED_TEXTS
 from otdus_cli.errors import OtdusError
-from otdus_cli.methods.registry import METHODS
+from otdus_cli.methods.registry import METHODS, SHRINK_METHODS
 
 MethodName = Literal[tuple(METHODS)]  # type: ignore[valid-type]
+ShrinkMethodName = Literal[tuple(SHRINK_METHODS)]  # type: ignore[valid-type]
 Protocol = Literal["wikitext", "token"]
 TokenMode = Literal["joined", "documents"]
 # compute dtypes of verify/ppl (the names verify.streaming.DTYPES maps to torch dtypes)

@@ -113,6 +113,8 @@ class Method:
     # computes new tensors role by role (methods/layer_roles.py): on a derived template, only from the
     # layer kinds whose roles were matched and proved (arch/derived_roles.py)
     needs_roles: bool = False
+    # learns from the roles of every base layer, not only the new layers' parents (LESA's SVD)
+    roles_of_every_layer: bool = False
     # variants whose published recipe zeroes nothing: zero-init is off by default for them
     zero_init_off_for: tuple[str, ...] = ()
     options: type[BaseModel] | None = None  # the option group ExpandOptions.<name>

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from otdus_cli.arch.families import UNGATED_MLP
+from otdus_cli.arch.heads import Heads
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import ParentLayer
 from otdus_cli.transport.plan import TransportPlan
@@ -34,43 +35,6 @@ NORM_ROLES = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm"
 
 # role -> {"weight": tensor, "bias": tensor} (a role without bias has no "bias" key)
 Tensors = dict[str, dict[str, torch.Tensor]]
-
-
-def _field(config: dict, name: str):
-    """``name`` of ``config``, or the field its config class's attribute_map gives it (XGLM's
-    attention_heads and d_model), as config.json holds it."""
-    if config.get(name):
-        return config[name]
-    from otdus_cli.arch.depth import config_class
-
-    mapped = getattr(config_class(config.get("model_type")), "attribute_map", {}).get(name)
-    return config.get(mapped) if isinstance(mapped, str) else None
-
-
-@dataclass(frozen=True)
-class Heads:
-    """Attention geometry: query heads, KV heads (GQA groups) and the per-head dimension."""
-
-    n_q: int
-    n_kv: int
-    head_dim: int
-
-    @property
-    def group(self) -> int:
-        """Query heads per KV head (HF repeat_kv: query head h reads KV head h // group)."""
-        return self.n_q // self.n_kv
-
-    @classmethod
-    def from_config(cls, config: dict, q_rows: int | None = None) -> Heads:
-        n_q = _field(config, "num_attention_heads")
-        if not n_q:
-            raise OtdusError("--method ot needs num_attention_heads in config.json")
-        n_q = int(n_q)
-        n_kv = int(config.get("num_key_value_heads") or n_q)
-        head_dim = config.get("head_dim") or (q_rows or _field(config, "hidden_size")) // n_q
-        if n_q % n_kv:
-            raise OtdusError(f"num_attention_heads={n_q} is not a multiple of num_key_value_heads={n_kv}")
-        return cls(n_q, n_kv, int(head_dim))
 
 
 # --------------------------------------------------------------------------------------------

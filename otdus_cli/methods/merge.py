@@ -13,6 +13,8 @@ beside it), one tensor at a time, from any number of parents:
   average p_j = 1/2 (aligned_j + anchor); for a group of k layers the equal-weight mean is
   (aligned_1 + ... + aligned_{k-1} + anchor) / k = (2 sum_j p_j - (k - 2) anchor) / k.
   Merged layers are never zero-initialised (a merged layer must compute, not be an identity).
+
+Each is registered with one line in methods/registry.py (SHRINK_METHODS).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otdus_cli.methods.base import BuildContext, Method, ParentLayer
-from otdus_cli.methods.ot import OT, OTOptions
+from otdus_cli.methods.ot import OT
 from otdus_cli.methods.simple import MeanBuilder
 
 if TYPE_CHECKING:
@@ -58,9 +60,7 @@ class OTMergeBuilder:
     parents_needed = None
 
     def __init__(self) -> None:
-        from otdus_cli.methods.ot.builder import OTBuilder
-
-        self.pair_builder = OTBuilder()
+        self.pair_builder = OT.make_builder()
         self.scratch: Path | None = None
 
     def prepare(
@@ -144,6 +144,3 @@ OT_MERGE = dataclasses.replace(
     pair=False,
     make_builder=OTMergeBuilder,
 )
-
-SHRINK_METHODS: dict[str, Method] = {m.name: m for m in (DROP, AVERAGE, LACO, OT_MERGE)}
-__all__ = ["SHRINK_METHODS", "OTOptions"]

@@ -76,19 +76,19 @@ AVERAGE = Method(
 )
 RANDOM = Method(
     "random",
-    "a freshly initialised layer",
+    "a freshly initialised layer (N(0, initializer_range²), neutral norms)",
     "placed",
     builder="random",
     make_builder=RandomBuilder,
     seeded_by_study=True,
 )
 COPY = Method("copy", "a copy of f_i inserted after it", "placed")
-INTERPOSE = Method("interpose", "each chosen layer duplicated in place (l1 l1 l2 l2 ...)", "placed")
+INTERPOSE = Method("interpose", "each layer of the range duplicated in place (l1 l1 l2 l2 ...)", "placed")
 LLAMA_PRO = Method(
     "llama-pro",
     "LLaMA PRO: after every L/k layers, a copy of the group's last layer",
     "uniform",
     zero_init_default=True,
 )
-SOLAR = Method("solar", "SOLAR DUS: layers 0..L-m-1 followed by m..L-1", "solar")
-STACK = Method("stack", "the whole stack repeated", "stack")
+SOLAR = Method("solar", "SOLAR DUS: layers 0..L-m-1 followed by m..L-1 (32 -> 48: 0-23, 8-31)", "solar")
+STACK = Method("stack", "the whole stack repeated (--layers a multiple of L; default L)", "stack")

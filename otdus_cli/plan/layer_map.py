@@ -7,19 +7,39 @@ so `otdus plan` can show it and every bad request fails before output exists.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol, get_args
 
 from otdus_cli.errors import OtdusError
 
-if TYPE_CHECKING:
-    from otdus_cli.arch.families import Family
-    from otdus_cli.methods.base import Method
-
-POSITIONS = ("top", "bottom", "mid", "top-bottom", "uniform")
+Position = Literal["top", "bottom", "mid", "top-bottom", "uniform"]
+POSITIONS: tuple[str, ...] = get_args(Position)
 # No growth operator in the literature goes beyond a few times the base depth; a bound keeps a typo
 # (--layers 1000000000) from building a layer map until memory runs out.
 MAX_GROWTH = 64
+
+
+class Family(Protocol):
+    """What a layer map reads of a family template (arch/families.py: Family): its layers' kinds."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def layer_kind(self) -> Callable[[dict, int], str]: ...
+
+
+class Placement(Protocol):
+    """What a layer map reads of a method (methods/base.py: Method), passed in by the caller."""
+
+    @property
+    def layout(self) -> str: ...
+    @property
+    def pair(self) -> bool: ...
+    @property
+    def builder(self) -> str: ...
+    @property
+    def zero_init_default(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -160,7 +180,7 @@ def is_function_preserving(layer_map: list[OutputLayer], base_layers: int) -> bo
 
 def plan_layers(
     base_layers: int,
-    method: Method,
+    method: Placement,
     position: str = "top",
     layers: int | None = None,
     ratio: float | None = None,

@@ -23,9 +23,13 @@ from typing import Literal
 from otdus_cli.errors import OtdusError
 from otdus_cli.plan.layer_map import OutputLayer
 
-ShrinkMethod = Literal["drop", "average", "laco", "ot"]  # methods/merge.py declares them
-Selection = Literal["bi", "angular", "explicit"]
-SELECTIONS = ("bi", "angular", "explicit")
+# The selections, one line each: name -> what --help says of it (select_removed applies them).
+SELECTIONS = {
+    "bi": "lowest Block Influence (ShortGPT)",
+    "angular": "the block of --layers consecutive layers whose input and output are closest (Gromov et al.)",
+    "explicit": "--remove",
+}
+Selection = Literal[tuple(SELECTIONS)]  # type: ignore[valid-type]
 
 
 def removal_count(depth: int, layers: int | None, ratio: float | None) -> int:

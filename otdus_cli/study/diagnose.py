@@ -253,7 +253,8 @@ def activation_scores(
 ) -> tuple[dict[str, float], float]:
     """Held-out scores of the activation variant's choices: MLP (plan-weighted, one-to-one) and the
     heads' group matching (``ha``/``hb``: heads x (tokens * hidden) contributions)."""
-    from otdus_cli.methods.ot.builder import Heads, OTSettings, activation_plan, match_head_groups
+    from otdus_cli.arch.heads import Heads
+    from otdus_cli.methods.ot.builder import OTSettings, activation_plan, match_head_groups
 
     s = OTSettings(variant="activation", reg=reg)
     plans: dict[int, TransportPlan] = {}

@@ -8,12 +8,28 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from otdus_cli.study.results import StudyResult
+
+class StudyResult(Protocol):
+    """What the report reads of a study's result (study/results.py: StudyResult, whose ``save``
+    plots through this module)."""
+
+    base: str
+    reference: str
+    config: dict[str, Any]
+    data: dict[str, Any]
+    base_loss: float
+    methods: list[Any]  # MethodSummary
+    runs: list[Any]  # RunResult
+    notes: list[str]
+
+    @property
+    def base_ppl(self) -> float: ...
+
 
 __all__ = ["plot_curves", "study_caption", "study_markdown", "study_table"]
 

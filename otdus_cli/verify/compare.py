@@ -18,6 +18,7 @@ from otdus_cli.device import device_kind
 from otdus_cli.distributed import World, current_world
 from otdus_cli.io.reader import CheckpointReader
 from otdus_cli.manifest import read_manifest
+from otdus_cli.quiet import quiet_transformers
 from otdus_cli.verify.compute import (
     ComputeSettings,
     PhaseClock,
@@ -38,7 +39,6 @@ from otdus_cli.verify.metrics import EvalSet, PerplexityMetrics, metrics_from_lo
 from otdus_cli.verify.parity import parity_rule, verdict
 from otdus_cli.verify.progress import Progress
 from otdus_cli.verify.proof import StaticProof, static_check
-from otdus_cli.verify.quiet import quiet_transformers
 from otdus_cli.verify.streaming import StreamedModel, dtype_name, parse_dtype
 from otdus_cli.verify.threads import CpuSample, intra_op_threads
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from otdus_cli.arch.wrappers import text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.quiet import quiet_transformers
 from otdus_cli.verify.lm_eval_presets import LM_EVAL_NEWEST, wikitext_tokenization
 from otdus_cli.verify.metrics import (
     DEFAULT_SEQ_LEN,
@@ -21,7 +22,6 @@ from otdus_cli.verify.metrics import (
     rolling_eval_set,
     token_eval_set,
 )
-from otdus_cli.verify.quiet import quiet_transformers
 from otdus_cli.verify.text import Corpus, wikitext_corpus
 
 

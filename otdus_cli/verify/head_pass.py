@@ -12,21 +12,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from otdus_cli.verify import hf_compat
 from otdus_cli.verify.layer_calls import Activations, CheckBatch
-
-if TYPE_CHECKING:
-    from otdus_cli.verify.streaming import StreamedModel
+from otdus_cli.verify.streamed import Streamed
 
 # Logits of one scoring step: 64 MiB is ~128 positions of a 128k vocabulary in float32.
 DEFAULT_MAX_LOGITS_BYTES = 64 * 2**20
 
 
-def _head_args(model: StreamedModel, states: torch.Tensor) -> dict:
+def _head_args(model: Streamed, states: torch.Tensor) -> dict:
     """More arguments of the head pass (the final hidden states injected, the layers' inputs unused):
     a wrapper gets plain position ids, which Qwen2.5-VL's forward in transformers 4.57 cannot compute
     from embeddings alone (its multimodal rope index reads input_ids)."""
@@ -36,7 +33,7 @@ def _head_args(model: StreamedModel, states: torch.Tensor) -> dict:
     return {"position_ids": positions.expand(states.shape[0], -1)}
 
 
-def _unused_embeddings(model: StreamedModel, states: torch.Tensor) -> torch.Tensor:
+def _unused_embeddings(model: Streamed, states: torch.Tensor) -> torch.Tensor:
     """The head pass's ``inputs_embeds``: zeros of the input embeddings' width for the positions of
     ``states``. What the forward makes of them is replaced by the injected states; they are not the
     states themselves, which some forwards scale in place (CTRL's ``inputs_embeds *= sqrt(d)``) or
@@ -48,7 +45,7 @@ def _unused_embeddings(model: StreamedModel, states: torch.Tensor) -> torch.Tens
     return states.new_zeros(*states.shape[:2], width)
 
 
-def takes_embeddings(model: StreamedModel) -> bool:
+def takes_embeddings(model: Streamed) -> bool:
     """Whether the head pass can give the family's forward ``inputs_embeds``: CPM-Ant's takes token ids
     only (it prepends its prompt tokens to them, so its layers see more positions than the window has);
     Qwen4-Exp's with per-layer n-gram embeddings recovers the token ids from the input embeddings, which
@@ -66,7 +63,7 @@ def takes_embeddings(model: StreamedModel) -> bool:
     return model.head_takes_embeddings
 
 
-def head_logits(model: StreamedModel, states: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+def head_logits(model: Streamed, states: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [B, T, V] of final hidden states [B, T, H] (on the model's device), the head's stage of
     the shell loaded; a forward without ``inputs_embeds`` is given the windows' token ``ids`` [B, T]
     instead, with the final hidden states of every position its layers see."""
@@ -80,7 +77,7 @@ def head_logits(model: StreamedModel, states: torch.Tensor, ids: torch.Tensor | 
         calls.mode, calls.final_hidden = "record", None
 
 
-def _self_check(model: StreamedModel, check: CheckBatch) -> None:
+def _self_check(model: Streamed, check: CheckBatch) -> None:
     """The check batch's logits, in one piece as the reference computed them, against the reference
     (refuses with OtdusError when they differ)."""
     from otdus_cli.verify.self_check import check_logits
@@ -92,7 +89,7 @@ def _self_check(model: StreamedModel, check: CheckBatch) -> None:
 
 @torch.inference_mode()
 def iter_logits(
-    model: StreamedModel,
+    model: Streamed,
     acts: Activations,
     keep: Sequence[int] | None = None,
     max_logits_bytes: int | None = None,

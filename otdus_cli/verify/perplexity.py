@@ -9,6 +9,7 @@ import torch
 
 from otdus_cli.device import device_kind
 from otdus_cli.distributed import World, current_world
+from otdus_cli.quiet import quiet_transformers
 from otdus_cli.verify.compute import (
     ComputeSettings,
     PhaseClock,
@@ -19,7 +20,6 @@ from otdus_cli.verify.compute import (
 from otdus_cli.verify.eval_set import model_folder
 from otdus_cli.verify.metrics import EvalSet, PerplexityMetrics, metrics_from_logprobs, score_activations
 from otdus_cli.verify.progress import LayerTicks, Progress
-from otdus_cli.verify.quiet import quiet_transformers
 from otdus_cli.verify.streaming import StreamedModel, dtype_name
 from otdus_cli.verify.threads import CpuSample, intra_op_threads
 

@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from otdus_cli.arch.families import family_for
+from otdus_cli.arch.family_lookup import family_for
 from otdus_cli.arch.identity_values import holds
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.file_hashes import manifest_check

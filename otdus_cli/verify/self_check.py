@@ -21,27 +21,24 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from otdus_cli.errors import OtdusError
 from otdus_cli.verify import hf_compat
-
-if TYPE_CHECKING:
-    from otdus_cli.verify.streaming import StreamedModel
+from otdus_cli.verify.streamed import Streamed
 
 SELF_CHECK_TOKENS = 32
 WHOLE_MODEL_MAX_BYTES = 512 * 2**20
 
 
-def model_bytes(model: StreamedModel) -> int:
+def model_bytes(model: Streamed) -> int:
     """The checkpoint's size in the evaluation dtype."""
     element = torch.empty((), dtype=model.dtype).element_size()
     return sum(math.prod(model.reader.meta(name).shape) for name in model.reader.names) * element
 
 
-def _whole_model_logits(model: StreamedModel, ids: Sequence[int]) -> torch.Tensor:
+def _whole_model_logits(model: Streamed, ids: Sequence[int]) -> torch.Tensor:
     kwargs = {"attn_implementation": model.attn_implementation} if model.attn_implementation else {}
     try:
         with warnings.catch_warnings():
@@ -63,7 +60,7 @@ def _whole_model_logits(model: StreamedModel, ids: Sequence[int]) -> torch.Tenso
 
 
 @torch.inference_mode()
-def forward_logits_layer_by_layer(model: StreamedModel, ids: Sequence[int]) -> torch.Tensor:
+def forward_logits_layer_by_layer(model: Streamed, ids: Sequence[int]) -> torch.Tensor:
     """Logits [T, V] of one input by the family's own forward in one call, each decoder layer loaded
     when the forward reaches it (the stand-ins hand the call to the real layer): no recorded
     arguments, no injected states. The reference for models too large to load whole."""
@@ -89,7 +86,7 @@ def forward_logits_layer_by_layer(model: StreamedModel, ids: Sequence[int]) -> t
 
 
 def reference_logits(
-    model: StreamedModel, ids: Sequence[int], whole_model_only: bool = False
+    model: Streamed, ids: Sequence[int], whole_model_only: bool = False
 ) -> tuple[torch.Tensor, str] | None:
     """transformers' own logits [T, V] for ``ids`` (CPU) and how they were computed; None when the model
     is too large to load whole and ``whole_model_only``."""
@@ -101,7 +98,7 @@ def reference_logits(
     return forward_logits_layer_by_layer(model, ids).cpu(), how
 
 
-def check_logits(model: StreamedModel, streamed: torch.Tensor, reference: torch.Tensor, how: str) -> None:
+def check_logits(model: Streamed, streamed: torch.Tensor, reference: torch.Tensor, how: str) -> None:
     """Refuse (OtdusError) unless ``streamed`` equals ``reference`` bit for bit (NaN where NaN)."""
     import transformers  # heavy import
 

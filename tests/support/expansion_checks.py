@@ -48,7 +48,7 @@ EXPECTED_PRESERVING = {"ot": True, "llama-pro": True}
 def assert_layers_match_sources(src: Path, out: Path, manifest: dict) -> None:
     """Every tensor of every base and copy-built layer holds exactly its source layer's bytes, every
     zero-init target of a new layer is all zeros, and the tensors outside the stack are the source's."""
-    from otdus_cli.arch.families import family_for
+    from otdus_cli.arch.family_lookup import family_for
 
     family = family_for(json.loads((src / "config.json").read_text()), allow_unknown=True)
     a, b = CheckpointReader(src), CheckpointReader(out)
@@ -78,7 +78,7 @@ def assert_layers_match_sources(src: Path, out: Path, manifest: dict) -> None:
 def assert_random_layers(out: Path, manifest: dict, config: dict) -> None:
     """New random layers as the README says: matrices ~ N(0, initializer_range^2), norm scales at their
     neutral value (1, or 0 for (1 + w) norms), biases zero; zero-init targets zero."""
-    from otdus_cli.arch.families import family_for
+    from otdus_cli.arch.family_lookup import family_for
 
     family = family_for(config)
     std = config.get("initializer_range", 0.02)

@@ -79,7 +79,7 @@ from otdus_cli.device import device_kind
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.methods.layer_roles import ParentRoles, RoleLayout
-from otdus_cli.methods.lesa import LesaOptions
+from otdus_cli.methods.lesa.options import LesaOptions
 from otdus_cli.plan.layer_map import OutputLayer
 
 __all__ = ["LesaBuilder", "LesaSettings", "PROJECTIONS", "generator_seed", "held_out_layers"]

@@ -31,8 +31,9 @@ __all__ = ["OT", "OTOptions", "transport_warnings"]
 
 def _builder() -> LayerBuilder:
     from otdus_cli.methods.ot.builder import OTBuilder  # torch only when building
+    from otdus_cli.methods.ot.moe import build_moe_layer
 
-    return OTBuilder()
+    return OTBuilder(moe_layer=build_moe_layer)
 
 
 def _ignored(ot: OTOptions) -> dict[str, str]:
@@ -105,7 +106,7 @@ def transport_warnings(manifest: dict) -> list[str]:
 
 OT = Method(
     "ot",
-    "OT-DUS: neurons of f_i aligned to f_{i+1} by optimal transport, then averaged",
+    "OT-DUS: neurons of f_i aligned to f_{i+1} by optimal transport, then averaged (docs/ot.md)",
     "placed",
     builder="ot",
     zero_init_default=True,

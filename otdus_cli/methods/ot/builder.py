@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
+from otdus_cli.arch.heads import Heads
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.methods.layer_roles import (
     NORM_ROLES,
-    Heads,
     ParentPair,
     ParentRoles,
     RoleLayout,
@@ -116,6 +116,12 @@ class OTSettings:
         )
 
 
+# (f_i, f_{i+1}, context, settings, statistics) -> the new layer's tensors
+MoeLayer = Callable[
+    [ParentLayer, ParentLayer, BuildContext, OTSettings, dict[str, Any]], Iterator[tuple[str, torch.Tensor]]
+]
+
+
 class OTBuilder:
     """Builds one new layer from (f_i, f_{i+1}) by OT alignment and averaging (see module doc).
 
@@ -127,8 +133,11 @@ class OTBuilder:
 
     parents_needed = 2
 
-    def __init__(self) -> None:
+    def __init__(self, moe_layer: MoeLayer | None = None) -> None:
         self._calibrated: dict[tuple[int, int], Path] = {}  # activation: pair -> its statistics
+        # the builder of a mixture-of-experts layer (moe.py: build_moe_layer), passed in by the method's
+        # declaration (methods/ot: OT.make_builder): moe.py builds on this module's attention formulas
+        self.moe_layer = moe_layer
 
     def prepare(
         self,
@@ -163,9 +172,9 @@ class OTBuilder:
         ctx.stats["parents"] = [a.index, b.index]
         ctx.stats["modules"] = stats
         if family.moe:  # experts matched first, then neurons inside each matched pair (moe.py)
-            from otdus_cli.methods.ot.moe import build_moe_layer
-
-            yield from build_moe_layer(a, b, ctx, settings, stats)
+            if self.moe_layer is None:
+                raise RuntimeError("OTBuilder: MoE layers need moe_layer (methods/ot: OT.make_builder())")
+            yield from self.moe_layer(a, b, ctx, settings, stats)
             return
         layout = RoleLayout(family, ctx.config, suffixes_a)
         pair = ParentPair(ParentRoles(a, layout, settings.device), ParentRoles(b, layout, settings.device))

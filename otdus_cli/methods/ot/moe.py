@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from otdus_cli.arch.experts import ExpertLayout, expert_layout
+from otdus_cli.arch.heads import Heads
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.base import BuildContext, ParentLayer
 from otdus_cli.methods.layer_roles import (
     NORM_ROLES,
-    Heads,
     ParentPair,
     ParentRoles,
     RoleLayout,

@@ -1,0 +1,22 @@
+"""README's methods tables are the ones scripts/methods_table.py makes from the registry."""
+
+from __future__ import annotations
+
+from otdus_cli.methods.registry import METHODS, SHRINK_METHODS
+from scripts.methods_table import README, expand_table, shrink_table, with_tables
+
+
+def test_readme_holds_the_generated_tables():
+    text = README.read_text()
+    assert with_tables(text) == text, "run: python -m scripts.methods_table --write"
+    assert expand_table() in text and shrink_table() in text
+
+
+def test_every_registered_method_has_its_row():
+    rows = expand_table().splitlines()[2:]
+    assert [row.split("`")[1] for row in rows] == list(METHODS)
+    assert rows[0].startswith("| `ot` (default) |")
+    assert "| `lesa` |" in rows[1] and "`pair`: on; `published`: off" in rows[1]
+    rows = shrink_table().splitlines()[2:]
+    assert [row.split("`")[1] for row in rows] == list(SHRINK_METHODS)
+    assert rows[0].startswith("| `drop` (default) |")
