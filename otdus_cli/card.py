@@ -27,6 +27,8 @@ from pathlib import Path
 from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.file_hashes import file_record
+from otdus_cli.markdown import code_block, code_span
+from otdus_cli.markdown import text as md
 
 CARD = "README.md"
 MANIFEST = "otdus.json"  # otdus_cli.manifest.MANIFEST (not imported: the CLI imports this module at start-up)
@@ -142,7 +144,7 @@ def _layer_table(manifest: dict) -> list[str]:
 
 def _new_parameters(manifest: dict, folder: Path) -> list[str]:
     from otdus_cli.io.reader import CheckpointReader
-    from otdus_cli.trainable import axolotl_patterns, select
+    from otdus_cli.trainable import axolotl_patterns, select, to_yaml
 
     reader = CheckpointReader(folder)
     chosen = select(manifest, reader.names, reader.config)
@@ -171,15 +173,8 @@ def _new_parameters(manifest: dict, folder: Path) -> list[str]:
         )
     else:
         lines.append("- none is zero-initialised")
-    lines += [
-        "",
-        "axolotl's `unfrozen_parameters` for exactly these tensors:",
-        "",
-        "```yaml",
-        "unfrozen_parameters:",
-    ]
-    lines += [f"  - {p}" for p in axolotl_patterns(chosen)] + ["```"]
-    return lines
+    lines += ["", "axolotl's `unfrozen_parameters` for exactly these tensors:", ""]
+    return lines + code_block(to_yaml({"unfrozen_parameters": axolotl_patterns(chosen)}), "yaml")
 
 
 def _layer_names(chosen, layers: list[int]) -> list[str]:
@@ -198,22 +193,20 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
     preserving = manifest.get("function_preserving")
     shrunk = manifest.get("shrink") if manifest.get("operation") == "shrink" else None
     body = [
-        f"# {Path(folder).name.split('.otdus-tmp-')[0].lstrip('.') or 'otdus output'}",
+        f"# {md(Path(folder).name.split('.otdus-tmp-')[0].lstrip('.') or 'otdus output')}",
         "",
-        f"Made with otdus {manifest['otdus_version']} from "
-        f"**{source['id']}**"
-        + (f" (revision `{source['revision']}`)" if source.get("revision") else "")
-        + f" by `{_variant(manifest)}`: {base_depth} -> {depth} layers{_width(manifest)}.",
+        f"Made with otdus {md(manifest['otdus_version'])} from "
+        f"**{md(source['id'])}**"
+        + (f" (revision {code_span(source['revision'])})" if source.get("revision") else "")
+        + f" by {code_span(_variant(manifest))}: {base_depth} -> {depth} layers{_width(manifest)}.",
         "",
         "## How it was made",
         "",
-        "```bash",
-        _command(manifest),
-        "```",
+        *code_block(_command(manifest), "bash"),
         "",
-        f"- method: {_variant(manifest)}"
+        f"- method: {md(_variant(manifest))}"
         + (
-            f", after {', '.join(_variant(r) for r in manifest['history'])}"
+            f", after {', '.join(md(_variant(r)) for r in manifest['history'])}"
             if manifest.get("history")
             else ""
         ),
@@ -325,9 +318,9 @@ def verification_section(report: dict) -> str:
         VERIFICATION,
         "",
         f"**{report['verdict']}** ({time.strftime('%Y-%m-%d', time.gmtime())}, otdus {__version__}, "
-        f"{report['device']} {report['dtype']})",
+        f"{md(report['device'])} {md(report['dtype'])})",
         "",
-        f"Text: {base['corpus']}, {base['protocol']} protocol, {base['n_tokens']:,} tokens scored.",
+        f"Text: {md(base['corpus'])}, {md(base['protocol'])} protocol, {base['n_tokens']:,} tokens scored.",
         "",
         "| | base | this model |",
         "| --- | --- | --- |",
@@ -337,7 +330,7 @@ def verification_section(report: dict) -> str:
         f"- logits bitwise equal to the base's: {'yes' if report['logits_equal'] else 'no'}",
         f"- largest difference of a scored token's log-probability: {report['logprob_max_abs_diff']:.3g}",
         f"- parity expected: {'yes' if report['expect_parity'] else 'no'}; tolerance: {report['tolerance']}",
-        f"- base model: {report['base_model']}",
+        f"- base model: {md(report['base_model'])}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -131,6 +131,12 @@ def select(
     for extra in also:
         chosen |= _extra(extra, names, layer_of, config)
     trainable = [n for n in names if n in chosen]
+    if not trainable:
+        # an empty list reads as "train everything" to axolotl (it freezes only if the list is set)
+        raise OtdusError(
+            "this output has no new parameters (a shrink removes or merges layers, adding none): "
+            "nothing to train first; --also embeddings, norms or head names parameters to train"
+        )
     return TrainableSet(names, trainable, int(manifest["num_hidden_layers"]), layer_of, notes)
 
 
@@ -261,19 +267,33 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(map(str, ids)) if len(ids) <= 12 else f"{ids[0]},{ids[1]},...,{ids[-1]}"
 
 
+def to_yaml(settings: dict[str, Any]) -> str:
+    """YAML by the serializer, never by formatting: a checkpoint's tensor names are quoted, so none
+    can add a key (a name holding "\\nfinetuning_type: full")."""
+    import yaml  # only the YAML formats need it
+
+    class Indented(yaml.SafeDumper):  # list items indented under their key, as trainers' docs show them
+        def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+            super().increase_indent(flow, False)
+
+    text = yaml.dump(settings, Dumper=Indented, sort_keys=False, allow_unicode=True, width=1 << 16)
+    return text.rstrip("\n")
+
+
 def render(chosen: TrainableSet, fmt: str) -> str:
     """The text `otdus trainable --format FMT` prints."""
+    if fmt not in FORMATS:
+        raise OtdusError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "axolotl":
-        lines = ["unfrozen_parameters:", *(f"  - {p}" for p in axolotl_patterns(chosen))]
-        return "\n".join(lines)
+        return to_yaml({"unfrozen_parameters": axolotl_patterns(chosen)})
     if fmt == "llama-factory":
-        settings = llama_factory_settings(chosen)
-        return "\n".join(f"{k}: {json.dumps(v) if isinstance(v, bool) else v}" for k, v in settings.items())
+        return to_yaml(llama_factory_settings(chosen))
     if fmt == "json":
         return json.dumps(chosen.trainable, indent=2)
-    if fmt == "names":
-        return "\n".join(chosen.trainable)
-    raise OtdusError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    broken = next((n for n in chosen.trainable if not n.isprintable() or n != n.strip()), None)
+    if broken is not None:  # one name a line cannot hold it
+        raise OtdusError(f"{ascii(broken)}: a parameter name that is not one plain line; use --format json")
+    return "\n".join(chosen.trainable)
 
 
 # -- PyTorch -------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ README.md is never copied; `verify --card` adds the verdict atomically, only to 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from otdus_cli.cli import app
 from otdus_cli.expand import expand
 from otdus_cli.grow import expand_and_widen
 from otdus_cli.io.output_dir import earlier_output_files
+from otdus_cli.markdown import text as md
 from otdus_cli.options import ExpandOptions
 from otdus_cli.widen import WidenOptions, widen
 from tests.support.cli_checks import one_error_line
@@ -159,7 +161,7 @@ def test_verify_card_adds_the_verdict_once_and_only_to_an_otdus_output(stories, 
         "**PARITY: function preserved" in after.text
         and "logits bitwise equal to the base's: yes" in after.text
     )
-    assert f"base model: {stories}" in after.text
+    assert f"base model: {md(stories)}" in after.text  # as text: the path's underscores escaped
     assert after.text.startswith(before.text.rstrip("\n"))
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temporary file left
     inspected = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
@@ -189,3 +191,35 @@ def test_write_card_is_atomic_and_returns_its_bytes(tmp_path):
     data = write_card(tmp_path, "---\nlicense: mit\n---\n\nnew\n")
     assert (tmp_path / CARD).read_bytes() == data and data.startswith(b"---\nlicense: mit")
     assert [p.name for p in tmp_path.iterdir()] == [CARD]
+
+
+# a folder name that closes a three-backtick fence, and adds HTML and a heading if written raw
+HOSTILE = "x\n```\n<img src=x onerror=alert(1)>\n# owned"
+
+
+def rendered(card_path: Path) -> str:
+    """The card's body as a CommonMark renderer (with GFM tables, as the Hub's) turns it into HTML."""
+    from markdown_it import MarkdownIt
+
+    return (
+        MarkdownIt("commonmark").enable("table").render(ModelCard.load(card_path).content.split("---", 2)[2])
+    )
+
+
+def test_names_a_user_controls_are_text_in_the_card_never_markup(stories, tmp_path):
+    source = Path(shutil.move(stories, tmp_path / f"src{HOSTILE}"))
+    out = tmp_path / f"out{HOSTILE}"
+    done = otdus("expand", source, "--out", out, "--method", "ot", "--layers", "2", cache=tmp_path / "hub")
+    assert done.returncode == 0, done.stderr
+    verified = runner.invoke(
+        app, ["verify", str(out), "--text", "bundled:tinystories-sample", "--max-tokens", "200", "--card"]
+    )
+    assert verified.exit_code == 0, verified.output
+    html = rendered(out / CARD)
+    assert "<img" not in html
+    headings = re.findall(r"<h(\d)>(.*?)</h\1>", html)
+    assert [level for level, _ in headings] == ["1", "2", "2", "2", "2", "2"]  # the title and otdus's own
+    assert headings[0][1] == r"outx\n```\n&lt;img src=x onerror=alert(1)&gt;\n# owned"  # the name, as text
+    # the command, as typed, stays whole inside its fence: the hostile line does not close it
+    command = re.search(r"<pre><code class=\"language-bash\">(.*?)</code></pre>", html, re.S).group(1)
+    assert "--method ot --layers 2" in command and "&lt;img src=x" in command

@@ -23,7 +23,7 @@ from otdus_cli.cli import app
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
-from otdus_cli.trainable import apply
+from otdus_cli.trainable import FORMATS, apply
 from otdus_cli.widen import WidenOptions, widen
 from tests.support.cli_checks import one_error_line
 from tests.support.tiny_models import build_tiny
@@ -212,6 +212,51 @@ def test_bad_use_is_one_line_and_exit_2(ot_out, stories, tmp_path):
     one_error_line(
         runner.invoke(app, ["trainable", str(ot_out), "--also", "head"]), message="tie_word_embeddings"
     )
+
+
+def test_yaml_and_json_come_from_serializers_whatever_the_names(pro_out):
+    """A tensor name holding a line break and a YAML key (refused when read; here it slipped through)
+    stays one quoted value: it never adds a setting, nor splits into several names."""
+    from otdus_cli.io.reader import CheckpointReader
+    from otdus_cli.manifest import read_manifest
+    from otdus_cli.trainable import render, select
+
+    hostile = "model.norm\nfinetuning_type: full\nx: norm.weight"
+    names = [*names_of(pro_out), hostile]
+    chosen = select(read_manifest(pro_out), names, CheckpointReader(pro_out).config, also=["norms"])
+    assert hostile in chosen.trainable
+    settings = parse_yaml_lines(render(chosen, "llama-factory"))
+    assert settings["finetuning_type"] == "freeze" and "x" not in settings
+    assert llama_factory_unfrozen(settings, names, 10) == set(chosen.trainable)
+    assert json.loads(render(chosen, "json")) == chosen.trainable
+    with pytest.raises(OtdusError, match="not one plain line; use --format json"):
+        render(chosen, "names")
+    with pytest.raises(OtdusError, match="not a plain tensor name"):
+        render(chosen, "axolotl")
+
+
+def test_an_output_with_nothing_new_is_refused_in_every_format(tmp_path):
+    """A shrink adds no parameter: an empty list would make axolotl train everything."""
+    from otdus_cli.shrink import ShrinkOptions, shrink
+
+    out = tmp_path / "shrunk"
+    shrink("bundled:stories260k", out, ShrinkOptions(method="drop", layers=1))
+    for fmt in FORMATS:
+        one_error_line(
+            runner.invoke(app, ["trainable", str(out), "--format", fmt]), message="no new parameters"
+        )
+    norms = {n for n in names_of(out) if "norm" in n}
+    assert set(trainable(out, "--format", "names", "--also", "norms").split()) == norms  # what was asked
+    assert (
+        axolotl_unfrozen(
+            parse_yaml_lines(trainable(out, "--also", "norms"))["unfrozen_parameters"], names_of(out)
+        )
+        == norms
+    )
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(OtdusError, match="no new parameters"):
+        apply(AutoModelForCausalLM.from_pretrained(out), out)
 
 
 # -- the training check ------------------------------------------------------------------------------
