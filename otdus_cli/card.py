@@ -102,9 +102,20 @@ def card_data(manifest: dict, source_folder: Path | None):
     )
 
 
+def _portable(arg: str) -> str:
+    """An argument as the card shows it: an absolute local path (``--out=PATH`` too) by its last part,
+    since it names this machine's folders, not anything of the model's."""
+    flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if os.path.isabs(value) or value.startswith("~"):
+        value = Path(value).name or value
+    return flag + eq + value
+
+
 def _command(manifest: dict) -> str:
     if _invocation is not None:
-        return shlex.join(_invocation)
+        shown = [_portable(a) for a in _invocation]
+        note = "  # local paths shown by their last part" if shown != _invocation else ""
+        return shlex.join(shown) + note
     module = "widen" if manifest["method"] == "widen" else manifest.get("operation", "expand")
     return (
         f"# made through the Python API (otdus_cli.{module}); its options, as otdus.json records them: "
@@ -135,10 +146,29 @@ def _layer_table(manifest: dict) -> list[str]:
     ]
     for lay in manifest["layers"]:
         parents = lay.get("parents") or []
-        held = f"from {', '.join(map(str, parents))}" if lay["new"] and parents else str(lay["source"])
-        builder = lay.get("builder", "base") + (" (widened)" if lay.get("widened") else "")
+        step = lay.get("step", 1)
+        of = f" of step {step - 1}'s output" if step > 1 else ""
+        held = f"from {', '.join(map(str, parents))}{of}" if lay["new"] and parents else str(lay["source"])
+        builder = md(lay.get("builder", "base")) + (" (widened)" if lay.get("widened") else "")
         zero = "yes" if lay.get("zero_init") and lay["new"] else ""
-        rows.append(f"| {lay['index']} | {held} | {'yes' if lay['new'] else ''} | {builder} | {zero} |")
+        new = (f"yes (step {step})" if "step" in lay else "yes") if lay["new"] else ""
+        rows.append(f"| {lay['index']} | {held} | {new} | {builder} | {zero} |")
+    return rows
+
+
+def _chain_layers(steps: list[dict]) -> list[dict]:
+    """The last step's layers traced back through the steps: a kept layer as the first source's layer
+    it holds, a new one as the step that made it (``step``, counted from 1; its parents are layers of
+    that step's source). Only for a chain seen_from_first_source accepts (indices checked there)."""
+    rows = []
+    for entry in steps[-1]["layers"]:
+        lay, k = entry, len(steps)
+        widened = bool(entry.get("widened"))
+        while not lay["new"] and k > 1:
+            k -= 1
+            lay = steps[k - 1]["layers"][lay["source"]]
+            widened |= bool(lay.get("widened"))
+        rows.append({**lay, "index": entry["index"], "widened": widened, "step": k})
     return rows
 
 
@@ -186,30 +216,33 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
     """The whole card of the output in ``folder`` (its tensors and config written already)."""
     from huggingface_hub import ModelCard
 
+    from otdus_cli.manifest import seen_from_first_source
+
     data = card_data(manifest, source_folder)
-    source = manifest["source"]
+    steps = _steps(manifest)
+    # a chain of steps is described from its first source: every step's layers over the first base's
+    # (expand --experts records its layers over the first source already: "intermediate")
+    chained = len(steps) > 1 and not manifest.get("intermediate") and seen_from_first_source(manifest)
+    composed = _chain_layers(steps) if chained else None
+    source = steps[0].get("source") or manifest["source"]
     depth = len(manifest["layers"])
     base_depth = source.get("num_hidden_layers", depth)
-    preserving = manifest.get("function_preserving")
+    preserving = all(step.get("function_preserving") for step in steps)
     shrunk = manifest.get("shrink") if manifest.get("operation") == "shrink" else None
+    how = f"in {len(steps)} steps" if len(steps) > 1 else f"by {code_span(_variant(manifest))}"
     body = [
         f"# {md(Path(folder).name.split('.otdus-tmp-')[0].lstrip('.') or 'otdus output')}",
         "",
         f"Made with otdus {md(manifest['otdus_version'])} from "
-        f"**{md(source['id'])}**"
+        f"**{md(shown_source(source))}**"
         + (f" (revision {code_span(source['revision'])})" if source.get("revision") else "")
-        + f" by {code_span(_variant(manifest))}: {base_depth} -> {depth} layers{_width(manifest)}.",
+        + f" {how}: {base_depth} -> {depth} layers{_width(manifest)}.",
         "",
         "## How it was made",
         "",
         *code_block(_command(manifest), "bash"),
         "",
-        f"- method: {md(_variant(manifest))}"
-        + (
-            f", after {', '.join(md(_variant(r)) for r in manifest['history'])}"
-            if manifest.get("history")
-            else ""
-        ),
+        *(_step_lines(steps) if len(steps) > 1 else [f"- method: {md(_variant(manifest))}"]),
         *_shrink_lines(shrunk),
         "- function-preserving: "
         + (
@@ -222,13 +255,48 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
         ),
         f"- the full record (options, source fingerprints, layer map) is in `{MANIFEST}`",
         "",
-        "## Layer map",
+        "## Layer map" + (" (over the first source's layers, through every step)" if composed else ""),
         "",
-        *_layer_table(manifest),
+        *_layer_table({"layers": composed} if composed else manifest),
         "",
         *([] if shrunk and not manifest.get("new_parameters") else _training(manifest, folder)),
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"))
+
+
+def shown_source(source: dict) -> str:
+    """A source as the card names it: its hub id or bundled name; a local folder by its name alone
+    (the path is this machine's: otdus.json keeps it, for verify)."""
+    ident = str(source.get("id", ""))
+    kind = source.get("kind") or (
+        "bundled" if ident.startswith("bundled:") else "hub" if source.get("revision") else "local"
+    )
+    return ident if kind in ("hub", "bundled") else f"{Path(ident).name or ident} (a local folder)"
+
+
+def _steps(manifest: dict) -> list[dict]:
+    """Every otdus step that made this output, first to last (this one last)."""
+    return [*(r for r in manifest.get("history") or [] if isinstance(r, dict)), manifest]
+
+
+def _operation(step: dict) -> str:
+    return "widen" if step.get("method") == "widen" else str(step.get("operation") or "expand")
+
+
+def _step_lines(steps: list[dict]) -> list[str]:
+    """One line per step of a chain (expand, then expand or widen ...), the first's source named."""
+    lines = []
+    for k, step in enumerate(steps, 1):
+        src = step.get("source") if isinstance(step.get("source"), dict) else {}
+        origin = md(shown_source(src)) if k == 1 else "the previous step's output"
+        before = len(steps[k - 2].get("layers") or []) if k > 1 else src.get("num_hidden_layers", "?")
+        after = len(step.get("layers") or [])
+        claim = "function-preserving" if step.get("function_preserving") else "not function-preserving"
+        lines.append(
+            f"- step {k}: {_operation(step)} by {code_span(_variant(step))} from {origin}, "
+            f"{before} -> {after} layers{_width(step)} ({claim})"
+        )
+    return lines
 
 
 def _training(manifest: dict, folder: Path) -> list[str]:
@@ -358,7 +426,9 @@ def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
     kept = text.split("\n" + VERIFICATION, 1)[0].rstrip("\n")
     recorded = manifest["source"].get("path")
     if recorded and Path(report["base_model"]).resolve() == Path(recorded).resolve():
-        report = {**report, "base_model": manifest["source"]["id"]}  # its name, not this machine's path
+        report = {**report, "base_model": shown_source(manifest["source"])}  # not this machine's path
+    else:
+        report = {**report, "base_model": _portable(str(report["base_model"]))}
     data = write_card(folder, kept + "\n\n" + verification_section(report))
     # the manifest records the new card (read raw: every field kept as it was)
     raw = json.loads((folder / MANIFEST).read_text())

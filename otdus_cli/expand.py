@@ -37,7 +37,7 @@ from otdus_cli.distributed import World, current_world, shard
 from otdus_cli.errors import OtdusError, doing
 from otdus_cli.io.safetensors_format import CODE_OF_NAME, FLOAT_CODES
 from otdus_cli.io.writer import PlannedTensor, ShardedWriter
-from otdus_cli.manifest import Manifest, ManifestLayer, created_now, source_record
+from otdus_cli.manifest import Manifest, ManifestLayer, created_now, earlier_steps, source_record
 from otdus_cli.methods.base import BuildContext, Method
 from otdus_cli.methods.registry import get_method
 from otdus_cli.options import ExpandOptions, ignored_options
@@ -374,6 +374,7 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of an expansion; ``reports``: each pre-pass's report, under its builder's name."""
     check = finished.config_check
+    history = earlier_steps(plan.source)  # a source made by otdus: every earlier step, for the chain
     return Manifest(
         **created_now(),
         source=source_record(plan.source),
@@ -395,6 +396,7 @@ def build_manifest(
         config_check=check.by,
         warnings=[check.skipped] if check.skipped else [],
         **plan.manifest_fields(),
+        **({"history": history} if history else {}),
     )
 
 

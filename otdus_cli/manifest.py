@@ -7,7 +7,7 @@ itself what verify expects (see verify/proof.py).
 
 Its keys are written in the order the models declare them; a key a command did not set is not
 written (each command writes the keys it has: ``ignored_options`` and ``config_check`` by expand,
-``widen`` and ``history`` by widen ...).
+``widen`` by widen, ``history`` by any step whose source an otdus step made ...).
 """
 
 from __future__ import annotations
@@ -170,6 +170,16 @@ def source_record(src: SourceModel) -> ManifestSource:
         fingerprints=stack_fingerprints(src),
         config=src.config,
     )
+
+
+def earlier_steps(src: SourceModel) -> list[dict] | None:
+    """The records of the otdus steps that made a local source (its manifest, after the steps it
+    records itself): what ``history`` keeps, so a chain (expand, expand; expand, widen ...) names
+    every step and verify can check it against the first source. None for a source otdus did not make."""
+    earlier = read_manifest(src.resolved.folder) if src.resolved.kind == "local" else None
+    if not earlier:
+        return None
+    return [*(earlier.get("history") or []), {k: v for k, v in earlier.items() if k != "history"}]
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> dict:

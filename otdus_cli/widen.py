@@ -41,7 +41,7 @@ from otdus_cli.manifest import (
     ManifestLayer,
     WidenRecord,
     created_now,
-    read_manifest,
+    earlier_steps,
     seen_from_first_source,
     source_record,
 )
@@ -273,10 +273,7 @@ def build_widen_manifest(plan: WidenPlan, finished: Finished[None]) -> Manifest:
     m = plan.options.factor
     widened = set(plan.moe_layers)
     noise = plan.options.noise
-    history = []
-    earlier = read_manifest(src.resolved.folder) if src.resolved.kind == "local" else None
-    if earlier:  # the source was itself made by otdus (e.g. expand, then widen): keep its record
-        history = [*earlier.get("history", []), {k: v for k, v in earlier.items() if k != "history"}]
+    history = earlier_steps(src) or []  # the source made by otdus (e.g. expand, then widen): its record
     skipped = finished.config_check.skipped
     return Manifest(
         **created_now(),
