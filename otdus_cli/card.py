@@ -33,6 +33,8 @@ from otdus_cli.markdown import text as md
 CARD = "README.md"
 MANIFEST = "otdus.json"  # otdus_cli.manifest.MANIFEST (not imported: the CLI imports this module at start-up)
 VERIFICATION = "## Verification by otdus verify"
+# the tag of each otdus operation, then each method's name, on the card
+OPERATION_TAGS = {"expand": "depth-up-scaling", "shrink": "depth-pruning", "widen": "expert-growth"}
 # Licences of the bundled models, from their README (which has no card metadata).
 BUNDLED_LICENSES = {"bundled:stories260k": "mit"}
 # The command line of this process, when it is the otdus CLI (set by cli.main); None for the library.
@@ -63,14 +65,36 @@ def _source_card(source_folder: Path | None):
         return None
 
 
-def _base_model(manifest: dict, source_folder: Path | None, source_card) -> str | None:
-    source = manifest["source"]
+def snapshot_repo(path: str | os.PathLike[str] | None) -> str | None:
+    """The hub id of a huggingface_hub cache snapshot folder (``.../models--ORG--NAME/snapshots/REV``,
+    the cache's own layout), else None."""
+    from otdus_cli.source import is_hub_id
+
+    if not path:
+        return None
+    folder = Path(path)
+    repo = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    ident = repo.removeprefix("models--").replace("--", "/", 1)
+    return ident if is_hub_id(ident) else None
+
+
+def _named_base(step: dict) -> str | None:
+    """The hub model one step was made from: --base-model, a hub id, or a hub cache snapshot path."""
+    options, source = step.get("options") or {}, step.get("source") or {}
+    if isinstance(options, dict) and isinstance(options.get("base_model"), str):
+        return options["base_model"]
     if source.get("kind") == "hub":
-        return source["id"]
-    for record in manifest.get("history") or []:  # chained steps: the first step's hub source
-        first = record.get("source", {}) if isinstance(record, dict) else {}
-        if first.get("kind") == "hub":
-            return first["id"]
+        return source.get("id")
+    return snapshot_repo(source.get("path")) if source.get("kind") == "local" else None
+
+
+def _base_model(manifest: dict, source_folder: Path | None, source_card) -> str | None:
+    for step in _steps(manifest):  # chained steps: the first step's base
+        named = _named_base(step) if isinstance(step, dict) else None
+        if named:
+            return named
     made_by_otdus = source_folder is not None and (source_folder / MANIFEST).is_file()
     if made_by_otdus and source_card is not None:
         return source_card.data.base_model
@@ -83,9 +107,11 @@ def card_data(manifest: dict, source_folder: Path | None):
 
     source = manifest["source"]
     source_card = _source_card(source_folder)
-    methods = [r.get("method") for r in manifest.get("history") or [] if isinstance(r, dict)]
-    tags = ["otdus", "depth-pruning" if manifest.get("operation") == "shrink" else "depth-up-scaling"]
-    tags += [m for m in [*methods, manifest["method"]] if isinstance(m, str) and m not in tags]
+    steps = _steps(manifest)
+    tags = ["otdus"]
+    for tag in [*(OPERATION_TAGS[_operation(s)] for s in steps), *(s.get("method") for s in steps)]:
+        if isinstance(tag, str) and tag not in tags:
+            tags.append(tag)
     extra = {}
     license_ = BUNDLED_LICENSES.get(source["id"]) if source.get("kind") == "bundled" else None
     if source_card is not None:
@@ -121,6 +147,17 @@ def _command(manifest: dict) -> str:
         f"# made through the Python API (otdus_cli.{module}); its options, as otdus.json records them: "
         f"{manifest.get('options', {})}"
     )
+
+
+def _dtype(manifest: dict) -> str:
+    """The dtype the output's weights were written in (the claim of preservation is in it)."""
+    options = manifest.get("options") if isinstance(manifest.get("options"), dict) else {}
+    if options.get("dtype") not in (None, "auto"):
+        return str(options["dtype"])
+    config = manifest["source"].get("config") or {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    found = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    return str(found) if found else "the source's dtype"
 
 
 def _variant(manifest: dict) -> str:
@@ -246,7 +283,9 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
         *_shrink_lines(shrunk),
         "- function-preserving: "
         + (
-            "yes: the new model computes the base model's function (`otdus verify` checks it)"
+            f"yes by construction, in {md(_dtype(manifest))} (base layers copied byte for byte, each new "
+            "layer's residual-writing projections zero); not measured on this card until `otdus verify . "
+            "--card` adds its measurement"
             if preserving
             else "no: layers were removed or merged (`otdus verify` reports the perplexity change)"
             if shrunk
@@ -280,7 +319,9 @@ def _steps(manifest: dict) -> list[dict]:
 
 
 def _operation(step: dict) -> str:
-    return "widen" if step.get("method") == "widen" else str(step.get("operation") or "expand")
+    """expand, shrink or widen (a manifest of expand has no ``operation``)."""
+    operation = "widen" if step.get("method") == "widen" else step.get("operation") or "expand"
+    return operation if operation in OPERATION_TAGS else "expand"
 
 
 def _step_lines(steps: list[dict]) -> list[str]:
@@ -403,6 +444,31 @@ def verification_section(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def with_results(text: str, report: dict, folder: Path) -> str:
+    """The card ``text`` with the measured perplexities in its metadata: model-index results (what the
+    Hub shows as evaluation results), through huggingface_hub's EvalResult, replacing earlier ones."""
+    from huggingface_hub import EvalResult, ModelCard
+
+    card = ModelCard(text)
+    corpus = _portable(str(report["base"]["corpus"]))
+    expanded = report["expanded"]
+    keys = ["token_perplexity"] + (["word_perplexity"] if expanded.get("word_perplexity") else [])
+    card.data.model_name = card.data.model_name or folder.name
+    card.data.eval_results = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=corpus,
+            dataset_name=corpus,
+            metric_type="perplexity",
+            metric_name=key.replace("_", " "),
+            metric_value=float(expanded[key]),
+            metric_config=f"otdus verify, {report['base']['protocol']} protocol, {report['dtype']}",
+        )
+        for key in keys
+    ]
+    return str(card)
+
+
 def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
     """Put one verify run's verdict and figures on the card of the otdus output in ``folder`` (an
     earlier verification section is replaced); the card's bytes. Refused for a folder that is not an
@@ -428,8 +494,9 @@ def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
     if recorded and Path(report["base_model"]).resolve() == Path(recorded).resolve():
         report = {**report, "base_model": shown_source(manifest["source"])}  # not this machine's path
     else:
-        report = {**report, "base_model": _portable(str(report["base_model"]))}
-    data = write_card(folder, kept + "\n\n" + verification_section(report))
+        given = str(report["base_model"])
+        report = {**report, "base_model": snapshot_repo(given) or _portable(given)}
+    data = write_card(folder, with_results(kept + "\n\n" + verification_section(report), report, folder))
     # the manifest records the new card (read raw: every field kept as it was)
     raw = json.loads((folder / MANIFEST).read_text())
     raw["card"] = card_record(data)

@@ -30,7 +30,7 @@ from pydantic import (
 
 from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.file_hashes import record_files
+from otdus_cli.io.file_hashes import file_changes, record_files, valid_records
 from otdus_cli.io.fingerprint import stack_fingerprints
 from otdus_cli.io.reader import read_json_object
 
@@ -159,7 +159,8 @@ def source_record(src: SourceModel) -> ManifestSource:
     return ManifestSource(
         id=src.resolved.id,
         revision=src.resolved.revision,
-        path=str(src.resolved.folder.absolute()),
+        # a hub source is found again by id and revision (through the cache): no path of this machine
+        **({} if src.resolved.kind == "hub" else {"path": str(src.resolved.folder.absolute())}),
         model_type=src.config.get("model_type"),
         family=src.family.name,
         num_hidden_layers=src.depth,
@@ -206,6 +207,16 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict | None:
     if len(data["layers"]) != data["num_hidden_layers"]:
         raise OtdusError(f"{path} is damaged (its layer map does not have num_hidden_layers entries)")
     return data
+
+
+def changed_since_written(folder: str | os.PathLike[str], manifest: dict | None = None) -> list[str]:
+    """The files of an otdus output that are no longer what otdus wrote ('NAME (what changed)'), by
+    the sizes and hashes its manifest records: its claims (function-preserving ...) were made of the
+    files as written, not of weights trained in place since. Empty when nothing changed or nothing is
+    recorded (manifests of otdus <= 0.1.x)."""
+    manifest = read_manifest(folder) if manifest is None else manifest
+    records = (manifest or {}).get("files")
+    return file_changes(Path(folder), records) if valid_records(records) else []
 
 
 def manifest_source(folder: str | os.PathLike[str]) -> tuple[str, str | None, str] | None:

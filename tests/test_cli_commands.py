@@ -43,6 +43,7 @@ def test_inspect_table_and_json(stories, tmp_path):
         "bytes": nbytes,
         "tie_word_embeddings": True,
         "manifest": manifest,
+        "changed_since_written": [],  # every file still as otdus wrote it
         "card": {  # the model card's summary (card.py)
             "metadata": {
                 "library_name": "transformers",
