@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.fused_experts import FUSED_NOTE, PER_EXPERT
 from otdus_cli.manifest import MANIFEST, read_manifest
 
 if TYPE_CHECKING:
@@ -128,6 +129,8 @@ def select(
                 f"{len(routers)} router weight(s) (e.g. {routers[0]}) hold the base's rows and the new "
                 "experts' rows in one tensor: training them changes the base rows too"
             )
+        if any(PER_EXPERT.match(n) for n in listed):
+            notes.append(FUSED_NOTE)
     for extra in also:
         chosen |= _extra(extra, names, layer_of, config)
     trainable = [n for n in names if n in chosen]
@@ -305,7 +308,9 @@ def apply(
 ) -> list[str]:
     """Set ``requires_grad`` on ``model``'s parameters: True for the trainable set, False for every
     other. ``manifest``: an otdus output folder, its ``otdus.json``, or the manifest as read. Returns
-    the names made trainable. A name the manifest lists that the model lacks is an error, never skipped.
+    the names made trainable. A name the manifest lists that the model lacks is an error, never skipped,
+    but for experts the model loads fused (transformers 5): the fused tensors are trained with a
+    gradient mask on the new experts' rows (fused_experts.py).
     """
     if not isinstance(manifest, dict):
         path = Path(manifest)
@@ -314,10 +319,22 @@ def apply(
         if found is None:
             raise OtdusError(f"{folder} is not an otdus output (no {MANIFEST})")
         manifest = found
+    from otdus_cli.fused_experts import map_listed, mask_rows
+
     params = dict(model.named_parameters())
     config = model.config.to_dict() if hasattr(model, "config") else {}
+    listed = manifest.get("new_parameters") or []
+    widened = manifest.get("widen") if isinstance(manifest.get("widen"), dict) else {}
+    fused = map_listed([n for n in listed if n not in params], params, (widened.get("experts") or [0, 0])[1])
+    if (fused.rows or fused.renamed) and not fused.unmatched and not zero_init_only:
+        # experts loaded fused (transformers 5): their tensors behind a gradient mask, routers renamed
+        manifest = {**manifest, "new_parameters": [n for n in listed if n in params] + fused.renamed}
+    else:
+        fused.rows = {}
     chosen = select(manifest, params, config, also, zero_init_only)
-    train = set(chosen.trainable)
+    train = set(chosen.trainable) | set(fused.rows)
     for name, param in params.items():
         param.requires_grad_(name in train)
-    return chosen.trainable
+    for name, rows in fused.rows.items():
+        mask_rows(params[name], rows)
+    return [n for n in params if n in train]

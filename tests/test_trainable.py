@@ -166,18 +166,36 @@ def test_moe_outputs_train_new_experts_and_router_rows(tmp_path):
     one_error_line(
         runner.invoke(app, ["trainable", str(wide), "--zero-init-only"]), message="no zero-initialised"
     )
-    # apply() on the loaded model: transformers 5 fuses Mixtral's experts into one tensor per layer,
-    # so the per-expert names are refused, never matched to the wrong tensors
+    assert "transformers 5 loads these experts fused" in done.stderr  # what no name rule can select
+    # apply() on the loaded model: transformers 5 fuses Mixtral's experts into one tensor per layer
+    # (experts on its first axis) and renames the router: those tensors train behind a gradient mask
     import transformers
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(wide)
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        with pytest.raises(OtdusError, match="experts.4.w1.weight as new, but the model has no parameter"):
-            apply(model, wide)
-    else:
+    if int(transformers.__version__.split(".")[0]) < 5:
         assert set(apply(model, wide)) == expected
         assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
+        return
+    trained = apply(model, wide)
+    assert sorted(trained) == sorted(
+        f"model.layers.{i}.mlp.{t}"
+        for i in range(4)
+        for t in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    for name, param in model.named_parameters():
+        moved = (
+            (param != before[name]).flatten(1).any(1) if param.dim() == 3 else (param != before[name]).any()
+        )
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            assert moved.tolist() == [False] * 4 + [True] * 4, name  # the base experts' rows kept, bitwise
+        elif name not in trained:
+            assert not moved, name
 
 
 def test_interleaved_layers_are_refused_by_llama_factory_with_the_formats_that_can(ot_out, tmp_path):
