@@ -310,7 +310,8 @@ def apply(
     other. ``manifest``: an otdus output folder, its ``otdus.json``, or the manifest as read. Returns
     the names made trainable. A name the manifest lists that the model lacks is an error, never skipped,
     but for experts the model loads fused (transformers 5): the fused tensors are trained with a
-    gradient mask on the new experts' rows (fused_experts.py).
+    gradient mask on the new experts' rows (fused_experts.py). A peft-wrapped model's names are read
+    as the checkpoint's (checkpoint_name); the names returned are the model's own.
     """
     if not isinstance(manifest, dict):
         path = Path(manifest)
@@ -321,7 +322,9 @@ def apply(
         manifest = found
     from otdus_cli.fused_experts import map_listed, mask_rows
 
-    params = dict(model.named_parameters())
+    # a peft-wrapped model: its parameters under the names the checkpoint gives them
+    loaded = {checkpoint_name(n): (n, p) for n, p in model.named_parameters()}
+    params = {n: p for n, (_, p) in loaded.items()}
     config = model.config.to_dict() if hasattr(model, "config") else {}
     listed = manifest.get("new_parameters") or []
     widened = manifest.get("widen") if isinstance(manifest.get("widen"), dict) else {}
@@ -337,4 +340,11 @@ def apply(
         param.requires_grad_(name in train)
     for name, rows in fused.rows.items():
         mask_rows(params[name], rows)
-    return [n for n in params if n in train]
+    return [loaded[n][0] for n in params if n in train]
+
+
+def checkpoint_name(name: str) -> str:
+    """A loaded parameter's name as the checkpoint has it: peft's wrapper prefix (``base_model.model.``)
+    and its ``base_layer`` module around a wrapped linear layer dropped. An adapter's own parameters
+    (``lora_A`` ...) keep their names, so they follow the layer they sit in."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

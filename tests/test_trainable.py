@@ -277,6 +277,30 @@ def test_an_output_with_nothing_new_is_refused_in_every_format(tmp_path):
         apply(AutoModelForCausalLM.from_pretrained(out), out)
 
 
+def test_apply_reads_a_peft_wrapped_model_by_the_checkpoint_names(ot_out):
+    """peft's wrapper puts every name under ``base_model.model.`` and a wrapped linear layer's weight
+    under ``base_layer``; its adapters sit beside it (the layout of peft 0.21, built here by hand:
+    peft is no dependency). The new layers train, adapters included; the rest stays frozen."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ot_out)
+    for layer in (0, 3):  # a base layer and a new one, each with a LoRA-style adapter on q_proj
+        attn = model.model.layers[layer].self_attn
+        wrapped = torch.nn.Module()
+        wrapped.base_layer, wrapped.lora_A = attn.q_proj, torch.nn.Linear(attn.q_proj.in_features, 2)
+        attn.q_proj = wrapped
+    peft_like = torch.nn.Module()
+    peft_like.base_model = torch.nn.Module()
+    peft_like.base_model.model = model
+    peft_like.config = model.config
+    trained = apply(peft_like, ot_out)
+    prefix = "base_model.model.model.layers."
+    assert f"{prefix}3.self_attn.q_proj.base_layer.weight" in trained
+    assert f"{prefix}3.self_attn.q_proj.lora_A.weight" in trained
+    expected = {n for n, _ in peft_like.named_parameters() if n.startswith((f"{prefix}3.", f"{prefix}5."))}
+    assert {n for n, p in peft_like.named_parameters() if p.requires_grad} == expected == set(trained)
+
+
 # -- the training check ------------------------------------------------------------------------------
 def train_a_few_steps(folder: Path, freeze, tmp_path: Path) -> tuple[dict, dict, float, float]:
     """Load ``folder`` with transformers, let ``freeze(model)`` set requires_grad, train 4 steps on
