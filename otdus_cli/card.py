@@ -27,10 +27,14 @@ from pathlib import Path
 from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.file_hashes import edited_line, file_record, manifest_check, sealed
+from otdus_cli.markdown import code_block, code_span
+from otdus_cli.markdown import text as md
 
 CARD = "README.md"
 MANIFEST = "otdus.json"  # otdus_cli.manifest.MANIFEST (not imported: the CLI imports this module at start-up)
 VERIFICATION = "## Verification by otdus verify"
+# the tag of each otdus operation, then each method's name, on the card
+OPERATION_TAGS = {"expand": "depth-up-scaling", "shrink": "depth-pruning", "widen": "expert-growth"}
 # Licences of the bundled models, from their README (which has no card metadata).
 BUNDLED_LICENSES = {"bundled:stories260k": "mit"}
 # The command line of this process, when it is the otdus CLI (set by cli.main); None for the library.
@@ -61,14 +65,36 @@ def _source_card(source_folder: Path | None):
         return None
 
 
-def _base_model(manifest: dict, source_folder: Path | None, source_card) -> str | None:
-    source = manifest["source"]
+def snapshot_repo(path: str | os.PathLike[str] | None) -> str | None:
+    """The hub id of a huggingface_hub cache snapshot folder (``.../models--ORG--NAME/snapshots/REV``,
+    the cache's own layout), else None."""
+    from otdus_cli.source import is_hub_id
+
+    if not path:
+        return None
+    folder = Path(path)
+    repo = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    ident = repo.removeprefix("models--").replace("--", "/", 1)
+    return ident if is_hub_id(ident) else None
+
+
+def _named_base(step: dict) -> str | None:
+    """The hub model one step was made from: --base-model, a hub id, or a hub cache snapshot path."""
+    options, source = step.get("options") or {}, step.get("source") or {}
+    if isinstance(options, dict) and isinstance(options.get("base_model"), str):
+        return options["base_model"]
     if source.get("kind") == "hub":
-        return source["id"]
-    for record in manifest.get("history") or []:  # chained steps: the first step's hub source
-        first = record.get("source", {}) if isinstance(record, dict) else {}
-        if first.get("kind") == "hub":
-            return first["id"]
+        return source.get("id")
+    return snapshot_repo(source.get("path")) if source.get("kind") == "local" else None
+
+
+def _base_model(manifest: dict, source_folder: Path | None, source_card) -> str | None:
+    for step in _steps(manifest):  # chained steps: the first step's base
+        named = _named_base(step) if isinstance(step, dict) else None
+        if named:
+            return named
     made_by_otdus = source_folder is not None and (source_folder / MANIFEST).is_file()
     if made_by_otdus and source_card is not None:
         return source_card.data.base_model
@@ -81,9 +107,11 @@ def card_data(manifest: dict, source_folder: Path | None):
 
     source = manifest["source"]
     source_card = _source_card(source_folder)
-    methods = [r.get("method") for r in manifest.get("history") or [] if isinstance(r, dict)]
-    tags = ["otdus", "depth-pruning" if manifest.get("operation") == "shrink" else "depth-up-scaling"]
-    tags += [m for m in [*methods, manifest["method"]] if isinstance(m, str) and m not in tags]
+    steps = _steps(manifest)
+    tags = ["otdus"]
+    for tag in [*(OPERATION_TAGS[_operation(s)] for s in steps), *(s.get("method") for s in steps)]:
+        if isinstance(tag, str) and tag not in tags:
+            tags.append(tag)
     extra = {}
     license_ = BUNDLED_LICENSES.get(source["id"]) if source.get("kind") == "bundled" else None
     if source_card is not None:
@@ -100,14 +128,36 @@ def card_data(manifest: dict, source_folder: Path | None):
     )
 
 
+def _portable(arg: str) -> str:
+    """An argument as the card shows it: an absolute local path (``--out=PATH`` too) by its last part,
+    since it names this machine's folders, not anything of the model's."""
+    flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if os.path.isabs(value) or value.startswith("~"):
+        value = Path(value).name or value
+    return flag + eq + value
+
+
 def _command(manifest: dict) -> str:
     if _invocation is not None:
-        return shlex.join(_invocation)
+        shown = [_portable(a) for a in _invocation]
+        note = "  # local paths shown by their last part" if shown != _invocation else ""
+        return shlex.join(shown) + note
     module = "widen" if manifest["method"] == "widen" else manifest.get("operation", "expand")
     return (
         f"# made through the Python API (otdus_cli.{module}); its options, as otdus.json records them: "
         f"{manifest.get('options', {})}"
     )
+
+
+def _dtype(manifest: dict) -> str:
+    """The dtype the output's weights were written in (the claim of preservation is in it)."""
+    options = manifest.get("options") if isinstance(manifest.get("options"), dict) else {}
+    if options.get("dtype") not in (None, "auto"):
+        return str(options["dtype"])
+    config = manifest["source"].get("config") or {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    found = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    return str(found) if found else "the source's dtype"
 
 
 def _variant(manifest: dict) -> str:
@@ -133,16 +183,35 @@ def _layer_table(manifest: dict) -> list[str]:
     ]
     for lay in manifest["layers"]:
         parents = lay.get("parents") or []
-        held = f"from {', '.join(map(str, parents))}" if lay["new"] and parents else str(lay["source"])
-        builder = lay.get("builder", "base") + (" (widened)" if lay.get("widened") else "")
+        step = lay.get("step", 1)
+        of = f" of step {step - 1}'s output" if step > 1 else ""
+        held = f"from {', '.join(map(str, parents))}{of}" if lay["new"] and parents else str(lay["source"])
+        builder = md(lay.get("builder", "base")) + (" (widened)" if lay.get("widened") else "")
         zero = "yes" if lay.get("zero_init") and lay["new"] else ""
-        rows.append(f"| {lay['index']} | {held} | {'yes' if lay['new'] else ''} | {builder} | {zero} |")
+        new = (f"yes (step {step})" if "step" in lay else "yes") if lay["new"] else ""
+        rows.append(f"| {lay['index']} | {held} | {new} | {builder} | {zero} |")
+    return rows
+
+
+def _chain_layers(steps: list[dict]) -> list[dict]:
+    """The last step's layers traced back through the steps: a kept layer as the first source's layer
+    it holds, a new one as the step that made it (``step``, counted from 1; its parents are layers of
+    that step's source). Only for a chain seen_from_first_source accepts (indices checked there)."""
+    rows = []
+    for entry in steps[-1]["layers"]:
+        lay, k = entry, len(steps)
+        widened = bool(entry.get("widened"))
+        while not lay["new"] and k > 1:
+            k -= 1
+            lay = steps[k - 1]["layers"][lay["source"]]
+            widened |= bool(lay.get("widened"))
+        rows.append({**lay, "index": entry["index"], "widened": widened, "step": k})
     return rows
 
 
 def _new_parameters(manifest: dict, folder: Path) -> list[str]:
     from otdus_cli.io.reader import CheckpointReader
-    from otdus_cli.trainable import axolotl_patterns, select
+    from otdus_cli.trainable import axolotl_patterns, select, to_yaml
 
     reader = CheckpointReader(folder)
     chosen = select(manifest, reader.names, reader.config)
@@ -171,15 +240,8 @@ def _new_parameters(manifest: dict, folder: Path) -> list[str]:
         )
     else:
         lines.append("- none is zero-initialised")
-    lines += [
-        "",
-        "axolotl's `unfrozen_parameters` for exactly these tensors:",
-        "",
-        "```yaml",
-        "unfrozen_parameters:",
-    ]
-    lines += [f"  - {p}" for p in axolotl_patterns(chosen)] + ["```"]
-    return lines
+    lines += ["", "axolotl's `unfrozen_parameters` for exactly these tensors:", ""]
+    return lines + code_block(to_yaml({"unfrozen_parameters": axolotl_patterns(chosen)}), "yaml")
 
 
 def _layer_names(chosen, layers: list[int]) -> list[str]:
@@ -191,36 +253,39 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
     """The whole card of the output in ``folder`` (its tensors and config written already)."""
     from huggingface_hub import ModelCard
 
+    from otdus_cli.manifest import seen_from_first_source
+
     data = card_data(manifest, source_folder)
-    source = manifest["source"]
+    steps = _steps(manifest)
+    # a chain of steps is described from its first source: every step's layers over the first base's
+    # (expand --experts records its layers over the first source already: "intermediate")
+    chained = len(steps) > 1 and not manifest.get("intermediate") and seen_from_first_source(manifest)
+    composed = _chain_layers(steps) if chained else None
+    source = steps[0].get("source") or manifest["source"]
     depth = len(manifest["layers"])
     base_depth = source.get("num_hidden_layers", depth)
-    preserving = manifest.get("function_preserving")
+    preserving = all(step.get("function_preserving") for step in steps)
     shrunk = manifest.get("shrink") if manifest.get("operation") == "shrink" else None
+    how = f"in {len(steps)} steps" if len(steps) > 1 else f"by {code_span(_variant(manifest))}"
     body = [
-        f"# {Path(folder).name.split('.otdus-tmp-')[0].lstrip('.') or 'otdus output'}",
+        f"# {md(Path(folder).name.split('.otdus-tmp-')[0].lstrip('.') or 'otdus output')}",
         "",
-        f"Made with otdus {manifest['otdus_version']} from "
-        f"**{source['id']}**"
-        + (f" (revision `{source['revision']}`)" if source.get("revision") else "")
-        + f" by `{_variant(manifest)}`: {base_depth} -> {depth} layers{_width(manifest)}.",
+        f"Made with otdus {md(manifest['otdus_version'])} from "
+        f"**{md(shown_source(source))}**"
+        + (f" (revision {code_span(source['revision'])})" if source.get("revision") else "")
+        + f" {how}: {base_depth} -> {depth} layers{_width(manifest)}.",
         "",
         "## How it was made",
         "",
-        "```bash",
-        _command(manifest),
-        "```",
+        *code_block(_command(manifest), "bash"),
         "",
-        f"- method: {_variant(manifest)}"
-        + (
-            f", after {', '.join(_variant(r) for r in manifest['history'])}"
-            if manifest.get("history")
-            else ""
-        ),
+        *(_step_lines(steps) if len(steps) > 1 else [f"- method: {md(_variant(manifest))}"]),
         *_shrink_lines(shrunk),
         "- function-preserving: "
         + (
-            "yes: the new model computes the base model's function (`otdus verify` checks it)"
+            f"yes by construction, in {md(_dtype(manifest))} (base layers copied byte for byte, each new "
+            "layer's residual-writing projections zero); not measured on this card until `otdus verify . "
+            "--card` adds its measurement"
             if preserving
             else "no: layers were removed or merged (`otdus verify` reports the perplexity change)"
             if shrunk
@@ -229,13 +294,50 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
         ),
         f"- the full record (options, source fingerprints, layer map) is in `{MANIFEST}`",
         "",
-        "## Layer map",
+        "## Layer map" + (" (over the first source's layers, through every step)" if composed else ""),
         "",
-        *_layer_table(manifest),
+        *_layer_table({"layers": composed} if composed else manifest),
         "",
         *([] if shrunk and not manifest.get("new_parameters") else _training(manifest, folder)),
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"))
+
+
+def shown_source(source: dict) -> str:
+    """A source as the card names it: its hub id or bundled name; a local folder by its name alone
+    (the path is this machine's: otdus.json keeps it, for verify)."""
+    ident = str(source.get("id", ""))
+    kind = source.get("kind") or (
+        "bundled" if ident.startswith("bundled:") else "hub" if source.get("revision") else "local"
+    )
+    return ident if kind in ("hub", "bundled") else f"{Path(ident).name or ident} (a local folder)"
+
+
+def _steps(manifest: dict) -> list[dict]:
+    """Every otdus step that made this output, first to last (this one last)."""
+    return [*(r for r in manifest.get("history") or [] if isinstance(r, dict)), manifest]
+
+
+def _operation(step: dict) -> str:
+    """expand, shrink or widen (a manifest of expand has no ``operation``)."""
+    operation = "widen" if step.get("method") == "widen" else step.get("operation") or "expand"
+    return operation if operation in OPERATION_TAGS else "expand"
+
+
+def _step_lines(steps: list[dict]) -> list[str]:
+    """One line per step of a chain (expand, then expand or widen ...), the first's source named."""
+    lines = []
+    for k, step in enumerate(steps, 1):
+        src = step.get("source") if isinstance(step.get("source"), dict) else {}
+        origin = md(shown_source(src)) if k == 1 else "the previous step's output"
+        before = len(steps[k - 2].get("layers") or []) if k > 1 else src.get("num_hidden_layers", "?")
+        after = len(step.get("layers") or [])
+        claim = "function-preserving" if step.get("function_preserving") else "not function-preserving"
+        lines.append(
+            f"- step {k}: {_operation(step)} by {code_span(_variant(step))} from {origin}, "
+            f"{before} -> {after} layers{_width(step)} ({claim})"
+        )
+    return lines
 
 
 def _training(manifest: dict, folder: Path) -> list[str]:
@@ -325,9 +427,9 @@ def verification_section(report: dict) -> str:
         VERIFICATION,
         "",
         f"**{report['verdict']}** ({time.strftime('%Y-%m-%d', time.gmtime())}, otdus {__version__}, "
-        f"{report['device']} {report['dtype']})",
+        f"{md(report['device'])} {md(report['dtype'])})",
         "",
-        f"Text: {base['corpus']}, {base['protocol']} protocol, {base['n_tokens']:,} tokens scored.",
+        f"Text: {md(base['corpus'])}, {md(base['protocol'])} protocol, {base['n_tokens']:,} tokens scored.",
         "",
         "| | base | this model |",
         "| --- | --- | --- |",
@@ -337,9 +439,34 @@ def verification_section(report: dict) -> str:
         f"- logits bitwise equal to the base's: {'yes' if report['logits_equal'] else 'no'}",
         f"- largest difference of a scored token's log-probability: {report['logprob_max_abs_diff']:.3g}",
         f"- parity expected: {'yes' if report['expect_parity'] else 'no'}; tolerance: {report['tolerance']}",
-        f"- base model: {report['base_model']}",
+        f"- base model: {md(report['base_model'])}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def with_results(text: str, report: dict, folder: Path) -> str:
+    """The card ``text`` with the measured perplexities in its metadata: model-index results (what the
+    Hub shows as evaluation results), through huggingface_hub's EvalResult, replacing earlier ones."""
+    from huggingface_hub import EvalResult, ModelCard
+
+    card = ModelCard(text)
+    corpus = _portable(str(report["base"]["corpus"]))
+    expanded = report["expanded"]
+    keys = ["token_perplexity"] + (["word_perplexity"] if expanded.get("word_perplexity") else [])
+    card.data.model_name = card.data.model_name or folder.name
+    card.data.eval_results = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=corpus,
+            dataset_name=corpus,
+            metric_type="perplexity",
+            metric_name=key.replace("_", " "),
+            metric_value=float(expanded[key]),
+            metric_config=f"otdus verify, {report['base']['protocol']} protocol, {report['dtype']}",
+        )
+        for key in keys
+    ]
+    return str(card)
 
 
 def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
@@ -359,8 +486,11 @@ def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
     kept = text.split("\n" + VERIFICATION, 1)[0].rstrip("\n")
     recorded = manifest["source"].get("path")
     if recorded and Path(report["base_model"]).resolve() == Path(recorded).resolve():
-        report = {**report, "base_model": manifest["source"]["id"]}  # its name, not this machine's path
-    data = write_card(folder, kept + "\n\n" + verification_section(report))
+        report = {**report, "base_model": shown_source(manifest["source"])}  # not this machine's path
+    else:
+        given = str(report["base_model"])
+        report = {**report, "base_model": snapshot_repo(given) or _portable(given)}
+    data = write_card(folder, with_results(kept + "\n\n" + verification_section(report), report, folder))
     # the manifest records the new card (read raw: every field kept as it was)
     raw = json.loads((folder / MANIFEST).read_text())
     covered = manifest_check(raw) == "unchanged"  # one that records no hash of itself is given none

@@ -43,7 +43,7 @@ from otdus_cli.methods.registry import METHODS, get_method
 from otdus_cli.options import ExpandOptions, ignored_options
 from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
 from otdus_cli.plan.layer_map import OutputLayer, check_parent_kinds, is_function_preserving, plan_layers
-from otdus_cli.source import SourceModel, open_source, source_record
+from otdus_cli.source import SourceModel, earlier_steps, open_source, source_record
 
 SCRATCH = ".otdus-scratch"  # inside the staging folder; never part of an output
 
@@ -410,6 +410,7 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of an expansion; ``reports``: each pre-pass's report, under its builder's name."""
     check = finished.config_check
+    history = earlier_steps(plan.source)  # a source made by otdus: every earlier step, for the chain
     return Manifest(
         **created_now(),
         source=source_record(plan.source),
@@ -431,6 +432,7 @@ def build_manifest(
         config_check=check.by,
         warnings=[check.skipped] if check.skipped else [],
         **plan.manifest_fields(),
+        **({"history": history} if history else {}),
     )
 
 

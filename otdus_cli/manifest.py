@@ -7,7 +7,7 @@ itself what verify expects (see verify/proof.py).
 
 Its keys are written in the order the models declare them; a key a command did not set is not
 written (each command writes the keys it has: ``ignored_options`` and ``config_check`` by expand,
-``widen`` and ``history`` by widen ...).
+``widen`` by widen, ``history`` by any step whose source an otdus step made ...).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pydantic import (
 
 from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.file_hashes import plain_name, record_files, sealed
+from otdus_cli.io.file_hashes import file_changes, plain_name, record_files, sealed, valid_records
 from otdus_cli.io.reader import read_json_object
 
 MANIFEST = "otdus.json"
@@ -186,6 +186,16 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict | None:
     if len(data["layers"]) != data["num_hidden_layers"]:
         raise OtdusError(f"{path} is damaged (its layer map does not have num_hidden_layers entries)")
     return data
+
+
+def changed_since_written(folder: str | os.PathLike[str], manifest: dict | None = None) -> list[str]:
+    """The files of an otdus output that are no longer what otdus wrote ('NAME (what changed)'), by
+    the sizes and hashes its manifest records: its claims (function-preserving ...) were made of the
+    files as written, not of weights trained in place since. Empty when nothing changed or nothing is
+    recorded (manifests of otdus <= 0.1.x)."""
+    manifest = read_manifest(folder) if manifest is None else manifest
+    records = (manifest or {}).get("files")
+    return file_changes(Path(folder), records) if valid_records(records) else []
 
 
 def manifest_source(folder: str | os.PathLike[str]) -> tuple[str, str | None, str] | None:

@@ -35,6 +35,16 @@ class ExpandSettings(BaseModel):
     seed: int = 0
     revision: str | None = None
     allow_unknown_arch: bool = False
+    base_model: str | None = None  # the card's base_model (a hub id) when the source is a local folder
+
+    @field_validator("base_model")
+    @classmethod
+    def _hub_id(cls, value: str | None) -> str | None:
+        from otdus_cli.source import is_hub_id
+
+        if value is not None and not is_hub_id(value):
+            raise ValueError(f"{value!r} is not a Hugging Face hub id (owner/name)")
+        return value
 
     @field_validator("method")
     @classmethod

@@ -21,7 +21,7 @@ from otdus_cli.errors import OtdusError
 from otdus_cli.io.fingerprint import stack_fingerprints
 from otdus_cli.io.reader import CheckpointReader, read_json_object
 from otdus_cli.io.stack import LayerStack, read_stack
-from otdus_cli.manifest import MANIFEST, ManifestSource
+from otdus_cli.manifest import MANIFEST, ManifestSource, read_manifest
 
 # Small files worth carrying to the expanded model (everything else a repo holds is left behind).
 SIDE_FILE_PATTERNS = [
@@ -226,7 +226,8 @@ def source_record(src: SourceModel) -> ManifestSource:
     return ManifestSource(
         id=src.resolved.id,
         revision=src.resolved.revision,
-        path=str(src.resolved.folder.absolute()),
+        # a hub source is found again by id and revision (through the cache): no path of this machine
+        **({} if src.resolved.kind == "hub" else {"path": str(src.resolved.folder.absolute())}),
         model_type=src.config.get("model_type"),
         family=src.family.name,
         num_hidden_layers=src.depth,
@@ -237,3 +238,13 @@ def source_record(src: SourceModel) -> ManifestSource:
         fingerprints=stack_fingerprints(src),
         config=src.config,
     )
+
+
+def earlier_steps(src: SourceModel) -> list[dict] | None:
+    """The records of the otdus steps that made a local source (its manifest, after the steps it
+    records itself): what ``history`` keeps, so a chain (expand, expand; expand, widen ...) names
+    every step and verify can check it against the first source. None for a source otdus did not make."""
+    earlier = read_manifest(src.resolved.folder) if src.resolved.kind == "local" else None
+    if not earlier:
+        return None
+    return [*(earlier.get("history") or []), {k: v for k, v in earlier.items() if k != "history"}]

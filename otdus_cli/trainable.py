@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.fused_experts import FUSED_NOTE, PER_EXPERT
 from otdus_cli.manifest import MANIFEST, read_manifest
 
 if TYPE_CHECKING:
@@ -128,9 +129,17 @@ def select(
                 f"{len(routers)} router weight(s) (e.g. {routers[0]}) hold the base's rows and the new "
                 "experts' rows in one tensor: training them changes the base rows too"
             )
+        if any(PER_EXPERT.match(n) for n in listed):
+            notes.append(FUSED_NOTE)
     for extra in also:
         chosen |= _extra(extra, names, layer_of, config)
     trainable = [n for n in names if n in chosen]
+    if not trainable:
+        # an empty list reads as "train everything" to axolotl (it freezes only if the list is set)
+        raise OtdusError(
+            "this output has no new parameters (a shrink removes or merges layers, adding none): "
+            "nothing to train first; --also embeddings, norms or head names parameters to train"
+        )
     return TrainableSet(names, trainable, int(manifest["num_hidden_layers"]), layer_of, notes)
 
 
@@ -261,19 +270,33 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(map(str, ids)) if len(ids) <= 12 else f"{ids[0]},{ids[1]},...,{ids[-1]}"
 
 
+def to_yaml(settings: dict[str, Any]) -> str:
+    """YAML by the serializer, never by formatting: a checkpoint's tensor names are quoted, so none
+    can add a key (a name holding "\\nfinetuning_type: full")."""
+    import yaml  # only the YAML formats need it
+
+    class Indented(yaml.SafeDumper):  # list items indented under their key, as trainers' docs show them
+        def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+            super().increase_indent(flow, False)
+
+    text = yaml.dump(settings, Dumper=Indented, sort_keys=False, allow_unicode=True, width=1 << 16)
+    return text.rstrip("\n")
+
+
 def render(chosen: TrainableSet, fmt: str) -> str:
     """The text `otdus trainable --format FMT` prints."""
+    if fmt not in FORMATS:
+        raise OtdusError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "axolotl":
-        lines = ["unfrozen_parameters:", *(f"  - {p}" for p in axolotl_patterns(chosen))]
-        return "\n".join(lines)
+        return to_yaml({"unfrozen_parameters": axolotl_patterns(chosen)})
     if fmt == "llama-factory":
-        settings = llama_factory_settings(chosen)
-        return "\n".join(f"{k}: {json.dumps(v) if isinstance(v, bool) else v}" for k, v in settings.items())
+        return to_yaml(llama_factory_settings(chosen))
     if fmt == "json":
         return json.dumps(chosen.trainable, indent=2)
-    if fmt == "names":
-        return "\n".join(chosen.trainable)
-    raise OtdusError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    broken = next((n for n in chosen.trainable if not n.isprintable() or n != n.strip()), None)
+    if broken is not None:  # one name a line cannot hold it
+        raise OtdusError(f"{ascii(broken)}: a parameter name that is not one plain line; use --format json")
+    return "\n".join(chosen.trainable)
 
 
 # -- PyTorch -------------------------------------------------------------------------------------
@@ -285,7 +308,10 @@ def apply(
 ) -> list[str]:
     """Set ``requires_grad`` on ``model``'s parameters: True for the trainable set, False for every
     other. ``manifest``: an otdus output folder, its ``otdus.json``, or the manifest as read. Returns
-    the names made trainable. A name the manifest lists that the model lacks is an error, never skipped.
+    the names made trainable. A name the manifest lists that the model lacks is an error, never skipped,
+    but for experts the model loads fused (transformers 5): the fused tensors are trained with a
+    gradient mask on the new experts' rows (fused_experts.py). A peft-wrapped model's names are read
+    as the checkpoint's (checkpoint_name); the names returned are the model's own.
     """
     if not isinstance(manifest, dict):
         path = Path(manifest)
@@ -294,10 +320,31 @@ def apply(
         if found is None:
             raise OtdusError(f"{folder} is not an otdus output (no {MANIFEST})")
         manifest = found
-    params = dict(model.named_parameters())
+    from otdus_cli.fused_experts import map_listed, mask_rows
+
+    # a peft-wrapped model: its parameters under the names the checkpoint gives them
+    loaded = {checkpoint_name(n): (n, p) for n, p in model.named_parameters()}
+    params = {n: p for n, (_, p) in loaded.items()}
     config = model.config.to_dict() if hasattr(model, "config") else {}
+    listed = manifest.get("new_parameters") or []
+    widened = manifest.get("widen") if isinstance(manifest.get("widen"), dict) else {}
+    fused = map_listed([n for n in listed if n not in params], params, (widened.get("experts") or [0, 0])[1])
+    if (fused.rows or fused.renamed) and not fused.unmatched and not zero_init_only:
+        # experts loaded fused (transformers 5): their tensors behind a gradient mask, routers renamed
+        manifest = {**manifest, "new_parameters": [n for n in listed if n in params] + fused.renamed}
+    else:
+        fused.rows = {}
     chosen = select(manifest, params, config, also, zero_init_only)
-    train = set(chosen.trainable)
+    train = set(chosen.trainable) | set(fused.rows)
     for name, param in params.items():
         param.requires_grad_(name in train)
-    return chosen.trainable
+    for name, rows in fused.rows.items():
+        mask_rows(params[name], rows)
+    return [loaded[n][0] for n in params if n in train]
+
+
+def checkpoint_name(name: str) -> str:
+    """A loaded parameter's name as the checkpoint has it: peft's wrapper prefix (``base_model.model.``)
+    and its ``base_layer`` module around a wrapped linear layer dropped. An adapter's own parameters
+    (``lora_A`` ...) keep their names, so they follow the layer they sit in."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

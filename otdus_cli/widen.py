@@ -41,11 +41,10 @@ from otdus_cli.manifest import (
     ManifestLayer,
     WidenRecord,
     created_now,
-    read_manifest,
     seen_from_first_source,
 )
 from otdus_cli.output import ConfigCheck, Finished, RankWrite, write_output
-from otdus_cli.source import SourceModel, open_source, source_record
+from otdus_cli.source import SourceModel, earlier_steps, open_source, source_record
 
 if TYPE_CHECKING:
     import torch
@@ -274,10 +273,7 @@ def build_widen_manifest(plan: WidenPlan, finished: Finished[None]) -> Manifest:
     m = plan.options.factor
     widened = set(plan.moe_layers)
     noise = plan.options.noise
-    history = []
-    earlier = read_manifest(src.resolved.folder) if src.resolved.kind == "local" else None
-    if earlier:  # the source was itself made by otdus (e.g. expand, then widen): keep its record
-        history = [*earlier.get("history", []), {k: v for k, v in earlier.items() if k != "history"}]
+    history = earlier_steps(src) or []  # the source made by otdus (e.g. expand, then widen): its record
     skipped = finished.config_check.skipped
     return Manifest(
         **created_now(),

@@ -45,6 +45,7 @@ def test_inspect_table_and_json(stories, tmp_path):
         "tie_word_embeddings": True,
         "manifest": manifest,
         "manifest_check": "unchanged",  # otdus.json is what otdus wrote
+        "changed_since_written": [],  # every file still as otdus wrote it
         "card": {  # the model card's summary (card.py)
             "metadata": {
                 "library_name": "transformers",

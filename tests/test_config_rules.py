@@ -170,3 +170,38 @@ def test_a_field_naming_one_layer_follows_the_layer_map():
     assert [out[n] for n in names] == [2, 4, -1, 8]
     out = rewrite_config(cfg, layer_map(4, after=[3, 3]), index_fields=names)  # sources 0 1 2 3 3 3
     assert [out[n] for n in names] == [1, 2, -1, 8]
+
+
+@pytest.mark.compat
+def test_the_rope_base_is_read_alike_by_transformers_4_and_5(stories, tmp_path):
+    """A transformers 5 save keeps the RoPE base only in rope_parameters; 4.57 (and llama.cpp) read
+    the top-level rope_theta and would silently take 10,000: the output states it in both places."""
+    import json
+
+    from transformers import AutoConfig
+
+    from otdus_cli.expand import expand
+    from otdus_cli.options import ExpandOptions
+
+    config = json.loads((stories / "config.json").read_text())
+    del config["rope_theta"]
+    config["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "default"}
+    (stories / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    expand(str(stories), out, ExpandOptions(method="copy", layers=1))
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_theta"] == 500000.0 and written["rope_parameters"] == config["rope_parameters"]
+    loaded = AutoConfig.from_pretrained(out)
+    params = getattr(loaded, "rope_parameters", None) or {}
+    assert (getattr(loaded, "rope_theta", None) or params["rope_theta"]) == 500000.0
+    # Gemma 3's bases by attention type: its sliding layers' base is rope_local_base_freq in 4.57
+    gemma = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 2,
+        "rope_parameters": {
+            "full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+    }
+    rewritten = rewrite_config(gemma, layer_map(2, after=[1]))
+    assert rewritten["rope_theta"] == 1000000.0 and rewritten["rope_local_base_freq"] == 10000.0

@@ -27,6 +27,8 @@ EXPECTED = {
     "stories260k-ablation-average-zero.yaml": (5, 7),
     "llama-3.1-8b-lesa.yaml": (32, 48),
     "stories260k-lesa.yaml": (5, 7),
+    "stories260k-grow-step1.yaml": (5, 7),
+    "stories260k-grow-step2.yaml": (7, 9),  # step 1's output
     "mixtral-8x7b-otdus-top.yaml": (32, 48),
     "qwen3-30b-a3b-otdus-top.yaml": (48, 72),
 }

@@ -23,7 +23,7 @@ from otdus_cli.cli import app
 from otdus_cli.errors import OtdusError
 from otdus_cli.expand import expand
 from otdus_cli.options import ExpandOptions
-from otdus_cli.trainable import apply
+from otdus_cli.trainable import FORMATS, apply
 from otdus_cli.widen import WidenOptions, widen
 from tests.support.cli_checks import one_error_line
 from tests.support.tiny_models import build_tiny
@@ -166,18 +166,36 @@ def test_moe_outputs_train_new_experts_and_router_rows(tmp_path):
     one_error_line(
         runner.invoke(app, ["trainable", str(wide), "--zero-init-only"]), message="no zero-initialised"
     )
-    # apply() on the loaded model: transformers 5 fuses Mixtral's experts into one tensor per layer,
-    # so the per-expert names are refused, never matched to the wrong tensors
+    assert "transformers 5 loads these experts fused" in done.stderr  # what no name rule can select
+    # apply() on the loaded model: transformers 5 fuses Mixtral's experts into one tensor per layer
+    # (experts on its first axis) and renames the router: those tensors train behind a gradient mask
     import transformers
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(wide)
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        with pytest.raises(OtdusError, match="experts.4.w1.weight as new, but the model has no parameter"):
-            apply(model, wide)
-    else:
+    if int(transformers.__version__.split(".")[0]) < 5:
         assert set(apply(model, wide)) == expected
         assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
+        return
+    trained = apply(model, wide)
+    assert sorted(trained) == sorted(
+        f"model.layers.{i}.mlp.{t}"
+        for i in range(4)
+        for t in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    for name, param in model.named_parameters():
+        moved = (
+            (param != before[name]).flatten(1).any(1) if param.dim() == 3 else (param != before[name]).any()
+        )
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            assert moved.tolist() == [False] * 4 + [True] * 4, name  # the base experts' rows kept, bitwise
+        elif name not in trained:
+            assert not moved, name
 
 
 def test_interleaved_layers_are_refused_by_llama_factory_with_the_formats_that_can(ot_out, tmp_path):
@@ -212,6 +230,75 @@ def test_bad_use_is_one_line_and_exit_2(ot_out, stories, tmp_path):
     one_error_line(
         runner.invoke(app, ["trainable", str(ot_out), "--also", "head"]), message="tie_word_embeddings"
     )
+
+
+def test_yaml_and_json_come_from_serializers_whatever_the_names(pro_out):
+    """A tensor name holding a line break and a YAML key (refused when read; here it slipped through)
+    stays one quoted value: it never adds a setting, nor splits into several names."""
+    from otdus_cli.io.reader import CheckpointReader
+    from otdus_cli.manifest import read_manifest
+    from otdus_cli.trainable import render, select
+
+    hostile = "model.norm\nfinetuning_type: full\nx: norm.weight"
+    names = [*names_of(pro_out), hostile]
+    chosen = select(read_manifest(pro_out), names, CheckpointReader(pro_out).config, also=["norms"])
+    assert hostile in chosen.trainable
+    settings = parse_yaml_lines(render(chosen, "llama-factory"))
+    assert settings["finetuning_type"] == "freeze" and "x" not in settings
+    assert llama_factory_unfrozen(settings, names, 10) == set(chosen.trainable)
+    assert json.loads(render(chosen, "json")) == chosen.trainable
+    with pytest.raises(OtdusError, match="not one plain line; use --format json"):
+        render(chosen, "names")
+    with pytest.raises(OtdusError, match="not a plain tensor name"):
+        render(chosen, "axolotl")
+
+
+def test_an_output_with_nothing_new_is_refused_in_every_format(tmp_path):
+    """A shrink adds no parameter: an empty list would make axolotl train everything."""
+    from otdus_cli.shrink import ShrinkOptions, shrink
+
+    out = tmp_path / "shrunk"
+    shrink("bundled:stories260k", out, ShrinkOptions(method="drop", layers=1))
+    for fmt in FORMATS:
+        one_error_line(
+            runner.invoke(app, ["trainable", str(out), "--format", fmt]), message="no new parameters"
+        )
+    norms = {n for n in names_of(out) if "norm" in n}
+    assert set(trainable(out, "--format", "names", "--also", "norms").split()) == norms  # what was asked
+    assert (
+        axolotl_unfrozen(
+            parse_yaml_lines(trainable(out, "--also", "norms"))["unfrozen_parameters"], names_of(out)
+        )
+        == norms
+    )
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(OtdusError, match="no new parameters"):
+        apply(AutoModelForCausalLM.from_pretrained(out), out)
+
+
+def test_apply_reads_a_peft_wrapped_model_by_the_checkpoint_names(ot_out):
+    """peft's wrapper puts every name under ``base_model.model.`` and a wrapped linear layer's weight
+    under ``base_layer``; its adapters sit beside it (the layout of peft 0.21, built here by hand:
+    peft is no dependency). The new layers train, adapters included; the rest stays frozen."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ot_out)
+    for layer in (0, 3):  # a base layer and a new one, each with a LoRA-style adapter on q_proj
+        attn = model.model.layers[layer].self_attn
+        wrapped = torch.nn.Module()
+        wrapped.base_layer, wrapped.lora_A = attn.q_proj, torch.nn.Linear(attn.q_proj.in_features, 2)
+        attn.q_proj = wrapped
+    peft_like = torch.nn.Module()
+    peft_like.base_model = torch.nn.Module()
+    peft_like.base_model.model = model
+    peft_like.config = model.config
+    trained = apply(peft_like, ot_out)
+    prefix = "base_model.model.model.layers."
+    assert f"{prefix}3.self_attn.q_proj.base_layer.weight" in trained
+    assert f"{prefix}3.self_attn.q_proj.lora_A.weight" in trained
+    expected = {n for n, _ in peft_like.named_parameters() if n.startswith((f"{prefix}3.", f"{prefix}5."))}
+    assert {n for n, p in peft_like.named_parameters() if p.requires_grad} == expected == set(trained)
 
 
 # -- the training check ------------------------------------------------------------------------------

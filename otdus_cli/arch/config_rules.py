@@ -12,6 +12,7 @@ from pathlib import Path
 
 from otdus_cli.arch.depth import DEPTH, depth_field, stated_depth
 from otdus_cli.arch.families import DEPTH_FIELDS
+from otdus_cli.arch.rope_base import legacy_rope_fields
 from otdus_cli.arch.wrappers import LEADING_LAYER_FIELDS, depth_parts, text_config
 from otdus_cli.errors import OtdusError
 from otdus_cli.io.reader import read_json_object
@@ -131,6 +132,7 @@ def _rewrite_stack_config(
         raise OtdusError("config.json states no depth otdus can rewrite (num_hidden_layers or its alias)")
     sources = [lay.source for lay in layer_map]
     out = copy.deepcopy(config)
+    out |= legacy_rope_fields(config)  # read alike by transformers 4.57, 5 and llama.cpp
     field = depth_field(config)
     if field is not None:  # else the depth is the length of a per-layer list, rewritten below
         out[field] = len(layer_map)
@@ -400,10 +402,12 @@ def check_depth_rules(
             raise OtdusError(f"rewritten config lost its {key}")
         _check_stack_rules(stack, expected_layers, fields)
         if key is not None:
-            _check_unchanged(stack, source[key], _REWRITTEN | set(fields), f"{key}.")
+            expected = source[key] | legacy_rope_fields(source[key])
+            _check_unchanged(stack, expected, _REWRITTEN | set(fields), f"{key}.")
     top_may_change = {"torch_dtype", "dtype", *(k for k in parts if k)}
     if None in parts:
         top_may_change |= _REWRITTEN | set(fields) | {depth_field(source)}
+        source = source | legacy_rope_fields(source)
     _check_unchanged(written, source, top_may_change, "")
 
 

@@ -25,6 +25,7 @@ from otdus_cli.cli.console import (
     write_with_progress,
 )
 from otdus_cli.cli.flags import (
+    BaseModelId,
     Dtype,
     Force,
     Model,
@@ -243,6 +244,7 @@ def expand(
             min=0.0, help="With --experts: the copies' noise alpha (`otdus widen --noise`). [default: 0.01]"
         ),
     ] = None,
+    base_model: BaseModelId = None,
     force: Force = False,
     json_out: JsonFlag = False,
     quiet: Quiet = False,
@@ -261,6 +263,7 @@ def expand(
             dtype=dtype,
             max_shard_size=max_shard_size,
             seed=seed,
+            base_model=base_model,
         )
         out = output_folder(out, recipe_obj)
         say = WarningLines()
@@ -513,7 +516,7 @@ def inspect(
     from otdus_cli.card import card_line, card_summary
     from otdus_cli.io.file_hashes import edited_line, manifest_check
     from otdus_cli.io.reader import CheckpointReader
-    from otdus_cli.manifest import MANIFEST, read_manifest
+    from otdus_cli.manifest import MANIFEST, changed_since_written, read_manifest
 
     with user_errors():
         given = BUNDLED_MODELS.get(path, Path(path))
@@ -542,10 +545,12 @@ def inspect(
                 f"{path} is neither a checkpoint folder nor an otdus manifest (no config.json); give the "
                 "folder holding config.json and the weights, its otdus.json, a hub id or bundled:stories260k"
             )
+        changed = changed_since_written(folder, manifest) if manifest else []
         if manifest:
             info["manifest"] = manifest
             # whether otdus.json is what otdus wrote: unchanged, edited, or unrecorded (older otdus)
             info["manifest_check"] = manifest_check(manifest)
+            info["changed_since_written"] = changed
         card = card_summary(folder)
         if card is not None:
             info["card"] = card
@@ -573,7 +578,11 @@ def inspect(
             "made by",
             f"otdus {manifest['otdus_version']} {manifest['method']} from {manifest['source']['id']}",
         )
-        table.add_row("function-preserving", str(manifest["function_preserving"]))
+        claim = str(manifest["function_preserving"])
+        if changed:  # the claim is of the files as otdus wrote them (trained in place since?)
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            claim += f" as written; changed since otdus wrote it: {', '.join(changed[:3])}{more}"
+        table.add_row("function-preserving", claim)
         new = [str(lay["index"]) for lay in manifest["layers"] if lay["new"]]
         table.add_row("new layers", ", ".join(new))
         table.add_row("new parameters", f"{len(manifest['new_parameters'])} tensors")

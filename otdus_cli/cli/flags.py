@@ -52,6 +52,14 @@ Dtype = Annotated[
 ]
 ShardSize = Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB, 500MB. [default: 5GB]")]
 Revision = Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit) of the source.")]
+BaseModelId = Annotated[
+    str | None,
+    typer.Option(
+        "--base-model",
+        help="The hub id the card names as base_model (the Hub's model tree), for a local source folder "
+        "(a hub id or a hub cache snapshot is named by itself).",
+    ),
+]
 # expand's, shrink's and widen's (one output pipeline: output.py)
 Force = Annotated[
     bool,

@@ -17,7 +17,7 @@ import torch
 from otdus_cli.device import device_kind
 from otdus_cli.distributed import World, current_world
 from otdus_cli.io.reader import CheckpointReader
-from otdus_cli.manifest import read_manifest
+from otdus_cli.manifest import changed_since_written, read_manifest
 from otdus_cli.quiet import quiet_transformers
 from otdus_cli.verify.compute import (
     ComputeSettings,
@@ -232,6 +232,11 @@ def verify_expansion(
         static_reason=setup.proof.reason,
         reproduces=eval_set.reproduces,
     )
+    if exit_code:  # the claim was made of the files as written: say when they are not that any more
+        changed = changed_since_written(expanded_dir)
+        if changed:
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            line += f"; changed since otdus wrote it: {', '.join(changed[:3])}{more}"
     return VerifyReport(
         base_model=str(base_dir),
         expanded_model=str(expanded_dir),
