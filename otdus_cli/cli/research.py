@@ -10,6 +10,7 @@ import typer
 from otdus_cli.cli.checkpoint import Layers, Position
 from otdus_cli.cli.console import (
     JsonFlag,
+    WarningLines,
     emit_json,
     err_console,
     out_console,
@@ -18,6 +19,7 @@ from otdus_cli.cli.console import (
     task_progress,
     user_errors,
 )
+from otdus_cli.cli.flags import Force
 from otdus_cli.cli.values import device_parser, int_list, ints, method_specs, model_name, text_spec
 from otdus_cli.errors import OtdusError
 from otdus_cli.study_settings import DEFAULT_METHODS, StudySettings
@@ -159,8 +161,15 @@ def study(
         int | None, typer.Option(help="torch CPU threads. [default: torch's choice]", min=1)
     ] = _DEFAULTS.threads,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Folder for study.json and loss_curves.png.")
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Folder for study.json and loss_curves.png (must not exist); with --recipe, a folder "
+            "holding one such folder per study.",
+        ),
     ] = None,
+    force: Force = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Compare initialisations: expand with each method, train the new layers, held-out loss over seeds."""
@@ -195,6 +204,7 @@ def study(
     expand_options = {k: v for k, v in {"layers": layers, "position": position}.items() if v is not None}
     shrink_options = {"layers": layers} if layers is not None else {}  # shrink arms: the layers removed
     quiet_transformers()
+    say = WarningLines()
     with user_errors(), task_progress(show_progress(json_out), "study", "runs") as update:
 
         def on_event(event) -> None:
@@ -213,6 +223,8 @@ def study(
                 expand_overrides={k: v for k, v in expand_options.items() if k in given} or None,
                 shrink_overrides={k: v for k, v in shrink_options.items() if k in given} or None,
                 progress=on_event,
+                force=force,
+                on_note=say,
             )
         else:
             results = {
@@ -226,6 +238,8 @@ def study(
                     shrink_options=shrink_options or None,
                     out_dir=out,
                     progress=on_event,
+                    force=force,
+                    on_note=say,
                     **{key: value for key, (_, value) in settings.items()},
                 )
             }
