@@ -15,6 +15,7 @@ from otdus_cli.bundled import BUNDLED_MODELS
 from otdus_cli.card import add_verification, check_card_target
 from otdus_cli.cli.console import (
     JsonFlag,
+    WarningLines,
     emit_json,
     out_console,
     quiet_transformers,
@@ -297,7 +298,7 @@ def _evaluate(
         return
     if card:
         with user_errors():
-            written = add_verification(Path(model), report.to_dict())
+            written = add_verification(Path(model), report.to_dict(), on_note=WarningLines())
     shrunk = _shrink_record(model_dir)  # `otdus shrink`'s output: what it removed, not a parity proof
     if json_out:
         emit_json(report.to_dict() | ({"shrink": shrunk} if shrunk else {}))
