@@ -360,7 +360,9 @@ def study(
     dev = resolve_device(s.device)
     base_dir = str(resolve_source(base).folder)
     with contextlib.ExitStack() as claimed:
-        # the output is claimed before any work: a refused --out costs nothing
+        # the output is claimed before any work: a refused --out costs nothing; its temporary folder
+        # also holds the expansions trained (removed before the results are written), so a SIGKILLed
+        # study's are swept with it by the next run to that --out
         staged = (
             None
             if out_dir is None
@@ -375,7 +377,7 @@ def study(
         )
         result = _run(base, base_dir, train_text, eval_text, specs, s, dev, reference=ref, notes=notes,
                       notify=notify, expand_options=expand_options, shrink_options=shrink_options,
-                      work_dir=work_dir)  # fmt: skip
+                      work_dir=staged if work_dir is None else work_dir)  # fmt: skip
         if staged is not None:
             result.write_files(staged)
     return result
