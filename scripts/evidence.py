@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -155,13 +156,15 @@ def run_diagnoses() -> None:
     out = EVIDENCE / "diagnose"
     out.mkdir(parents=True, exist_ok=True)
     t0, load = time.perf_counter(), _load()
-    result = diagnose(
-        "bundled:stories260k",
-        DIAGNOSE_TEXT,
-        max_tokens=DIAGNOSE_TOKENS,
-        png=out / "stories260k_weight_norms.png",
-    )
-    result.figures = [os.path.relpath(f, ROOT) for f in result.figures]
+    png = out / "stories260k_weight_norms.png"
+    with tempfile.TemporaryDirectory(prefix="otdus-evidence-") as tmp:
+        # diagnose writes a new file only: drawn beside, then over the repository's tracked copy
+        result = diagnose(
+            "bundled:stories260k", DIAGNOSE_TEXT, max_tokens=DIAGNOSE_TOKENS, png=Path(tmp) / png.name
+        )
+        if result.figures:
+            shutil.copyfile(Path(tmp) / png.name, png)
+    result.figures = [os.path.relpath(png, ROOT)] if result.figures else []
     (out / "stories260k.json").write_text(result.to_json() + "\n")
     with (out / "stories260k.txt").open("w") as fh:
         Console(file=fh, width=140, color_system=None).print(diagnose_tables(result))

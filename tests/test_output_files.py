@@ -160,3 +160,22 @@ def test_a_recipe_checks_every_studys_folder_before_the_first(tmp_path):
     assert sorted(results) == ["a", "b"]
     for name in ("a", "b"):
         assert "study.json" in earlier_output_files(out / name, STUDY)
+
+
+def test_diagnose_png_is_a_new_file_or_refused_before_any_work(tmp_path):
+    users = tmp_path / "mine.png"
+    users.write_bytes(b"not otdus's")
+    (tmp_path / "link.png").symlink_to(users)
+    args = ["diagnose", "bundled:stories260k", "--max-tokens", "64", "--seq-len", "32", "--pair", "3,4"]
+    for taken in (users, tmp_path / "link.png"):
+        one_error_line(run_cli(*args, "--png", taken), message="already exists")
+    one_error_line(run_cli(*args, "--png", tmp_path / "no" / "x.png"), message="does not exist")
+    assert users.read_bytes() == b"not otdus's"
+    result = run_cli(*args, "--png", tmp_path / "profile.png", "--json")
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)["figures"]
+    drawn = ["profile.png"] if figures else []  # without matplotlib: no figure, and nothing written
+    assert figures == [str(tmp_path / name) for name in drawn]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["link.png", "mine.png", *drawn])
+    if figures:
+        assert (tmp_path / "profile.png").read_bytes().startswith(b"\x89PNG")

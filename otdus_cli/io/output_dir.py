@@ -358,8 +358,8 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(err, os.strerror(err), str(dst))
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename tmp -> out, failing if anything exists at out."""
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Rename tmp -> out (a folder or a file), failing if anything exists at out."""
     try:
         if _renameat2(tmp, out, _RENAME_NOREPLACE):
             return
@@ -406,7 +406,7 @@ def remove_otdus_output(folder: Path, names: set[str]) -> list[str]:
 def _swap(tmp: Path, out: Path, expected: str, protected: list[Path], kind: str) -> list[str]:
     """Put the finished ``tmp`` at ``out``; ``expected`` is what the claim found there."""
     if expected == "absent":
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
         return []
     found, old_names = _claimable(out, protected, True, kind)  # still what --force was allowed to replace?
     if found != expected:
@@ -416,7 +416,7 @@ def _swap(tmp: Path, out: Path, expected: str, protected: list[Path], kind: str)
     trash = Path(tempfile.mkdtemp(prefix=owner_prefix(out, OLD_TAG), dir=out.parent))
     os.rename(out, trash / "old")
     try:
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         os.rename(trash / "old", out)
         shutil.rmtree(trash, ignore_errors=True)
