@@ -73,7 +73,10 @@ COMMANDS = {
 }  # fmt: skip
 OUTPUTS = {"study": "study", "card": "model"}  # every other kind writes the model output
 IN_PLACE = {"card"}
+PROGRESS = re.compile(r"(study|otdus \w+): ")
 STARTUP_S = 2.0
+# what a run says of a temporary folder a SIGKILLed run left, when it removes it
+REMOVED = r"removed \S*/(\.[^/\s,]+), left by an otdus run that died"
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
@@ -225,8 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         kind = rng.choice(list(COMMANDS))
         output = OUTPUTS.get(kind, "model")
         out = outs[output]
-        if kind in IN_PLACE and not out.exists():
-            kind, output, out = "copy", "model", outs["model"]  # nothing to put a card on: make the output
+        if kind in IN_PLACE and not out.exists():  # something to put a card on: an undisturbed copy run
+            made = subprocess.run(command("copy", sources, out, False), capture_output=True, text=True)
+            for name in re.findall(REMOVED, made.stderr):
+                reported.add(name)
+                stale.discard(name)
+            if made.returncode != 0:
+                failures.append(f"run {run + 1}: making the output to verify: {made.stderr.strip()[-200:]}")
+                continue
         kinds[kind] = kinds.get(kind, 0) + 1
         force = kind not in IN_PLACE and out.exists() and rng.random() < 0.5
         if kind not in IN_PLACE and out.exists() and not force:
@@ -256,14 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         # (otdus_cli.entry installs its handlers first thing): Python's to report, nothing written yet
         early = sig_name != "SIGKILL" and in_interpreter_startup(code, SIGNALS[sig_name], stderr)
         before_python += early
-        if early and leftovers(out_parent, out.name):
+        if early and leftovers(out_parent, out.name) - stale:
             problems.append("killed in interpreter start-up, yet something was left beside --out")
         if code == -SIGNALS[sig_name] and sig_name != "SIGKILL" and not early:
             problems.append("killed by the default action after otdus had started")
         allowed = {0, 128 + SIGNALS[sig_name]} | ({-signal.SIGKILL} if sig_name == "SIGKILL" else set())
         if code not in allowed and not early:
             problems.append(f"exit {code}: {stderr.strip()[-200:]}")
-        lines = [line for line in stderr.splitlines() if line.strip()]
+        # besides the one line that says why it stopped: the progress lines a log gets (study's runs,
+        # verify's passes), each starting with the command's name
+        lines = [line for line in stderr.splitlines() if line.strip() and not PROGRESS.match(line)]
         if (
             code not in (0, -signal.SIGKILL)
             and not early
@@ -272,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"{len(lines)} lines on stderr")
         if "Traceback" in stderr and not early:
             problems.append("traceback on stderr")
-        removals = re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", stderr)
+        removals = re.findall(REMOVED, stderr)
         for name in sorted(set(removals)):
             # one folder, one line: a repeated line is a defect of its own, not a second folder
             if removals.count(name) > 1:
@@ -323,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("copy", "study"):
         out = outs[OUTPUTS.get(kind, "model")]
         final = subprocess.run(command(kind, sources, out, out.exists()), capture_output=True, text=True)
-        for name in re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", final.stderr):
+        for name in re.findall(REMOVED, final.stderr):
             reported.add(name)
             stale.discard(name)
         if final.returncode != 0:
