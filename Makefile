@@ -112,7 +112,7 @@ bench-8b-copy: setup
 # kill expand, widen and expand --experts at random moments, start-up included (SIGINT, SIGTERM, SIGHUP,
 # SIGKILL) on tiny synthetic checkpoints: no data lost (--dense llama-3.2-1b --layers 4: ~1 GB source)
 faults: setup
-	$(PY) -m scripts.fault_inject --runs 120
+	$(PY) -m scripts.fault_inject --runs 150
 
 # every causal LM of the installed transformers: tiny model, expand, reload; writes docs/compatibility.md
 # (minutes; tests/test_arch_breadth.py and tests/test_derived.py hold a fast subset); its tiny configs

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shlex
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from otdus_cli import __version__
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.file_hashes import edited_line, file_record, manifest_check, sealed
 from otdus_cli.markdown import code_block, code_span
 from otdus_cli.markdown import text as md
 
@@ -469,37 +468,33 @@ def with_results(text: str, report: dict, folder: Path) -> str:
     return str(card)
 
 
-def add_verification(folder: str | os.PathLike[str], report: dict) -> bytes:
+def add_verification(
+    folder: str | os.PathLike[str], report: dict, on_note: Callable[[str], None] | None = None
+) -> bytes:
     """Put one verify run's verdict and figures on the card of the otdus output in ``folder`` (an
     earlier verification section is replaced); the card's bytes. Refused for a folder that is not an
-    otdus output."""
-    folder = Path(folder)
-    manifest = _card_manifest(folder)
-    path = folder / CARD
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        raise OtdusError(f"--card: {path} is not a regular file; it is left alone")
-    if path.is_file() and not is_otdus_card(path, manifest):
-        raise OtdusError(
-            f"--card: {path} is not the card otdus wrote (changed since, or older); it is left alone"
-        )
-    text = path.read_text() if path.is_file() else card_text(manifest, folder, None)
-    kept = text.split("\n" + VERIFICATION, 1)[0].rstrip("\n")
-    recorded = manifest["source"].get("path")
-    if recorded and Path(report["base_model"]).resolve() == Path(recorded).resolve():
-        report = {**report, "base_model": shown_source(manifest["source"])}  # not this machine's path
-    else:
-        given = str(report["base_model"])
-        report = {**report, "base_model": snapshot_repo(given) or _portable(given)}
-    data = write_card(folder, with_results(kept + "\n\n" + verification_section(report), report, folder))
-    # the manifest records the new card (read raw: every field kept as it was)
-    raw = json.loads((folder / MANIFEST).read_text())
-    covered = manifest_check(raw) == "unchanged"  # one that records no hash of itself is given none
-    raw["card"] = card_record(data)
-    if isinstance(raw.get("files"), dict):  # the size and hash --force checks
-        raw["files"][CARD] = file_record(folder / CARD)
-    _replace_atomically(
-        folder / MANIFEST, (json.dumps(sealed(raw) if covered else raw, indent=2) + "\n").encode()
-    )
+    otdus output still as otdus wrote it (io/output_amend.py: the card and the manifest are replaced
+    together, under the output's lock). ``on_note``: what the user should know (stale folders swept)."""
+    from otdus_cli.io.output_amend import amended_output
+
+    with amended_output(folder, [CARD], "--card") as amendment:
+        for note in amendment.notes:
+            if on_note:
+                on_note(note)
+        manifest = amendment.manifest
+        path = Path(folder) / CARD
+        _check_own_card(Path(folder), manifest)
+        text = path.read_text() if path.is_file() else card_text(manifest, Path(folder), None)
+        kept = text.split("\n" + VERIFICATION, 1)[0].rstrip("\n")
+        recorded = manifest["source"].get("path")
+        if recorded and Path(report["base_model"]).resolve() == Path(recorded).resolve():
+            report = {**report, "base_model": shown_source(manifest["source"])}  # not this machine's path
+        else:
+            given = str(report["base_model"])
+            report = {**report, "base_model": snapshot_repo(given) or _portable(given)}
+        text = with_results(kept + "\n\n" + verification_section(report), report, Path(folder))
+        data = write_card(amendment.folder, text)
+        manifest["card"] = card_record(data)  # the manifest records the new card
     return data
 
 
@@ -539,28 +534,28 @@ def card_summary(folder: str | os.PathLike[str]) -> dict | None:
 
 def check_card_target(model: str, static: bool) -> None:
     """Refuse `verify --card` before any work when it could not write: --static (no figures), a hub
-    id or bundled model (a cache is not the user's copy), a folder that is not an otdus output."""
+    id or bundled model (a cache is not the user's copy), a link, a folder that is not an otdus
+    output, or one changed since otdus wrote it (its card or any other file)."""
     if static:
         raise OtdusError("--card records the perplexity comparison, which --static skips; drop one of them")
+    from otdus_cli.io.output_amend import check_amendable
+    from otdus_cli.io.output_dir import read_output_manifest
+
     folder = Path(model)
     if not folder.is_dir():
         raise OtdusError(f"--card writes into a local otdus output folder; {model} is not a local folder")
-    _card_manifest(folder)
+    manifest = None if folder.is_symlink() else read_output_manifest(folder)
+    if manifest is not None:  # an edited card first: the change most likely, and the user's text
+        _check_own_card(folder, manifest)
+    check_amendable(folder, "--card")
 
 
-def _card_manifest(folder: Path) -> dict:
-    """The manifest of the otdus output --card writes into; refused when there is none, or when it
-    was edited (writing the card's record into it would cover the edit with a new hash)."""
-    from otdus_cli.manifest import read_manifest
-
-    manifest = read_manifest(folder)
-    if manifest is None:
+def _check_own_card(folder: Path, manifest: dict) -> None:
+    """Refuse a card that is not the one the manifest records (its text is the user's)."""
+    if (folder / CARD).is_file() and not is_otdus_card(folder / CARD, manifest):
         raise OtdusError(
-            f"--card: {folder} is not an otdus output (no {MANIFEST}); its README.md is left alone"
+            f"--card: {folder / CARD} is not the card otdus wrote (changed since, or older); it is left alone"
         )
-    if manifest_check(manifest) == "edited":
-        raise OtdusError(f"--card: {edited_line(folder)}; its README.md and {MANIFEST} are left alone")
-    return manifest
 
 
 def card_line(summary: dict, otdus_output: bool) -> str:

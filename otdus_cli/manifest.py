@@ -176,6 +176,9 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict | None:
     if not path.is_file():
         return None
     data = read_json_object(path)
+    kind = data.get("output", "model")
+    if kind != "model":  # output_files.py: a study's results
+        raise OtdusError(f"{folder} is an otdus {kind!r} output, not a model")
     try:
         Manifest.model_validate(data)
     except ValidationError as exc:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -63,6 +64,13 @@ def _log(name: str, seconds: float, load_before: float, command: str) -> None:
     path.write_text(json.dumps(dict(sorted(runs.items())), indent=2) + "\n")
 
 
+def _store(result, folder: Path) -> None:
+    """Write a study's results into the repository's docs/evidence/ (files tracked by git, which
+    keeps what they were): in place, where StudyResult.save would make an otdus study output."""
+    folder.mkdir(parents=True, exist_ok=True)
+    result.write_files(folder)
+
+
 def run_studies(
     only: list[str] | None,
     runs: list[str] | None = None,
@@ -96,7 +104,8 @@ def run_studies(
         if overrides:
             command += f" --settings '{json.dumps(overrides)}'"
         if runs is None:
-            run_recipe(path, EVIDENCE / study_set, only=[name], progress=progress, overrides=overrides)
+            (result,) = run_recipe(path, None, only=[name], progress=progress, overrides=overrides).values()
+            _store(result, EVIDENCE / study_set / name)
             key = f"{prefix}/{name}"
         else:
             (later,) = run_recipe(
@@ -109,10 +118,12 @@ def run_studies(
                 reference="" if alone else None,
             ).values()
             tag = ",".join(runs).replace("/", "_")
-            kept = later.save(Path(tempfile.gettempdir()) / f"otdus-evidence-{name}-{tag}", plot=False)
+            kept = later.save(
+                Path(tempfile.gettempdir()) / f"otdus-evidence-{name}-{tag}", plot=False, force=True
+            )
             print(f"the added arms' runs: {kept[0]}", flush=True)  # kept should the merge refuse them
             if not (EVIDENCE / study_set / name / "study.json").exists():  # the first arms of a new set
-                later.save(EVIDENCE / study_set / name)
+                _store(later, EVIDENCE / study_set / name)
                 command += f" --runs {','.join(runs)}" + (" --alone" if alone else "")
                 _log(
                     f"{prefix}/{name} {','.join(runs)}" + (" (alone)" if alone else ""),
@@ -127,7 +138,7 @@ def run_studies(
             merged = stored.with_arms(later, order=order, shared_run=not alone)
             if not merged.reference and recipe.reference in order:  # arms run alone have none
                 merged = merged.recompute(recipe.reference)
-            merged.save(EVIDENCE / study_set / name)
+            _store(merged, EVIDENCE / study_set / name)
             command += f" --runs {','.join(runs)}" + (" --alone" if alone else "")
             # an arm run alone is keyed the same whether it started the stored study or joined it
             key = (
@@ -145,13 +156,15 @@ def run_diagnoses() -> None:
     out = EVIDENCE / "diagnose"
     out.mkdir(parents=True, exist_ok=True)
     t0, load = time.perf_counter(), _load()
-    result = diagnose(
-        "bundled:stories260k",
-        DIAGNOSE_TEXT,
-        max_tokens=DIAGNOSE_TOKENS,
-        png=out / "stories260k_weight_norms.png",
-    )
-    result.figures = [os.path.relpath(f, ROOT) for f in result.figures]
+    png = out / "stories260k_weight_norms.png"
+    with tempfile.TemporaryDirectory(prefix="otdus-evidence-") as tmp:
+        # diagnose writes a new file only: drawn beside, then over the repository's tracked copy
+        result = diagnose(
+            "bundled:stories260k", DIAGNOSE_TEXT, max_tokens=DIAGNOSE_TOKENS, png=Path(tmp) / png.name
+        )
+        if result.figures:
+            shutil.copyfile(Path(tmp) / png.name, png)
+    result.figures = [os.path.relpath(png, ROOT)] if result.figures else []
     (out / "stories260k.json").write_text(result.to_json() + "\n")
     with (out / "stories260k.txt").open("w") as fh:
         Console(file=fh, width=140, color_system=None).print(diagnose_tables(result))

@@ -1,24 +1,26 @@
-"""Kill `otdus expand`, `widen` and `expand --experts` at random moments and check that no data is
-ever lost (README: Safety).
+"""Kill `otdus expand`, `widen`, `expand --experts`, `study` and `verify --card` at random moments and
+check that no data is ever lost (README: Safety).
 
 On synthetic checkpoints (scripts/make_synthetic.py: a dense one, by default the tiny Llama, or
 `--dense llama-3.2-1b --layers 4` for ~1 GB, and a tiny Mixtral for the MoE commands), each run is a
-real `otdus` process: `expand` (copy, llama-pro or average), `widen` or `expand --experts 2`, about
-half of them `--force` onto an earlier output, killed after a random delay with SIGINT, SIGTERM, SIGHUP
-or SIGKILL (or left to finish). A share of the delays (--startup-share) falls in the first two seconds
-of the process, while Python, Typer, torch, numpy and scipy are being imported; the others span an
-undisturbed run of that command. After every run:
+real `otdus` process: `expand` (copy, llama-pro or average), `widen` or `expand --experts 2` into one
+model output, a two-step `study` of the dense source into a study output, about half of them
+`--force` onto an earlier output, or `verify --card` on the model output in place; killed after a
+random delay with SIGINT, SIGTERM, SIGHUP or SIGKILL (or left to finish). A share of the delays
+(--startup-share) falls in the first two seconds of the process, while Python, Typer, torch, numpy
+and scipy are being imported; the others span an undisturbed run of that command. After every run:
 
 * the source is byte-identical to what it was (SHA-256 of every file): zero lost source bytes;
 * the exit code is 128 + the signal (or 0 when the run finished first; -9 for SIGKILL);
 * nothing is left beside --out but what a SIGKILLed run leaves (its temporary folder), and every
   such folder is removed, and reported, by a later run (a final clean run sweeps the rest);
-* an interrupted `--force` run left the earlier output byte-identical, or, when it says it had
-  finished, put the new output in place;
-* every output that exists is complete: `otdus verify` passes (the static check, and the
-  perplexity run with `--verify full`).
+* an interrupted `--force` or `verify --card` run left the earlier output byte-identical, or, when it
+  says it had finished, put the new output (the new card) in place;
+* every output that exists is complete: `otdus verify` passes on a model output (the static check,
+  and the perplexity run with `--verify full`), and every file of a model or study output is what
+  its otdus.json records (the check `--force` and `verify --card` make).
 
-    python -m scripts.fault_inject --runs 120      # make faults
+    python -m scripts.fault_inject --runs 150      # make faults
     python -m scripts.fault_inject --runs 10 --workdir /tmp/faults --keep
     python -m scripts.fault_inject --dense llama-3.2-1b --layers 4   # ~1 GB dense source
 
@@ -55,15 +57,26 @@ SIGNALS = {
     "SIGHUP": signal.SIGHUP,
     "SIGKILL": signal.SIGKILL,
 }
-# (source, command line after the model) for each kind of run
+# (source, command line after the model) for each kind of run; the output each writes (OUTPUTS)
 COMMANDS = {
     "copy": ("dense", ["expand", "--method", "copy", "--layers", "2"]),
     "llama-pro": ("dense", ["expand", "--method", "llama-pro", "--layers", "2"]),
     "average": ("dense", ["expand", "--method", "average", "--layers", "1"]),
     "widen": ("moe", ["widen", "--noise", "0"]),
     "experts": ("moe", ["expand", "--method", "copy", "--layers", "2", "--experts", "2"]),
-}
+    "study": ("dense", ["study", "--train", "bundled:tinystories-sample", "--methods", "copy", "--reference",
+                        "copy", "--seeds", "0", "--steps", "2", "--batch", "2", "--seq-len", "32",
+                        "--eval-every", "2", "--eval-windows", "2", "--layers", "1"]),
+    # on the model output in place (no --out): the command's "source" is that output
+    "card": ("model", ["verify", "--card", "--text", "bundled:tinystories-sample", "--protocol", "token",
+                       "--max-tokens", "64", "--seq-len", "32"]),
+}  # fmt: skip
+OUTPUTS = {"study": "study", "card": "model"}  # every other kind writes the model output
+IN_PLACE = {"card"}
+PROGRESS = re.compile(r"(study|otdus \w+): ")
 STARTUP_S = 2.0
+# what a run says of a temporary folder a SIGKILLed run left, when it removes it
+REMOVED = r"removed \S*/(\.[^/\s,]+), left by an otdus run that died"
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
@@ -123,6 +136,8 @@ def default_signals() -> None:
 
 def command(kind: str, sources: dict[str, Path], out: Path, force: bool) -> list[str]:
     source, args = COMMANDS[kind]
+    if kind in IN_PLACE:
+        return [OTDUS, args[0], str(out), *args[1:]]
     return [
         OTDUS,
         args[0],
@@ -132,6 +147,18 @@ def command(kind: str, sources: dict[str, Path], out: Path, force: bool) -> list
         *args[1:],
         *(["--force"] if force else []),
     ]
+
+
+def whole(out: Path, output: str) -> tuple[bool, str]:
+    """Is every file of the output what its otdus.json records, and nothing else there?"""
+    from otdus_cli.errors import OtdusError
+    from otdus_cli.io.output_dir import earlier_output_files
+
+    try:
+        earlier_output_files(out, output)
+    except OtdusError as exc:
+        return False, str(exc)
+    return True, ""
 
 
 def verify(out: Path, full: bool) -> tuple[bool, str]:
@@ -172,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     digests = {k: tree_digest(p) for k, p in sources.items()}
     sizes = {k: sum((p / name).stat().st_size for name in digests[k]) for k, p in sources.items()}
     out_parent = Path(tempfile.mkdtemp(prefix="outs-", dir=work))  # its own: only it is removed after
-    out = out_parent / "deeper"
+    outs = {"model": out_parent / "deeper", "study": out_parent / "study"}
     print(
         f"sources: {', '.join(f'{k} {sizes[k] / 1e6:.1f} MB' for k in sources)}; {args.runs} runs", flush=True
     )
@@ -180,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     # how long an undisturbed run takes, per command: the kill delays are drawn over that span
     durations = {}
     for kind in COMMANDS:
+        out = outs[OUTPUTS.get(kind, "model")]
         t = time.monotonic()
-        subprocess.run(command(kind, sources, out, out.exists()), check=True, capture_output=True)
+        force = out.exists() and kind not in IN_PLACE
+        subprocess.run(command(kind, {**sources, "model": out}, out, force), check=True, capture_output=True)
         durations[kind] = time.monotonic() - t
     print("undisturbed: " + ", ".join(f"{k} {d:.1f} s" for k, d in durations.items()), flush=True)
 
@@ -197,16 +226,26 @@ def main(argv: list[str] | None = None) -> int:
     verified = 0
     for run in range(args.runs):
         kind = rng.choice(list(COMMANDS))
+        output = OUTPUTS.get(kind, "model")
+        out = outs[output]
+        if kind in IN_PLACE and not out.exists():  # something to put a card on: an undisturbed copy run
+            made = subprocess.run(command("copy", sources, out, False), capture_output=True, text=True)
+            for name in re.findall(REMOVED, made.stderr):
+                reported.add(name)
+                stale.discard(name)
+            if made.returncode != 0:
+                failures.append(f"run {run + 1}: making the output to verify: {made.stderr.strip()[-200:]}")
+                continue
         kinds[kind] = kinds.get(kind, 0) + 1
-        force = out.exists() and rng.random() < 0.5
-        if out.exists() and not force:
+        force = kind not in IN_PLACE and out.exists() and rng.random() < 0.5
+        if kind not in IN_PLACE and out.exists() and not force:
             shutil.rmtree(out)  # the harness's own cleanup between runs: otdus never does this
-        before = tree_digest(out) if force else None
+        before = tree_digest(out) if out.exists() else None
         sig_name = rng.choice(list(SIGNALS))
         startup = rng.random() < args.startup_share
         startup_runs += startup
         delay = rng.uniform(0, STARTUP_S) if startup else rng.uniform(0, 1.1 * durations[kind])
-        proc = subprocess.Popen(command(kind, sources, out, force), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(command(kind, {**sources, "model": out}, out, force), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)  # fmt: skip
         try:
             proc.wait(timeout=delay)
@@ -226,14 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         # (otdus_cli.entry installs its handlers first thing): Python's to report, nothing written yet
         early = sig_name != "SIGKILL" and in_interpreter_startup(code, SIGNALS[sig_name], stderr)
         before_python += early
-        if early and leftovers(out_parent, out.name):
+        if early and leftovers(out_parent, out.name) - stale:
             problems.append("killed in interpreter start-up, yet something was left beside --out")
         if code == -SIGNALS[sig_name] and sig_name != "SIGKILL" and not early:
             problems.append("killed by the default action after otdus had started")
         allowed = {0, 128 + SIGNALS[sig_name]} | ({-signal.SIGKILL} if sig_name == "SIGKILL" else set())
         if code not in allowed and not early:
             problems.append(f"exit {code}: {stderr.strip()[-200:]}")
-        lines = [line for line in stderr.splitlines() if line.strip()]
+        # besides the one line that says why it stopped: the progress lines a log gets (study's runs,
+        # verify's passes), each starting with the command's name
+        lines = [line for line in stderr.splitlines() if line.strip() and not PROGRESS.match(line)]
         if (
             code not in (0, -signal.SIGKILL)
             and not early
@@ -242,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"{len(lines)} lines on stderr")
         if "Traceback" in stderr and not early:
             problems.append("traceback on stderr")
-        removals = re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", stderr)
+        removals = re.findall(REMOVED, stderr)
         for name in sorted(set(removals)):
             # one folder, one line: a repeated line is a defect of its own, not a second folder
             if removals.count(name) > 1:
@@ -251,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 problems.append(f"reported removing {name}, which no killed run left")
             reported.add(name)
             stale.discard(name)
-        now = leftovers(out_parent, out.name)
+        now = set().union(*(leftovers(out_parent, o.name) for o in outs.values()))
         if code == -signal.SIGKILL:
             stale |= now
         unexplained = now - stale
@@ -267,10 +308,13 @@ def main(argv: list[str] | None = None) -> int:
             # a caught signal after the swap says so; SIGKILL after it leaves the new output, whole
             interrupted = code == 128 + SIGNALS[sig_name]
             if before is not None and not unchanged and interrupted and "already finished" not in stderr:
-                problems.append("an interrupted --force run changed the earlier output")
+                flag = "--card" if kind in IN_PLACE else "--force"
+                problems.append(f"an interrupted {flag} run changed the earlier output")
                 lost_outputs += 1
             if not unchanged:
-                ok, what = verify(out, args.verify == "full")
+                ok, what = whole(out, output)
+                if ok and output == "model":
+                    ok, what = verify(out, args.verify == "full")
                 verified += ok
                 if not ok:
                     problems.append(f"output in place but verify fails: {what[:200]}")
@@ -285,18 +329,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {run + 1:3d}: {what} {when} -> exit {code} ({outcome}) {status}", flush=True)
         failures += [f"run {run + 1}: {p}" for p in problems]
 
-    # a last undisturbed run sweeps what SIGKILLed runs left, and says so
-    final = subprocess.run(command("copy", sources, out, out.exists()), capture_output=True, text=True)
-    for name in re.findall(r"removed \S*/(\.[^/\s,]+), left by an otdus run that died", final.stderr):
-        reported.add(name)
-        stale.discard(name)
-    if final.returncode != 0:
-        failures.append(f"final run: exit {final.returncode}: {final.stderr.strip()[-200:]}")
-    rest = {p.name for p in out_parent.iterdir() if p.name.startswith(f".{out.name}.otdus-")}
+    # a last undisturbed run to each output sweeps what SIGKILLed runs left, and says so
+    rest: set[str] = set()
+    for kind in ("copy", "study"):
+        out = outs[OUTPUTS.get(kind, "model")]
+        final = subprocess.run(command(kind, sources, out, out.exists()), capture_output=True, text=True)
+        for name in re.findall(REMOVED, final.stderr):
+            reported.add(name)
+            stale.discard(name)
+        if final.returncode != 0:
+            failures.append(f"final {kind} run: exit {final.returncode}: {final.stderr.strip()[-200:]}")
+        rest |= {p.name for p in out_parent.iterdir() if p.name.startswith(f".{out.name}.otdus-")}
     if rest or stale:
-        failures.append(
-            f"unreported leftovers: {sorted(rest | stale)}; final run said: {final.stderr.strip()}"
-        )
+        failures.append(f"unreported leftovers: {sorted(rest | stale)}")
     lost = sum(sizes[k] for k, p in sources.items() if tree_digest(p) != digests[k])
     print()
     print(f"runs: {args.runs} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})")

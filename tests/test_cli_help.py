@@ -132,7 +132,7 @@ def test_cli_defaults_are_the_library_defaults(command):
             continue
         assert param.default == library[name], (command, name, param.default, library[name])
         compared.append(name)
-    expected = {"verify": 10, "ppl": 10, "study": 15, "diagnose": 6}[command]
+    expected = {"verify": 10, "ppl": 10, "study": 16, "diagnose": 6}[command]
     assert len(compared) == expected, compared
 
 

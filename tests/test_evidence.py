@@ -259,6 +259,7 @@ def test_each_study_set_gets_its_own_blocks(tmp_path):
             eval_windows=8,
             eval_tokens_scored=56,
         )
+        (tmp_path / folder).mkdir(parents=True)
         result.save(tmp_path / folder / "s", plot=False)
     made = blocks(tmp_path)
     assert {"study:s", "study-setup", "interpose-stack:study:s", "interpose-stack:study-setup"} <= set(made)

@@ -18,6 +18,7 @@ from otdus_cli.card import add_verification, check_card_target
 from otdus_cli.cli.console import (
     JsonFlag,
     Quiet,
+    WarningLines,
     emit_json,
     err_console,
     out_console,
@@ -302,7 +303,7 @@ def _evaluate(
     _warn(edited)
     if card:
         with user_errors():
-            written = add_verification(Path(model), report.to_dict())
+            written = add_verification(Path(model), report.to_dict(), on_note=WarningLines())
     shrunk = _shrink_record(model_dir)  # `otdus shrink`'s output: what it removed, not a parity proof
     if json_out:
         emit_json(report.to_dict() | ({"shrink": shrunk} if shrunk else {}))

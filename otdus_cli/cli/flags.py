@@ -60,13 +60,13 @@ BaseModelId = Annotated[
         "(a hub id or a hub cache snapshot is named by itself).",
     ),
 ]
-# expand's, shrink's and widen's (one output pipeline: output.py)
+# expand's, shrink's, widen's and study's (one output life cycle: io/output_dir.py)
 Force = Annotated[
     bool,
     typer.Option(
-        help="Replace an existing --out, only if it is an empty folder or an earlier otdus output whose "
-        "files are all still as its otdus.json records them (sizes, hashes), and only once the new "
-        "output is complete."
+        help="Replace an existing --out, only if it is an empty folder or an earlier otdus output of the "
+        "same kind (a model, a study) whose files are all still as its otdus.json records them (sizes, "
+        "hashes), and only once the new output is complete."
     ),
 ]
 

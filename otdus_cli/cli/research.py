@@ -12,6 +12,7 @@ import typer
 from otdus_cli.cli.checkpoint import Layers, Position
 from otdus_cli.cli.console import (
     JsonFlag,
+    WarningLines,
     emit_json,
     err_console,
     out_console,
@@ -20,6 +21,7 @@ from otdus_cli.cli.console import (
     task_progress,
     user_errors,
 )
+from otdus_cli.cli.flags import Force
 from otdus_cli.cli.values import (
     device_parser,
     distinct,
@@ -176,8 +178,15 @@ def study(
         int | None, typer.Option(help="torch CPU threads. [default: torch's choice]", min=1)
     ] = _DEFAULTS.threads,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Folder for study.json and loss_curves.png.")
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Folder for study.json and loss_curves.png (must not exist); with --recipe, a folder "
+            "holding one such folder per study.",
+        ),
     ] = None,
+    force: Force = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Compare initialisations: expand with each method, train the new layers, held-out loss over seeds."""
@@ -212,6 +221,7 @@ def study(
     expand_options = {k: v for k, v in {"layers": layers, "position": position}.items() if v is not None}
     shrink_options = {"layers": layers} if layers is not None else {}  # shrink arms: the layers removed
     quiet_transformers()
+    say = WarningLines()
     with user_errors(), task_progress(show_progress(json_out), "study", "runs") as update:
 
         def on_event(event) -> None:
@@ -230,6 +240,8 @@ def study(
                 expand_overrides={k: v for k, v in expand_options.items() if k in given} or None,
                 shrink_overrides={k: v for k, v in shrink_options.items() if k in given} or None,
                 progress=on_event,
+                force=force,
+                on_note=say,
             )
         else:
             results = {
@@ -243,6 +255,8 @@ def study(
                     shrink_options=shrink_options or None,
                     out_dir=out,
                     progress=on_event,
+                    force=force,
+                    on_note=say,
                     **{key: value for key, (_, value) in settings.items()},
                 )
             }

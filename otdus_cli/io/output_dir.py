@@ -7,8 +7,9 @@ otdus never deletes or overwrites what it did not create:
   symbolic link; nor may it hold any of the source's files, judged by what they are (real location,
   device and inode), not by their names: a shard that is a link into ``--out`` protects it. If it
   exists, it is replaced only with ``force`` and only when it is an empty folder or an earlier otdus
-  output that nobody changed since: its ``otdus.json`` manifest lists every file it holds with the
-  size and hash otdus wrote (io/file_hashes.py). A lock file beside ``--out`` (``.NAME.otdus-lock``,
+  output of the same kind (a model, a study's results: the manifest's ``output``) that nobody
+  changed since: its ``otdus.json`` manifest lists every file it holds with the size and hash otdus
+  wrote (io/file_hashes.py). A lock file beside ``--out`` (``.NAME.otdus-lock``,
   an advisory ``flock`` the kernel releases when its owner dies) makes concurrent runs to one
   ``--out`` exclusive: the second one is refused. The lock file is created exclusively and never
   through a link; a file at its name that is not a stale otdus lock is refused, never touched.
@@ -54,6 +55,8 @@ MANIFEST = "otdus.json"  # also otdus_cli.manifest.MANIFEST (not imported: that 
 TMP_TAG = "otdus-tmp-"
 OLD_TAG = "otdus-old-"
 DEEPER_TAG = "otdus-deeper-"
+# What an output holds, as its manifest's "output" says; a manifest without the key is a model's.
+MODEL = "model"
 # The signals held back while the output is swapped into place (SIGINT, timeout/Slurm's SIGTERM, SIGHUP).
 HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
@@ -82,7 +85,7 @@ def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or path.is_relative_to(folder)
 
 
-def _read_manifest(folder: Path) -> dict | None:
+def read_output_manifest(folder: Path) -> dict | None:
     """The JSON of ``folder``'s otdus manifest (never through a link), or None if it is not one."""
     try:
         fd = os.open(folder / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -100,18 +103,29 @@ def _read_manifest(folder: Path) -> dict | None:
     return manifest if isinstance(manifest, dict) and "otdus_version" in manifest else None
 
 
-def earlier_output_files(out: Path) -> set[str]:
+def output_kind(manifest: dict) -> str:
+    """What an otdus output holds, by its manifest: "model" or another kind ("study")."""
+    kind = manifest.get("output", MODEL)
+    return kind if isinstance(kind, str) else repr(kind)
+
+
+def earlier_output_files(out: Path, kind: str = MODEL) -> set[str]:
     """The entries of the earlier otdus output ``out`` that --force will delete: all of them, when
-    every file its manifest lists is still what otdus wrote and it holds nothing else; otherwise one
-    error saying what is not."""
+    it is an output of ``kind``, every file its manifest lists is still what otdus wrote and it
+    holds nothing else; otherwise one error saying what is not."""
     entries = sorted(os.listdir(out))
-    manifest = _read_manifest(out)
+    manifest = read_output_manifest(out)
     if manifest is None:
         raise OtdusError(
             f"--out {out} exists and is not an otdus output (no otdus.json manifest; it holds "
             f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, e.g. {entries[0]}); --force replaces "
             "only an earlier otdus output or "
             "an empty folder: choose another --out or move the folder yourself"
+        )
+    if output_kind(manifest) != kind:
+        raise OtdusError(
+            f"--out {out} is an otdus {output_kind(manifest)} output, not a {kind} one; --force replaces "
+            f"only an earlier {kind} output: choose another --out"
         )
     records = manifest.get("files")
     if records is None:
@@ -155,12 +169,12 @@ def earlier_output_files(out: Path) -> set[str]:
     return set(entries)
 
 
-def _replaceable(out: Path) -> tuple[str, set[str]]:
+def _replaceable(out: Path, kind: str) -> tuple[str, set[str]]:
     """('empty' or 'otdus', the entries --force deletes) when ``force`` may replace ``out``;
     otherwise one error naming what is there."""
     if not os.listdir(out):
         return "empty", set()
-    return "otdus", earlier_output_files(out)
+    return "otdus", earlier_output_files(out, kind)
 
 
 def source_identities(folders: list[Path]) -> dict[tuple[int, int], Path]:
@@ -206,7 +220,7 @@ def _check_identities(out: Path, real: Path, protected: list[Path]) -> None:
             )
 
 
-def _claimable(out: Path, protected: list[Path], force: bool) -> tuple[str, set[str]]:
+def _claimable(out: Path, protected: list[Path], force: bool, kind: str) -> tuple[str, set[str]]:
     out = Path(out)
     if out.is_symlink():
         raise OtdusError(f"--out {out} is a symbolic link; give the real folder it should be")
@@ -235,15 +249,16 @@ def _claimable(out: Path, protected: list[Path], force: bool) -> tuple[str, set[
             f"output folder {out} already exists "
             "(--force replaces an earlier otdus output or an empty folder)"
         )
-    return _replaceable(absolute)
+    return _replaceable(absolute, kind)
 
 
-def check_target(out: Path, protected: list[Path], force: bool) -> str:
+def check_target(out: Path, protected: list[Path], force: bool, kind: str = MODEL) -> str:
     """Refuse any --out that could lose data; returns 'absent', 'empty' or 'otdus'.
 
     ``protected``: the source model's folders; --out may neither be inside one, contain one, nor
-    hold any of their files (by real location or inode)."""
-    return _claimable(out, protected, force)[0]
+    hold any of their files (by real location or inode). ``kind``: what the new output holds; --force
+    replaces only an earlier output of that kind."""
+    return _claimable(out, protected, force, kind)[0]
 
 
 # -- owner records and stale folders -----------------------------------------------------------------
@@ -356,8 +371,8 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(err, os.strerror(err), str(dst))
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename tmp -> out, failing if anything exists at out."""
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Rename tmp -> out (a folder or a file), failing if anything exists at out."""
     try:
         if _renameat2(tmp, out, _RENAME_NOREPLACE):
             return
@@ -401,20 +416,20 @@ def remove_otdus_output(folder: Path, names: set[str]) -> list[str]:
     return []
 
 
-def _swap(tmp: Path, out: Path, expected: str, protected: list[Path]) -> list[str]:
+def _swap(tmp: Path, out: Path, expected: str, protected: list[Path], kind: str) -> list[str]:
     """Put the finished ``tmp`` at ``out``; ``expected`` is what the claim found there."""
     if expected == "absent":
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
         return []
-    kind, old_names = _claimable(out, protected, True)  # still what --force was allowed to replace?
-    if kind != expected:
+    found, old_names = _claimable(out, protected, True, kind)  # still what --force was allowed to replace?
+    if found != expected:
         raise OtdusError(f"{out} changed while this run was writing; it was left untouched")
     if _renameat2(tmp, out, _RENAME_EXCHANGE):  # tmp now holds the earlier output
         return remove_otdus_output(tmp, old_names)
     trash = Path(tempfile.mkdtemp(prefix=owner_prefix(out, OLD_TAG), dir=out.parent))
     os.rename(out, trash / "old")
     try:
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         os.rename(trash / "old", out)
         shutil.rmtree(trash, ignore_errors=True)
@@ -461,16 +476,22 @@ def held_signals() -> Iterator[Callable[[], int | None]]:
 # -- the whole life cycle -----------------------------------------------------------------------------
 @contextlib.contextmanager
 def staged_output(
-    out: str | os.PathLike[str], *, protected: list[Path], force: bool, report: OutputReport | None = None
+    out: str | os.PathLike[str],
+    *,
+    protected: list[Path],
+    force: bool,
+    report: OutputReport | None = None,
+    kind: str = MODEL,
 ) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it becomes ``out``, on any failure it vanishes.
 
     ``protected``: folders that --out may neither be inside of nor contain, nor hold any file of
-    (the source model).
+    (the source model). ``kind``: what the output holds (its manifest's ``output``, which the caller
+    writes); --force replaces only an earlier output of that kind.
     """
     out = Path(out)
     report = report if report is not None else OutputReport()
-    check_target(out, protected, force)  # fail fast, before taking the lock
+    check_target(out, protected, force, kind)  # fail fast, before taking the lock
     output_in_place(None)
     absolute = Path(os.path.abspath(out))
     lock = OutputLock(absolute)
@@ -481,9 +502,9 @@ def staged_output(
         # that no variable names yet
         with held_signals() as arrived:
             lock.acquire()
-            expected = check_target(out, protected, force)  # again, now that no other run can race us
+            expected = check_target(out, protected, force, kind)  # again, now that no other run can race us
             report.add(sweep_stale(absolute))
-            tmp = _make_temporary(absolute)
+            tmp = make_temporary(absolute)
         if arrived() is not None:
             raise Interrupted(arrived())
         yield tmp
@@ -501,7 +522,7 @@ def staged_output(
         raise
     with held_signals() as arrived:
         try:
-            report.add(_swap(tmp, absolute, expected, protected))
+            report.add(_swap(tmp, absolute, expected, protected, kind))
             report.replaced = expected == "otdus"
             output_in_place(f"the run had already finished: {out} is complete and in place")
         except BaseException:
@@ -513,7 +534,7 @@ def staged_output(
         raise Interrupted(arrived(), f"the run had already finished: {out} is complete and in place")
 
 
-def _make_temporary(out: Path) -> Path:
+def make_temporary(out: Path) -> Path:
     """The temporary folder beside ``out``, named after its owner for stale-folder sweeps."""
     try:
         tmp = Path(tempfile.mkdtemp(prefix=owner_prefix(out, TMP_TAG), dir=out.parent))

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.output_files import check_new_file, new_file
 from otdus_cli.transport.assignment import assignment
 from otdus_cli.transport.cost import euclidean_distances, unit_rows
 from otdus_cli.transport.plan import TransportPlan
@@ -364,7 +365,8 @@ def diagnose(
 
     ``text``: a text spec (study.data); ``pairs``: (i, i + 1) pairs, default every adjacent pair;
     ``max_tokens``: tokens of text run through the model (in windows of ``seq_len``); ``png``: write
-    the weight-norm profile there (needs matplotlib).
+    the weight-norm profile there (needs matplotlib), a new file (output_files.new_file): a name
+    already taken is refused before any work.
     """
     from otdus_cli.device import resolve_device
     from otdus_cli.source import resolve_source
@@ -373,6 +375,8 @@ def diagnose(
     from otdus_cli.verify.metrics import load_tokenizer
 
     say = progress or (lambda msg: None)
+    if png is not None:
+        check_new_file(png, "--png")
     folder = str(resolve_source(checkpoint).folder)
     model = load_model(folder, resolve_device(device)).eval()
     layers = _layers(model)
@@ -439,9 +443,9 @@ def diagnose(
         warnings=warnings,
     )
     if png is not None:
-        out = plot_weight_norms(result, png)
-        if out is not None:
-            result.figures.append(str(out))
+        with new_file(png, "--png") as staged:
+            if plot_weight_norms(result, staged) is not None:
+                result.figures.append(str(png))
     return result
 
 
@@ -560,7 +564,6 @@ def plot_weight_norms(result: DiagnoseResult, path: str | os.PathLike[str]) -> P
     fig.suptitle(f"weight-norm profile: {result.checkpoint}", fontsize=9)
     fig.tight_layout()
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

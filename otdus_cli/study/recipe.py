@@ -133,8 +133,12 @@ def run_recipe(
     reference: str | None = None,
     expand_overrides: dict[str, Any] | None = None,
     shrink_overrides: dict[str, Any] | None = None,
+    force: bool = False,
+    on_note: Callable[[str], None] | None = None,
 ) -> dict[str, StudyResult]:
-    """Run every study of a recipe (or those named in ``only``); results under ``out_dir/<study>/``.
+    """Run every study of a recipe (or those named in ``only``); results under ``out_dir/<study>/``,
+    each an otdus study output (``force``: see study()), every one of them checked before the first
+    study runs; ``out_dir`` itself is made if absent (never through a link).
 
     Relative text paths are resolved against the recipe's folder. ``overrides``: study() settings
     that win over the recipe's (e.g. ``{"steps": 10, "seeds": [0]}`` for a smoke run);
@@ -159,6 +163,8 @@ def run_recipe(
     if only is not None and len(chosen) != len(set(only)):
         known = ", ".join(s.name for s in recipe.studies)
         raise OtdusError(f"recipe {path}: unknown study in {list(only)} (studies: {known})")
+    if out_dir is not None:
+        _studies_folder(Path(out_dir), [s.name for s in chosen], recipe.base, force)
     results = {}
     for s in chosen:
         results[s.name] = study(
@@ -170,5 +176,30 @@ def run_recipe(
             out_dir=None if out_dir is None else Path(out_dir) / s.name,
             progress=progress,
             settings=recipe.study_settings(s.name, overrides),
+            force=force,
+            on_note=on_note,
         )
     return results
+
+
+def _studies_folder(out_dir: Path, names: list[str], base: str, force: bool) -> None:
+    """Check ``out_dir/<name>`` of every study as study() will, then make ``out_dir`` if absent:
+    a refused folder fails the recipe before its first study, not after hours of the others."""
+    from otdus_cli.io.output_dir import check_target
+    from otdus_cli.output_files import STUDY
+    from otdus_cli.source import resolve_source
+
+    protected = [resolve_source(base).folder]
+    if not os.path.lexists(out_dir):  # where it will be made: not in the base, its parent there
+        check_target(out_dir, protected, False, STUDY)
+    elif out_dir.is_symlink():
+        raise OtdusError(f"--out {out_dir} is a symbolic link; give the real folder it should be")
+    elif not out_dir.is_dir():
+        raise OtdusError(f"--out {out_dir} is an existing file; a recipe writes a folder of studies")
+    else:
+        for name in names:
+            check_target(out_dir / name, protected, force, STUDY)
+    try:
+        out_dir.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise OtdusError(f"cannot create --out {out_dir} ({exc.strerror})") from None

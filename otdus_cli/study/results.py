@@ -4,6 +4,7 @@ loading and merging of later arms."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -209,12 +210,29 @@ class StudyResult:
             path = path / "study.json"
         return cls.from_dict(json.loads(path.read_text()))
 
-    def save(self, out_dir: str | os.PathLike[str], plot: bool = True) -> list[Path]:
-        """Write ``study.json`` and, when matplotlib is installed, ``loss_curves.png``."""
+    def save(
+        self,
+        out_dir: str | os.PathLike[str],
+        plot: bool = True,
+        *,
+        force: bool = False,
+        protected: Sequence[str | os.PathLike[str]] = (),
+    ) -> list[Path]:
+        """Write the folder ``out_dir`` as an otdus study output (output_files.py: staged, with a
+        manifest, swapped into place; ``force`` replaces only an unchanged earlier study output;
+        ``protected``: folders it may not touch); the paths of the files written there."""
+        from otdus_cli.output_files import STUDY, claim_files
+
+        with contextlib.ExitStack() as claimed:
+            tmp = claim_files(claimed, out_dir, STUDY, protected=[Path(p) for p in protected], force=force)
+            names = [p.name for p in self.write_files(tmp, plot)]
+        return [Path(out_dir) / name for name in names]
+
+    def write_files(self, folder: Path, plot: bool = True) -> list[Path]:
+        """Write ``study.json`` and, when matplotlib is installed, ``loss_curves.png`` into the
+        existing ``folder`` (the staged folder of a study output)."""
         from otdus_cli.study.report import plot_curves
 
-        folder = Path(out_dir)
-        folder.mkdir(parents=True, exist_ok=True)
         written = []
         if plot:
             png = plot_curves(self, folder / "loss_curves.png")

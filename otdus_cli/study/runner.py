@@ -22,6 +22,7 @@ nothing chosen has seen it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -35,6 +36,8 @@ from typing import Any
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.output_dir import OutputReport
+from otdus_cli.output_files import STUDY, claim_files
 from otdus_cli.study.arms import DEFAULT_METHODS, ExpansionCache, RunSpec, arm_kind, resolve_runs
 from otdus_cli.study.data import Documents, load_documents, split_documents, window_documents
 from otdus_cli.study.results import RunResult, StudyResult, summarise
@@ -306,6 +309,9 @@ def study(
     out_dir: str | os.PathLike[str] | None = None,
     work_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[StudyEvent], None] | None = None,
+    force: bool = False,
+    protected: Sequence[str | os.PathLike[str]] = (),
+    on_note: Callable[[str], None] | None = None,
     **overrides: Any,
 ) -> StudyResult:
     """Expand ``base`` with each method, train the new layers, compare held-out loss over seeds.
@@ -319,9 +325,12 @@ def study(
     ``shrink_options``: ShrinkOptions fields applied to every ``shrink:`` arm (e.g. layers, calib).
     ``reference``: label of the method the others are paired with (None: no pairing; the default
     "ot" absent from the methods: no pairing, said in ``notes``; any other absent label: an error).
-    ``out_dir``: where study.json and loss_curves.png go (None: nothing written).
+    ``out_dir``: the folder of study.json and loss_curves.png (None: nothing written), an otdus study
+    output (output_files.py) claimed before any work: never a link, the base, or a folder otdus did
+    not write; ``force`` replaces only an unchanged earlier study output there; ``protected``:
+    folders besides the base's that it may not touch; ``on_note`` hears of stale temporary folders
+    beside it (removed or kept) as they are found.
     """
-    t0 = time.perf_counter()
     s = study_settings(settings, **overrides)
     notify = progress or (lambda event: None)
     specs = [
@@ -347,13 +356,58 @@ def study(
         )
     from otdus_cli.device import resolve_device
     from otdus_cli.source import resolve_source
-    from otdus_cli.verify.metrics import load_tokenizer
 
     dev = resolve_device(s.device)
+    base_dir = str(resolve_source(base).folder)
+    with contextlib.ExitStack() as claimed:
+        # the output is claimed before any work: a refused --out costs nothing; its temporary folder
+        # also holds the expansions trained (removed before the results are written), so a SIGKILLed
+        # study's are swept with it by the next run to that --out
+        staged = (
+            None
+            if out_dir is None
+            else claim_files(
+                claimed,
+                out_dir,
+                STUDY,
+                protected=[Path(base_dir), *map(Path, protected)],
+                force=force,
+                report=OutputReport(notify=on_note),
+            )
+        )
+        result = _run(base, base_dir, train_text, eval_text, specs, s, dev, reference=ref, notes=notes,
+                      notify=notify, expand_options=expand_options, shrink_options=shrink_options,
+                      work_dir=staged if work_dir is None else work_dir)  # fmt: skip
+        if staged is not None:
+            result.write_files(staged)
+    return result
+
+
+def _run(
+    base: str,
+    base_dir: str,
+    train_text: str | os.PathLike[str],
+    eval_text: str | os.PathLike[str] | None,
+    specs: list[RunSpec],
+    s: StudySettings,
+    dev: Any,
+    *,
+    reference: str | None,
+    notes: list[str],
+    notify: Callable[[StudyEvent], None],
+    expand_options: dict[str, Any] | None,
+    shrink_options: dict[str, Any] | None,
+    work_dir: str | os.PathLike[str] | None,
+) -> StudyResult:
+    """The study itself: the data, every arm's runs, the summaries."""
+    from otdus_cli.verify.metrics import load_tokenizer
+
+    t0 = time.perf_counter()
+    labels = [r.label for r in specs]
+    ref = reference
     threads_before = torch.get_num_threads()
     if s.threads:
         torch.set_num_threads(s.threads)
-    base_dir = str(resolve_source(base).folder)
     data = prepare_data(load_tokenizer(base_dir), train_text, eval_text, s)
     notes += data.notes
     notify(
@@ -378,7 +432,7 @@ def study(
         torch.set_num_threads(threads_before)
 
     summaries = summarise(specs, s.seeds, results, ref, data.info["eval_window_documents"], sweeps or None)
-    result = StudyResult(
+    return StudyResult(
         base=base,
         reference=ref or "",
         config=_config(
@@ -391,6 +445,3 @@ def study(
         seconds=time.perf_counter() - t0,
         notes=notes,
     )
-    if out_dir is not None:
-        result.save(out_dir)
-    return result
