@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from otdus_cli.errors import Interrupted, OtdusError
-from otdus_cli.io.file_hashes import record_files
+from otdus_cli.io.file_hashes import record_files, sealed
 from otdus_cli.io.output_dir import (
     OutputReport,
     held_signals,
@@ -61,7 +61,7 @@ def _staged_files(
 ) -> Iterator[Path]:
     with staged_output(out, protected=protected, force=force, report=report, kind=kind) as tmp:
         yield tmp
-        manifest = {**created_now(), "output": kind, "files": record_files(tmp, skip={MANIFEST})}
+        manifest = sealed({**created_now(), "output": kind, "files": record_files(tmp, skip={MANIFEST})})
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 

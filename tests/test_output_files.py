@@ -71,7 +71,7 @@ def test_an_out_linked_to_a_folder_elsewhere_is_refused(tmp_path):
 def test_an_existing_file_is_refused_before_training(tmp_path):
     out = tmp_path / "results"
     out.write_text("someone's\n")
-    refused_before_training(run_cli(*STUDY_ARGS, "--out", out), "already exists")
+    refused_before_training(run_cli(*STUDY_ARGS, "--out", out), "existing file")
     refused_before_training(run_cli(*STUDY_ARGS, "--out", out, "--force"), "existing file")
     assert out.read_text() == "someone's\n"
 
