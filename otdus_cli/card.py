@@ -297,7 +297,7 @@ def card_text(manifest: dict, folder: Path, source_folder: Path | None) -> str:
         "",
         *_layer_table({"layers": composed} if composed else manifest),
         "",
-        *([] if shrunk and not manifest.get("new_parameters") else _training(manifest, folder)),
+        *(_training(manifest, folder) if _adds_parameters(manifest) else []),
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"))
 
@@ -337,6 +337,12 @@ def _step_lines(steps: list[dict]) -> list[str]:
             f"{before} -> {after} layers{_width(step)} ({claim})"
         )
     return lines
+
+
+def _adds_parameters(manifest: dict) -> bool:
+    """Whether the output holds parameters its source did not (a new layer, a new expert): a shrink,
+    or any output that only drops or keeps layers, has nothing to train first."""
+    return bool(manifest.get("new_parameters")) or any(lay["new"] for lay in manifest["layers"])
 
 
 def _training(manifest: dict, folder: Path) -> list[str]:

@@ -52,7 +52,9 @@ def _build(
         zero_init=zero_init,
         device=torch.device(device),
     )
-    out = dict(OTBuilder().build([DictLayer(0, a), DictLayer(1, b)], ctx))
+    out = dict(
+        OT.make_builder().build([DictLayer(0, a), DictLayer(1, b)], ctx)
+    )  # the method's builder, MoE included
     return out, ctx.stats
 
 

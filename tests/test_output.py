@@ -93,7 +93,7 @@ def test_a_command_of_its_own_writes_a_whole_output(stories, tmp_path):
     manifest = read_manifest(out)
     assert manifest == written.manifest
     assert manifest["copied_files"] == sorted(
-        ["generation_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+        ["LICENSE", "generation_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
     )
     # every other file recorded with the hash --force checks, the card among them
     assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {MANIFEST}
