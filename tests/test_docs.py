@@ -70,6 +70,17 @@ def test_every_command_named_in_the_docs_exists():
             assert (ROOT / "scripts" / f"{script}.py").is_file(), (doc.name, f"scripts.{script}")
 
 
+# words that point at who worked on otdus, or when, rather than at anything a reader can open
+UNPLACEABLE = (r"\bthe review\b", r"\bsessions?\b", r"\blent to\b", r"\bour machines\b", r"\btested with\b")
+
+
+@pytest.mark.parametrize("doc", [*DOCS, ROOT / "Makefile"], ids=lambda p: p.name)
+def test_no_word_a_reader_cannot_place(doc):
+    for pattern in UNPLACEABLE:
+        found = re.search(pattern, _text(doc), re.I)
+        assert not found, (doc.name, found and found.group(0))
+
+
 def _anchors(text: str) -> Iterator[str]:
     """The #anchors GitHub gives the headings of a Markdown page (a repeated heading gets -1, -2 ...)."""
     seen: dict[str, int] = {}
