@@ -1,5 +1,5 @@
 # Everything a fresh machine needs: `make demo` runs the embedded example, `make test` runs the tests.
-# TORCH selects the torch wheel; the default pin installs quickly from local disk on our machines.
+# TORCH selects the torch wheel; the default installs torch 2.13.0 as pip finds it (PyPI, or a configured index or wheel cache).
 # GPU users who want a specific CUDA build: make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +10,7 @@ COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 OLDEST_TRANSFORMERS ?= transformers==4.57.6
 
-.PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint methods-table evidence bench bench-copy bench-8b-copy faults coverage \
+.PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint methods-table cli-reference evidence bench bench-copy bench-8b-copy faults coverage \
 	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl shrink-ppl synthetic mergekit-outputs \
 	output-hashes device-wheels device-check device-check-dry-run clean
 
@@ -68,7 +68,7 @@ test-compat: setup-compat
 	$(COMPAT_PY) -c "import transformers; print('transformers', transformers.__version__)" $(call labelled,compat)
 	OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 $(COMPAT_PY) -m pytest -m "compat and not slow" $(call labelled,compat)
 
-# every command block of README.md and docs/*.md, run from a fresh clone of HEAD, offline, long ones
+# every command block of README.md, CONTRIBUTING.md and docs/*.md, run from a fresh clone of HEAD, offline, long ones
 # with quick options (scripts/check_docs.py --list shows what runs, what is shortened or skipped and
 # why); `make test` runs the quick part (tests/test_docs.py)
 check-docs: setup
@@ -81,9 +81,14 @@ lint: setup
 	$(VENV)/bin/ruff format --check otdus_cli tests scripts
 	$(VENV)/bin/lint-imports
 
-# README's methods tables, from the method registry (tests/test_methods_table.py checks them)
+# the methods tables of README.md and docs/shrink.md, from the method registry (tests/test_methods_table.py
+# checks them)
 methods-table: setup
 	$(PY) -m scripts.methods_table --write
+
+# docs/cli.md, every command's --help, from the CLI (tests/test_cli_reference.py fails when it is stale)
+cli-reference: setup
+	$(PY) -m scripts.cli_reference --write
 
 # docs/evidence.md's generated tables, verdicts and inline figures, from the stored results under
 # docs/evidence/ and the recipes' declared primary families (no training: seconds)

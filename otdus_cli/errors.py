@@ -1,6 +1,6 @@
 """User-facing errors: one clear line for the user, never a traceback. Exit codes: 2 for bad input
 (OtdusError), 4 when memory ran out (OutOfMemory, memory_failure), 128 + the signal's number when
-interrupted (Interrupted); README's "Exit codes" lists them all."""
+interrupted (Interrupted); README.md's "Exit codes" lists them all."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def out_of_memory(exc: BaseException, command: str | None = None) -> OutOfMemory
     return OutOfMemory(
         f"ran out of {'GPU ' if gpu else ''}memory{' ' + place if place else ''}"
         f"{f' (an allocation of {wanted} failed)' if wanted else ''}; nothing was written. "
-        f"{', or '.join(filter(None, [*remedies, smaller]))}; README's 'Memory and speed' says what each "
+        f"{', or '.join(filter(None, [*remedies, smaller]))}; docs/performance.md says what each "
         "command holds"
     )
 

@@ -1,4 +1,4 @@
-"""The `otdus.json` manifest written beside every otdus output (see README: Output).
+"""The `otdus.json` manifest written beside every otdus output (see docs/output.md).
 
 A manifest is written from the :class:`Manifest` model (otdus_cli/output.py writes it, after the
 model card, with the size and hash of every other file of the output) and read as untrusted input:
@@ -69,7 +69,7 @@ class ManifestSource(BaseModel):
 
 
 class WidenRecord(BaseModel):
-    """What `otdus widen` did to the experts (README: Widening MoE models)."""
+    """What `otdus widen` did to the experts (docs/widen.md)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 

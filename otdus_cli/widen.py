@@ -2,7 +2,7 @@
 
 Every MoE layer gets m - 1 copies of each expert: expert e + j E (j = 1 .. m-1) is a copy of
 expert e, its router row (and any per-expert router bias) is a copy of e's row, and the config's
-expert count and top-k are multiplied by m (README: Widening MoE models). Originals keep
+expert count and top-k are multiplied by m (docs/widen.md). Originals keep
 their index and their bytes; copies get Gaussian noise N(0, (alpha std(W))^2), W the tensor the
 copy is made from (an expert's matrix, the router's weight), seeded per output tensor so a run is
 reproducible whatever the order tensors are written in. With alpha = 0 the grown model computes

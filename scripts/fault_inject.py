@@ -1,5 +1,5 @@
 """Kill `otdus expand`, `widen`, `expand --experts`, `study` and `verify --card` at random moments and
-check that no data is ever lost (README: Safety).
+check that no data is ever lost (docs/safety.md).
 
 On synthetic checkpoints (scripts/make_synthetic.py: a dense one, by default the tiny Llama, or
 `--dense llama-3.2-1b --layers 4` for ~1 GB, and a tiny Mixtral for the MoE commands), each run is a

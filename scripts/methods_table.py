@@ -1,10 +1,10 @@
-"""README's tables of the methods, made from the method registry (otdus_cli/methods/registry.py).
+"""The tables of the methods, made from the method registry (otdus_cli/methods/registry.py).
 
     python -m scripts.methods_table           # print both tables
-    python -m scripts.methods_table --write   # replace them in README.md (make methods-table;
-                                              # tests/test_methods_table.py checks README holds them)
+    python -m scripts.methods_table --write   # replace them in README.md and docs/shrink.md (make
+                                              # methods-table; tests/test_methods_table.py checks them)
 
-Each table follows a marker line in README.md (MARKERS); what a method's row says comes from its
+Each table follows a marker line in its page (TARGETS); what a method's row says comes from its
 declaration: its summary, and its zero-init default per variant (Method.zero_init_for).
 """
 
@@ -21,8 +21,11 @@ from otdus_cli.shrink import ShrinkSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+SHRINK_PAGE = ROOT / "docs" / "shrink.md"
 EXPAND_MARKER = "<!-- the expand methods: make methods-table -->"
 SHRINK_MARKER = "<!-- the shrink methods: make methods-table -->"
+# the page that holds each table: the expand methods on the front page, shrink's on its own page
+TARGETS = ((README, EXPAND_MARKER), (SHRINK_PAGE, SHRINK_MARKER))
 
 
 def _per_variant(method: Method, say) -> str:
@@ -51,23 +54,23 @@ def shrink_table(methods: dict[str, Method] = SHRINK_METHODS) -> str:
     return "\n".join(rows)
 
 
-def with_tables(text: str) -> str:
-    """``text`` (README.md) with the table after each marker replaced by the generated one."""
-    for marker, table in ((EXPAND_MARKER, expand_table()), (SHRINK_MARKER, shrink_table())):
-        pattern = re.compile(re.escape(marker) + r"\n(\|[^\n]*\n)*")
-        if not pattern.search(text):
-            raise SystemExit(f"README.md has no line {marker!r} followed by a table")
-        replacement = f"{marker}\n{table}\n"
-        text = pattern.sub(lambda _, new=replacement: new, text)
-    return text
+def with_table(text: str, marker: str, name: str = "the page") -> str:
+    """``text`` with the table after ``marker`` replaced by the generated one."""
+    table = {EXPAND_MARKER: expand_table, SHRINK_MARKER: shrink_table}[marker]()
+    pattern = re.compile(re.escape(marker) + r"\n(\|[^\n]*\n)*")
+    if not pattern.search(text):
+        raise SystemExit(f"{name} has no line {marker!r} followed by a table")
+    replacement = f"{marker}\n{table}\n"
+    return pattern.sub(lambda _: replacement, text)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the tables in README.md")
+    parser.add_argument("--write", action="store_true", help="replace the tables in their pages")
     args = parser.parse_args(argv)
     if args.write:
-        README.write_text(with_tables(README.read_text()))
+        for page, marker in TARGETS:
+            page.write_text(with_table(page.read_text(), marker, page.name))
     else:
         print(expand_table() + "\n\n" + shrink_table())
     return 0

@@ -1,6 +1,6 @@
-"""README's worked examples of adding a method ("Adding a method"), run as written: each module,
-registered with one line, gives `otdus expand` (`otdus shrink`) the method, its flag, its place in
---help, `otdus plan` and the recipe keys, and a row in README's methods table."""
+"""CONTRIBUTING.md's worked examples of adding a method ("Adding a method"), run as written: each
+module, registered with one line, gives `otdus expand` (`otdus shrink`) the method, its flag, its place
+in --help, `otdus plan` and the recipe keys, and a row in the methods tables."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from otdus_cli.bundled import STORIES260K
 from otdus_cli.io.reader import CheckpointReader
 
 ROOT = Path(__file__).resolve().parent.parent
-# the registry lines README asks for, done before the CLI is imported (as registry.py would)
+# the registry lines CONTRIBUTING.md asks for, done before the CLI is imported (as registry.py would)
 REGISTER = "from otdus_cli.methods.registry import register\nimport halfway, scale\n"
 REGISTER += "register(scale.SCALE)\nregister(halfway.HALFWAY)\n"
 RUN = "import sys\n" + REGISTER + "from otdus_cli.cli import main\nmain(sys.argv[1:])\n"
@@ -26,19 +26,19 @@ TABLES = REGISTER + "from scripts.methods_table import expand_table, shrink_tabl
 TABLES += "print(expand_table())\nprint(shrink_table())\n"
 
 
-def _example(readme: str, module: str) -> str:
-    section = readme[readme.index("### Adding a method") :]
+def _example(guide: str, module: str) -> str:
+    section = guide[guide.index("## Adding a method") :]
     start = rf"```python\n(# {module}\.py, a new module of the package otdus_cli.methods\n"
     code = re.search(start + r".*?)```", section, re.S)
-    assert code, f"README's example module {module}.py"
+    assert code, f"CONTRIBUTING.md's example module {module}.py"
     return code.group(1)
 
 
 @pytest.fixture
 def otdus_with_examples(tmp_path):
-    readme = (ROOT / "README.md").read_text()
+    guide = (ROOT / "CONTRIBUTING.md").read_text()
     for module in ("scale", "halfway"):
-        (tmp_path / f"{module}.py").write_text(_example(readme, module))
+        (tmp_path / f"{module}.py").write_text(_example(guide, module))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
 
     def run(*args: str, code: str = RUN) -> subprocess.CompletedProcess:
@@ -49,7 +49,7 @@ def otdus_with_examples(tmp_path):
     return run
 
 
-def test_the_readme_method_expands_with_its_flag_and_recipe_key(otdus_with_examples, tmp_path):
+def test_the_guide_method_expands_with_its_flag_and_recipe_key(otdus_with_examples, tmp_path):
     done = otdus_with_examples(
         "expand", "bundled:stories260k", "--method", "scale", "--scale-factor", "0.25", "--layers", "1",
         "--out", str(tmp_path / "out"), "--json",
@@ -86,7 +86,7 @@ def test_the_readme_method_expands_with_its_flag_and_recipe_key(otdus_with_examp
     ]
 
 
-def test_the_readme_methods_are_offered_in_help_plan_and_the_tables(otdus_with_examples):
+def test_the_guide_methods_are_offered_in_help_plan_and_the_tables(otdus_with_examples):
     expand_help = otdus_with_examples("expand", "--help")
     assert expand_help.returncode == 0, expand_help.stderr
     assert "scale" in re.search(r"--method <([^>]*)>", expand_help.stdout).group(1).split("|")
@@ -124,7 +124,7 @@ def test_the_readme_methods_are_offered_in_help_plan_and_the_tables(otdus_with_e
     )
 
 
-def test_the_readme_shrink_method_merges_with_its_flag_and_recipe_key(otdus_with_examples, tmp_path):
+def test_the_guide_shrink_method_merges_with_its_flag_and_recipe_key(otdus_with_examples, tmp_path):
     done = otdus_with_examples(
         "shrink", "bundled:stories260k", "--method", "halfway", "--halfway-weight", "0.25",
         "--select", "explicit", "--remove", "3", "--out", str(tmp_path / "out"), "--json",

@@ -1,18 +1,19 @@
-"""Docs are promises: every path, script, make target and otdus command that README.md and docs/*.md
-name exists, and the quick command blocks run from a fresh copy (scripts/check_docs.py; `make
-check-docs` runs every block)."""
+"""Docs are promises: every path, script, make target and otdus command that README.md, CONTRIBUTING.md
+and docs/*.md name exists, every link resolves, the front page stays short, and the quick command
+blocks run from a fresh copy (scripts/check_docs.py; `make check-docs` runs every block)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 # a path as docs write it: under a folder of the repository, with a file name
 PATH = re.compile(r"(?<![\w./-])((?:otdus_cli|scripts|recipes|docs|tests)/[\w./*-]*[\w*])")
 # placeholders and what a run writes, not files of the repository
@@ -67,6 +68,55 @@ def test_every_command_named_in_the_docs_exists():
         )
         for script in re.findall(r"python3? -m scripts\.(\w+)", text):
             assert (ROOT / "scripts" / f"{script}.py").is_file(), (doc.name, f"scripts.{script}")
+
+
+# words that point at who worked on otdus, or when, rather than at anything a reader can open
+UNPLACEABLE = (r"\bthe review\b", r"\bsessions?\b", r"\blent to\b", r"\bour machines\b", r"\btested with\b")
+
+
+@pytest.mark.parametrize("doc", [*DOCS, ROOT / "Makefile"], ids=lambda p: p.name)
+def test_no_word_a_reader_cannot_place(doc):
+    for pattern in UNPLACEABLE:
+        found = re.search(pattern, _text(doc), re.I)
+        assert not found, (doc.name, found and found.group(0))
+
+
+def _anchors(text: str) -> Iterator[str]:
+    """The #anchors GitHub gives the headings of a Markdown page (a repeated heading gets -1, -2 ...)."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+)$", _prose(text), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+def _prose(text: str) -> str:
+    """The page without its fenced blocks (a `# comment` in a shell block is no heading)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_link_resolves(doc):
+    """Every relative link names a file of the repository, and every #anchor a heading of its page."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _prose(_text(doc))):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        page = (doc.parent / path).resolve() if path else doc
+        found = page.exists() and ROOT in page.parents
+        if found and anchor:
+            found = page.suffix == ".md" and anchor in set(_anchors(page.read_text()))
+        if not found:
+            broken.append(target)
+    assert not broken, f"{doc.name} links to what does not exist: {broken}"
+
+
+def test_the_front_page_is_short():
+    """README.md is the front page: what otdus is, the quick start, one line per command; the manual is
+    under docs/."""
+    lines = _text(ROOT / "README.md").count("\n")
+    assert lines <= 250, f"README.md has {lines} lines: move the detail to a page under docs/"
 
 
 def test_readme_prints_no_test_counts():

@@ -1,15 +1,17 @@
-"""README's methods tables are the ones scripts/methods_table.py makes from the registry."""
+"""The methods tables (README.md's, docs/shrink.md's) are the ones scripts/methods_table.py makes from
+the registry."""
 
 from __future__ import annotations
 
 from otdus_cli.methods.registry import METHODS, SHRINK_METHODS
-from scripts.methods_table import README, expand_table, shrink_table, with_tables
+from scripts.methods_table import README, SHRINK_PAGE, TARGETS, expand_table, shrink_table, with_table
 
 
-def test_readme_holds_the_generated_tables():
-    text = README.read_text()
-    assert with_tables(text) == text, "run: python -m scripts.methods_table --write"
-    assert expand_table() in text and shrink_table() in text
+def test_the_pages_hold_the_generated_tables():
+    for page, marker in TARGETS:
+        text = page.read_text()
+        assert with_table(text, marker) == text, "run: python -m scripts.methods_table --write"
+    assert expand_table() in README.read_text() and shrink_table() in SHRINK_PAGE.read_text()
 
 
 def test_every_registered_method_has_its_row():

@@ -1,4 +1,4 @@
-"""No remote code is ever executed: trust_remote_code is never set (README: Install)."""
+"""No remote code is ever executed: trust_remote_code is never set (docs/getting-started.md: Install)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""otdus never deletes or overwrites what it did not create (README: Safety).
+"""otdus never deletes or overwrites what it did not create (docs/safety.md).
 
 --force replaces only an earlier otdus output or an empty folder; concurrent runs to one --out are
 exclusive; a folder that appears during a run is never replaced; signals and SIGKILL leave nothing

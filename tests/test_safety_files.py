@@ -1,4 +1,4 @@
-"""Safe by what files are, not by their names (README: Safety).
+"""Safe by what files are, not by their names (docs/safety.md).
 
 --force replaces an earlier output only while every file is what otdus wrote (sizes and hashes in
 its manifest); the source is protected by real location and inode on every path; the lock file is

@@ -24,6 +24,7 @@ TESTS_OF_SCRIPTS = {
     "test_shrink_ppl": {"shrink_ppl"},
     "test_import_graph": {"import_contracts"},
     "test_methods_table": {"methods_table"},
+    "test_cli_reference": {"cli_reference"},
 }
 
 

@@ -376,11 +376,10 @@ def test_training_the_exported_set_changes_only_the_new_tensors(ot_out, pro_out,
     check_only_new_changed(before, after, layer_names(pro_out, [1, 3, 5, 7, 9]), *losses)
 
 
-def test_the_readme_quotes_what_trainable_prints(ot_out):
-    """README, After expanding: the bundled example's output, line for line (`otdus expand
+def test_the_docs_quote_what_trainable_prints(ot_out):
+    """docs/handoff.md: the bundled example's output, line for line (`otdus expand
     bundled:stories260k --out out/demo` is ot_out's expansion)."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## After expanding: train and share", 1)[1].split("\n## ", 1)[0]
+    section = (Path(__file__).parent.parent / "docs" / "handoff.md").read_text()
     quoted = section.split("otdus trainable out/demo\n", 1)[1].split("otdus trainable out/demo --format", 1)[
         0
     ]

@@ -69,7 +69,7 @@ EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     "qwen2_moe": ExpertLayout(
         "mlp.", ("num_experts",), shared=("mlp.shared_expert.", "mlp.shared_expert_gate.")
     ),
-    # a Qwen3-MoE config saved by transformers 5 names its count num_local_experts (README)
+    # a Qwen3-MoE config saved by transformers 5 names its count num_local_experts (docs/architectures.md)
     "qwen3_moe": _QWEN_MOE,
     "olmoe": ExpertLayout("mlp.", ("num_experts",)),
 }

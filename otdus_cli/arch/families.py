@@ -355,7 +355,7 @@ FAMILIES: tuple[Family, ...] = (
     *BREADTH_FAMILIES,
 )
 
-# Config fields whose meaning depends on depth, and how each is rewritten (README: Output, config.json).
+# Config fields whose meaning depends on depth, and how each is rewritten (docs/output.md, config.json).
 #   per_layer: a list with one entry per layer (or a dict keyed by layer index); a new layer inherits
 #     its source layer's entry.
 #   index_list: a list of layer indices; an output layer is listed if its source layer was. One index

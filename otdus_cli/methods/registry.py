@@ -1,7 +1,7 @@
 """The methods `otdus expand` and `otdus shrink` offer, one line each; each method's module declares
 the rest.
 
-Adding a method: write its module (a :class:`~otdus_cli.methods.base.Method`, see README, "Adding a
+Adding a method: write its module (a :class:`~otdus_cli.methods.base.Method`, see CONTRIBUTING.md, "Adding a
 method") and register it here. An expansion method's options become ``ExpandOptions.<name>``, recipe
 keys ``expand.<name>.<field>`` and flags of `otdus expand`; a shrink method's (layout "shrink")
 ``ShrinkOptions.<name>``, ``shrink.<name>.<field>`` and flags of `otdus shrink`. Every choice list,

@@ -46,14 +46,14 @@ __all__ = [
     "verdict_lines",
 ]
 
-# The review's 2x2 (OT / Average x with / without zero-init): (label, minus, what the difference is)
+# The 2x2 ablation (OT / Average x with / without zero-init): (label, minus, what the difference is)
 TWO_BY_TWO = (
     ("ot", "ot+nozero", "zero-init, with OT"),
     ("average+zero", "average", "zero-init, with Average"),
     ("ot", "average+zero", "OT vs Average, with zero-init"),
     ("ot+nozero", "average", "OT vs Average, without zero-init"),
 )
-# Does any alignment beat the review's control, plain average with zero-init? Every OT
+# Does any alignment beat the 2x2 ablation's control, plain average with zero-init? Every OT
 # arm with zero-init minus `average+zero`. An arm a study lacks is left out of its table (e.g.
 # an arm not yet added to the stored studies), so the table grows when it is run.
 ALIGNMENT_VS_AVERAGE = (

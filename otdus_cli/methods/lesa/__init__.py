@@ -58,7 +58,7 @@ def lesa_summary(report: dict) -> str:
 LESA = Method(
     "lesa",
     "LESA: per projection, an MLP trained on every layer's SVD coefficients predicts f_i+1/2's from f_i "
-    "and f_{i+1} (README: LESA)",
+    "and f_{i+1} (docs/methods.md, LESA)",
     "placed",
     builder="lesa",
     zero_init_default=True,

@@ -26,7 +26,7 @@ class LesaOptions(BaseModel):
             "with zero-init, its default, the output is function-preserving. published: the LESA notebook's "
             "output: those tensors are base layer 0's and nothing is zeroed, so the new layers change the "
             "model's function (verify reports the change instead of expecting parity; add --zero-init to "
-            "preserve it). README: LESA.",
+            "preserve it). docs/methods.md: LESA.",
             plan=True,
         ),
     ] = "pair"
