@@ -29,6 +29,8 @@ EXPECTED = {
     "stories260k-lesa.yaml": (5, 7),
     "mixtral-8x7b-otdus-top.yaml": (32, 48),
     "qwen3-30b-a3b-otdus-top.yaml": (48, 72),
+    "smollm2-135m-otdus-top.yaml": (30, 45),
+    "smollm2-135m-llama-pro.yaml": (30, 45),
 }
 
 
