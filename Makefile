@@ -136,6 +136,11 @@ lm-eval-record: setup
 bench-verify: setup
 	$(PY) -m scripts.bench_verify $(BENCH_VERIFY_ARGS)
 
+# expand, shrink and cp side by side, and verify against a plain transformers forward, on SmolLM2-135M
+# (docs/benchmarks.md's SmolLM2 section; about 15 minutes on 2 idle cores)
+bench-smollm2: smollm2
+	$(PY) -m scripts.bench_smollm2 $(BENCH_SMOLLM2_ARGS)
+
 # peak memory and time of OT and widen on a Mixtral-8x7B-shaped layer (~30 GB of disk, CPU-hours)
 bench-moe: setup
 	$(PY) -m scripts.bench_moe --work bench-out/moe --json bench-out/moe.json $(BENCH_MOE_ARGS)
