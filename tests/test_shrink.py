@@ -191,6 +191,7 @@ def test_ignored_options_follow_the_methods_declarations():
     assert "calib" not in drop  # the bi selection scores on it
     emd = ignored_options(ShrinkOptions(method="ot", remove=[2], ot={"solver": "emd"}))
     assert emd == {
+        "laco.variant": "only --method laco uses LaCo options, not ot",
         "ot.calib": "the shrink's calib and calib_tokens apply",
         "ot.calib_tokens": "the shrink's calib and calib_tokens apply",
         "ot.reg": "--solver emd is exact (no Sinkhorn)",

@@ -114,8 +114,8 @@ def flag_name(loc: Sequence[Any]) -> str:
     from otdus_cli.options import option_groups
 
     names = tuple(map(str, loc))
-    if names[0] in option_groups():
-        flags = {(f.group, f.field): f.flag.name for f in method_flags()}
+    if names[0] in option_groups() | shrink_option_groups():
+        flags = {(f.group, f.field): f.flag.name for f in method_flags(shrink=True) + method_flags()}
         return flags.get(names[:2], ".".join(names[:2]))
     return "--" + names[-1].replace("_", "-")
 
@@ -153,20 +153,29 @@ def validated_options(
         err = exc.errors()[0]
         message = err["msg"].removeprefix("Value error, ")
         loc = err["loc"]
-        if not loc or (len(loc) == 1 and loc[0] in option_groups()):  # a rule across options names its flags
+        groups = option_groups() | shrink_option_groups()
+        if not loc or (len(loc) == 1 and loc[0] in groups):  # a rule across options names its flags
             raise OtdusError(message) from None
         raise OtdusError(f"{flag_name(loc)} {err['input']!r}: {message}") from None
 
 
-def method_flags(for_plan: bool = False) -> list[MethodFlag]:
+def shrink_option_groups() -> dict[str, type[BaseModel]]:
+    """Shrink method name -> its options model (methods/merge.py), for those that have options."""
+    from otdus_cli.methods.merge import SHRINK_METHODS
+
+    return {m.name: m.options for m in SHRINK_METHODS.values() if m.options is not None}
+
+
+def method_flags(for_plan: bool = False, shrink: bool = False) -> list[MethodFlag]:
     """The flags of every registered method's options, in registry and field order (``for_plan``:
-    those of `otdus plan`, the options that change the layer map)."""
+    those of `otdus plan`, the options that change the layer map; ``shrink``: of the shrink methods,
+    whose option groups and defaults are their own)."""
     import typer
 
     from otdus_cli.options import option_groups
 
     flags = []
-    for group, model in option_groups().items():
+    for group, model in (shrink_option_groups() if shrink else option_groups()).items():
         for name, info in model.model_fields.items():
             flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
             if flag is None or (for_plan and not flag.plan):
@@ -179,12 +188,13 @@ def method_flags(for_plan: bool = False) -> list[MethodFlag]:
 
 
 def with_method_flags(
-    for_plan: bool = False, keep: Callable[[MethodFlag], bool] | None = None
+    for_plan: bool = False, keep: Callable[[MethodFlag], bool] | None = None, shrink: bool = False
 ) -> Callable[[Command], Command]:
-    """Shows Typer the methods' flags (those ``keep`` keeps) in place of the parameter ``method_flags``
-    and hands the command ``method_flags={"ot.variant": value or None, ...}``."""
+    """Shows Typer the methods' flags (those ``keep`` keeps; ``shrink``: the shrink methods') in place of
+    the parameter ``method_flags`` and hands the command ``method_flags={"ot.variant": value, ...}``
+    (None where not given)."""
     return functools.partial(
-        _with_method_flags, [f for f in method_flags(for_plan) if keep is None or keep(f)]
+        _with_method_flags, [f for f in method_flags(for_plan, shrink) if keep is None or keep(f)]
     )
 
 

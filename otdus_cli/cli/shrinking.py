@@ -36,7 +36,6 @@ from otdus_cli.cli.flags import (
     with_method_flags,
 )
 from otdus_cli.cli.values import device_parser, int_list, ints, output_folder, text_spec
-from otdus_cli.methods.merge import SHRINK_METHODS
 from otdus_cli.plan.shrink_map import Selection, ShrinkMethod
 
 # the shrink's own --calib/--calib-tokens stand for a method's options of the same name (OT's: one
@@ -167,7 +166,7 @@ def show_shrink_plan(plan) -> None:
     out_console.print(f"removes layers {', '.join(map(str, plan.removed))} (perplexity will move)")
 
 
-@with_method_flags(keep=lambda f: f.group in SHRINK_METHODS and f.field not in _SHRINK_OWNS)
+@with_method_flags(shrink=True, keep=lambda f: f.field not in _SHRINK_OWNS)
 def shrink(
     model: Model = None,
     out: Out = None,

@@ -7,7 +7,9 @@ when the run starts at layer 0), LaCo's direction: the merged layer takes the ke
 tensor names and per-layer config entries.
 
     bi        ShortGPT (Men et al. 2024): the layers with the lowest Block Influence,
-              BI_i = 1 - mean cosine(layer i's input, its output) over the calibration tokens.
+              BI_i = 1 - mean cosine(layer i's input, its output) over the calibration tokens; the last
+              layer's output is taken before the final norm (ShortGPT's hidden states would put the
+              norm into the last layer's score; otdus scores every layer alike).
     angular   Gromov et al. 2024: the block of n consecutive layers whose input and output are
               closest in angular distance, arccos(cosine) / pi, averaged over the tokens.
     explicit  the layers given (--remove 3,4), as mergekit's passthrough slices cut them by hand.
@@ -140,7 +142,8 @@ def shrink_layers(depth: int, removed: Sequence[int], builder: str) -> list[Outp
         if group is None:
             out.append(OutputLayer(len(out), i, False, (i,), "base", False))
         else:
-            # the kept layer first: the layer the others are merged into (LaCo's base, OT's anchor)
+            # the kept layer first: the layer the others are merged into (LaCo's base); OT aligns the
+            # group to its last layer instead (methods/merge.py)
             out.append(OutputLayer(len(out), i, True, group, builder, False))
     return out
 
