@@ -10,7 +10,7 @@ import pytest
 from otdus_cli.errors import OtdusError
 from otdus_cli.methods.merge import MERGING_VARIANTS
 from otdus_cli.shrink import ShrinkOptions, shrink
-from scripts.merge_twin import planted_twin
+from tests.support.planted_twin import planted_twin
 from tests.support.tiny_models import load_causal_lm, logits
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
