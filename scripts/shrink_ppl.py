@@ -60,7 +60,7 @@ METHODS = [
     ("ot activation emd", "ot", {"variant": "activation", "solver": "emd"}),
 ]
 OT_LABELS = ("ot structured", "ot activation emd")
-RIVALS = ("drop", "laco")  # what the verdict weighs OT merging against
+RIVALS = ("drop", "laco", "laco official")  # what the verdict weighs OT merging against
 # the healing run: StudySettings fields (every parameter trained: a shrink adds no layer to train alone)
 HEALING: dict[str, Any] = {
     "seeds": [0, 1, 2],  # seed-level tests: at least 3
