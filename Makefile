@@ -11,7 +11,7 @@ COMPAT_PY := $(COMPAT_VENV)/bin/python
 OLDEST_TRANSFORMERS ?= transformers==4.57.6
 
 .PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint methods-table cli-reference evidence bench bench-copy bench-8b-copy faults coverage \
-	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl shrink-ppl synthetic mergekit-outputs \
+	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl merge-twin shrink-ppl synthetic mergekit-outputs \
 	output-hashes device-wheels device-check device-check-dry-run smollm2 setup-smollm2 bench-smollm2 clean
 
 setup: $(VENV)/.installed
@@ -176,6 +176,10 @@ ot-plan-scale: setup
 # perplexity change of widen on each MoE family's tiny model (docs/widen-ppl.md)
 widen-ppl: setup
 	$(PY) -m scripts.widen_tiny_ppl
+
+# how far each OT variant's merge of a planted twin lands from dropping it (docs/ot.md, "Merging layers")
+merge-twin: setup
+	$(PY) -m scripts.merge_twin
 
 # perplexity of each shrink method and selection on the bundled model, as written and healed by study's
 # shrink arms (docs/shrink-ppl.json and .md; minutes; `python -m scripts.shrink_ppl --render`: the .md alone)

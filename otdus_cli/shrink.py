@@ -36,6 +36,7 @@ from otdus_cli.methods.ot.options import DEFAULT_CALIB, DEFAULT_CALIB_TOKENS, MI
 from otdus_cli.methods.registry import SHRINK_METHODS
 from otdus_cli.options import OutputDtype, invalid, merge_options, read_yaml
 from otdus_cli.plan.shrink_map import (
+    LacoTrace,
     LayerScores,
     Selection,
     merge_groups,
@@ -72,6 +73,14 @@ class ShrinkSettings(BaseModel):
     seed: int = 0
     revision: str | None = None
     allow_unknown_arch: bool = False
+    # --select laco (laco_select.py): C layers merged per step, the similarity threshold T, the step I
+    # after a kept merge, the top and bottom layers H and L (H None: the last); the released
+    # notebook's settings for Llama-2-13B are the defaults (C 7, I 1, T 0.45, L 0, H the last layer)
+    laco_merge: int = Field(7, ge=2, description="layers merged into one per step of LaCo's loop")
+    laco_interval: int = Field(1, ge=1, description="how far LaCo's loop moves down after a kept merge")
+    laco_threshold: float = Field(0.45, ge=-1, le=1, description="similarity a merge must exceed to be kept")
+    laco_top: int | None = Field(None, ge=0, description="LaCo's H: the first merge ends below it")
+    laco_bottom: int = Field(0, ge=0, description="LaCo's L: no merge starts below it")
 
     @field_validator("remove")
     @classmethod
@@ -136,6 +145,9 @@ def shrink_spec_options(spec: str, overrides: dict[str, Any] | None = None) -> S
         raise OtdusError(f"shrink arm {spec!r}: {invalid(exc)}") from None
 
 
+LACO_SELECTION = ("laco_merge", "laco_interval", "laco_threshold", "laco_top", "laco_bottom")
+
+
 def ignored_options(options: ShrinkSettings) -> dict[str, str]:
     """Options without effect on this shrink -> why (recorded in the manifest): every other shrink
     method's option group; of the chosen method's, the ones the shrink sets itself and the ones its
@@ -154,6 +166,8 @@ def ignored_options(options: ShrinkSettings) -> dict[str, str]:
         ignored |= dict.fromkeys((f"{chosen.name}.{f}" for f in owned), why)
     own = chosen.ignored(options.method_options()) if chosen.ignored is not None else {}
     ignored |= {f"{chosen.name}.{f}": why for f, why in own.items() if f not in owned}
+    if options.selection != "laco":
+        ignored |= dict.fromkeys(LACO_SELECTION, "only --select laco reads it")
     reads_calib = "calib" in owned and "calib" not in own
     if options.selection == "explicit" and not reads_calib:
         ignored |= dict.fromkeys(("calib", "calib_tokens"), "--select explicit scores nothing")
@@ -166,6 +180,7 @@ class ShrinkPlan(ExpansionPlan):
 
     removed: list[int] = field(default_factory=list)
     scores: LayerScores | None = None
+    laco: LacoTrace | None = None  # --select laco: what its loop tried
 
     @property
     def function_preserving(self) -> bool:
@@ -187,6 +202,7 @@ class ShrinkPlan(ExpansionPlan):
                 "merged": self.merged,
                 "select": self.options.selection,
                 "scores": None if self.scores is None else self.scores.to_json(),
+                "laco": None if self.laco is None else self.laco.to_json(),
             },
         }
 
@@ -197,11 +213,14 @@ class ShrinkPlan(ExpansionPlan):
 
 
 def make_shrink_plan(
-    source: SourceModel, options: ShrinkOptions, scores: LayerScores | None = None
+    source: SourceModel,
+    options: ShrinkOptions,
+    scores: LayerScores | None = None,
+    laco: LacoTrace | None = None,
 ) -> ShrinkPlan:
     """The shrink of ``source`` that ``options`` ask for; every bad request fails here (OtdusError),
-    before anything is written. Scored selections use ``scores``, or stream the source over the
-    calibration text for them."""
+    before anything is written. Scored selections use ``scores`` (``laco``: LaCo's loop), or stream the
+    source over the calibration text for them."""
     method = SHRINK_METHODS[options.method]
     family = source.family
     depth = source.depth
@@ -224,7 +243,14 @@ def make_shrink_plan(
             raise OtdusError("--remove names the layers itself; leave out --ratio")
         scores = None
         removed = select_removed(depth, options.layers, options.selection, options.remove)
+    elif options.selection == "laco":
+        scores = None
+        check_laco_selection(source, options)
+        if laco is None:
+            laco = run_laco_selection(source, options)
+        removed = select_removed(depth, None, "laco", laco=laco)
     else:
+        laco = None
         count = removal_count(depth, options.layers, options.ratio)
         if scores is None:
             scores = measure_scores(source, options)
@@ -239,11 +265,38 @@ def make_shrink_plan(
                 "use --method drop or remove other layers"
             )
     config, tensors = output_layout(source, layer_map, options.dtype)
-    return ShrinkPlan(source, method, options, layer_map, config, tensors, removed, scores)
+    return ShrinkPlan(source, method, options, layer_map, config, tensors, removed, scores, laco)
+
+
+def check_laco_selection(source: SourceModel, options: ShrinkOptions) -> None:
+    """Refuses a --select laco request that cannot run, before the loop's passes."""
+    from otdus_cli.laco_select import laco_bounds
+
+    if options.method == "ot":
+        raise OtdusError(
+            "--select laco tries each merge on the calibration text, which with --method ot is one OT build "
+            "per try: choose with --method laco, average or drop, or select with --select bi or angular"
+        )
+    if options.layers is not None or options.ratio is not None:  # a cap on what the loop removes
+        removal_count(source.depth, options.layers, options.ratio)
+    laco_bounds(source.depth, options)
+
+
+def run_laco_selection(source: SourceModel, options: ShrinkOptions, world: World | None = None) -> LacoTrace:
+    """LaCo's selection loop over the calibration text (laco_select.py)."""
+    from otdus_cli.device import resolve_device
+    from otdus_cli.laco_select import laco_select  # torch
+
+    check_laco_selection(source, options)
+    device = resolve_device(options.device, world)
+    with doing(_scoring(options), "fewer --calib-tokens"):
+        return laco_select(source, options, device)
 
 
 def _scoring(options: ShrinkOptions) -> str:
-    return f"scoring the layers on up to {options.calib_tokens} tokens of {options.calib}"
+    """The stage that chooses the layers (what progress and a failure's message name)."""
+    what = "LaCo's selection" if options.selection == "laco" else "scoring the layers"
+    return f"{what} on up to {options.calib_tokens} tokens of {options.calib}"
 
 
 def measure_scores(source: SourceModel, options: ShrinkOptions, world: World | None = None) -> LayerScores:
@@ -306,18 +359,24 @@ def shrink(
     options = options or ShrinkOptions()
     world = current_world() if world is None else world
     start = time.perf_counter()
-    scores = None
+    scores = laco = None
     if options.selection != "explicit" and not options.remove:
 
-        def measure() -> LayerScores | None:
+        def measure() -> LayerScores | LacoTrace | None:
             if not world.is_main:
                 return None
             source = open_source(model, options.revision, options.allow_unknown_arch)
             if on_stage:
                 on_stage(_scoring(options))
+            if options.selection == "laco":
+                return run_laco_selection(source, options, world)
             return measure_scores(source, options, world)
 
-        scores = world.exchange(measure)[0]
+        measured = world.exchange(measure)[0]
+        if isinstance(measured, LacoTrace):
+            laco = measured
+        else:
+            scores = measured
     scored_s = time.perf_counter() - start
     result = expand(
         model,
@@ -329,7 +388,7 @@ def shrink(
         on_note=on_note,
         world=world,
         on_stage=on_stage,
-        planner=functools.partial(make_shrink_plan, scores=scores),
+        planner=functools.partial(make_shrink_plan, scores=scores, laco=laco),
     )
     result.seconds += scored_s  # the whole run, the scoring pass included
     result.timings["score_s"] = scored_s

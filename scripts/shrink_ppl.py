@@ -10,15 +10,19 @@ As written: each shrink is made by the library (otdus_cli.shrink), scored on the
 test text (token protocol, windows of 256, the first --wikitext-tokens tokens) and the bundled
 TinyStories sample (all of it), float32 on the CPU, with a 95% interval on each perplexity from the
 spread of the per-window mean losses (normal approximation over windows; windows, not tokens, are the
-independent units). The selection scores are measured on other text than either evaluation: the first
-4096 tokens of the bundled TinyStories training head.
+independent units). Methods are compared by paired tests: every shrink is scored on the same windows,
+so OT merging minus a rival is a per-window loss difference, tested by a paired t test over the windows
+and Holm-adjusted over every comparison the verdict reads. The selection scores are measured on other
+text than either evaluation: the first 4096 tokens of the bundled TinyStories training head.
 
 Healed: for each count and each distinct set of layers the selections chose, `otdus_cli.study.study`
 with one `shrink:` arm per method (the selection an arm setting) trains every parameter of each shrunk
 model on the bundled TinyStories training head until its validation loss plateaus (study_settings'
-plateau rule), over several seeds (HEALING), and scores each of the two texts before and after (its
-own windows: every window of the sample, evenly spread windows of WikiText); intervals and paired
-differences are the study's (seeds crossed with windows). The studies run in --workers processes.
+plateau rule), over several seeds (HEALING, at least 3), and scores each of the two texts before and
+after (its own windows: every window of the sample, evenly spread windows of WikiText); the healed
+perplexity intervals are the study's (seeds crossed with windows), the comparisons seed-level tests: each
+seed's mean loss difference over the windows, a paired t test over the seeds, Holm-adjusted. The studies
+run in --workers processes.
 
     python -m scripts.shrink_ppl              # everything (minutes on 2 cores), then the document
     python -m scripts.shrink_ppl --render     # the document from the stored JSON (seconds)
@@ -46,19 +50,20 @@ CALIB = "bundled:tinystories-train-2mib"
 CALIB_TOKENS = 4096
 COUNTS = (1, 2)
 SELECTIONS = ("bi", "angular")
-# (label, method, OT options)
+# (label, method, its option group's settings); ot: the variants a shrink merges with
 METHODS = [
     ("drop", "drop", {}),
     ("average", "average", {}),
     ("laco", "laco", {}),
-    ("ot paper", "ot", {"variant": "paper"}),
+    ("laco official", "laco", {"variant": "official"}),
     ("ot structured", "ot", {"variant": "structured"}),
+    ("ot activation emd", "ot", {"variant": "activation", "solver": "emd"}),
 ]
-OT_LABELS = ("ot paper", "ot structured")
-RIVALS = ("drop", "laco")  # what the verdict weighs OT merging against
+OT_LABELS = ("ot structured", "ot activation emd")
+RIVALS = ("drop", "laco", "laco official")  # what the verdict weighs OT merging against
 # the healing run: StudySettings fields (every parameter trained: a shrink adds no layer to train alone)
 HEALING: dict[str, Any] = {
-    "seeds": [0, 1],
+    "seeds": [0, 1, 2],  # seed-level tests: at least 3
     "lr": 5e-4,
     "until_plateau": {"eval_every": 15, "window": 3, "tolerance": 0.002, "noise": 2.0, "max_steps": 600},
     "batch": 4,
@@ -73,7 +78,7 @@ HEALING: dict[str, Any] = {
 }
 # --smoke: the same steps in seconds (what the script does, not figures)
 SMOKE: dict[str, Any] = {
-    "seeds": [0, 1],
+    "seeds": [0, 1, 2],
     "until_plateau": {"eval_every": 2, "window": 1, "max_steps": 4},
     "validation_windows": 4,
     "max_train_windows": 64,
@@ -119,11 +124,13 @@ def eval_sets(wikitext_tokens: int) -> dict:
     }
 
 
-def shrink_options(method: str, removed: int, select: str, ot: dict):
+def shrink_options(method: str, removed: int, select: str, group: dict):
+    """The shrink of one row: ``group`` is the method's option group (e.g. OT's variant)."""
     from otdus_cli.shrink import ShrinkOptions
 
+    groups = {method: group} if group else {}
     return ShrinkOptions(
-        method=method, layers=removed, select=select, calib=CALIB, calib_tokens=CALIB_TOKENS, ot=ot
+        method=method, layers=removed, select=select, calib=CALIB, calib_tokens=CALIB_TOKENS, **groups
     )
 
 
@@ -282,15 +289,54 @@ def cell(losses: list[float]) -> str:
     return f"{ppl:.2f} [{low:.2f}, {high:.2f}]"
 
 
-def compare(a: list[float], b: list[float]) -> str:
-    """How perplexity interval ``a`` stands against ``b``: lower, higher, or overlapping."""
-    _, a_low, a_high = interval(a)
-    _, b_low, b_high = interval(b)
-    if a_high < b_low:
-        return "lower"
-    if a_low > b_high:
-        return "higher"
-    return "overlapping"
+def paired(a: list[float], b: list[float]) -> dict:
+    """Loss ``a`` minus loss ``b`` on the same windows: mean, 95% interval and p of a paired t test over
+    the windows (study.stats with one seed)."""
+    from otdus_cli.study.stats import crossed_mean_ci
+
+    return crossed_mean_ci([[x - y for x, y in zip(a, b, strict=True)]])
+
+
+def _word(contrast: dict, alpha: float = 0.05) -> str:
+    """What a Holm-adjusted comparison says: OT's loss lower, higher, or no clear difference."""
+    if contrast["p_holm"] is not None and contrast["p_holm"] < alpha:
+        return "lower" if contrast["mean"] < 0 else "higher"
+    return "no clear difference"
+
+
+def _cell(c: dict) -> str:
+    p_holm = "n/a" if c["p_holm"] is None else f"{c['p_holm']:.3g}"
+    return f"{c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}], p {p_holm}: {_word(c)}"
+
+
+def written_comparisons(data: dict) -> dict[tuple, dict]:
+    """Every OT variant against each rival as written, per distinct shrink (count, removed layers) and
+    text, paired over the windows; p Holm-adjusted over all of them (the family the verdict reads)."""
+    from otdus_cli.study.stats import holm
+
+    names = list(data["evals"])
+    rows = [r for r in data["as_written"] if r["count"]]
+    by = {(r["label"], r["select"], r["count"]): r["losses"] for r in rows}
+    distinct = {(r["count"], tuple(r["removed"])): r["select"] for r in rows}
+    found = {
+        (count, removed, ot, rival, n): paired(by[ot, select, count][n], by[rival, select, count][n])
+        for (count, removed), select in distinct.items()
+        for ot in OT_LABELS
+        for rival in RIVALS
+        for n in names
+    }
+    for c, q in zip(found.values(), holm([c["p"] for c in found.values()]), strict=True):
+        c["p_holm"] = q
+    return found
+
+
+def written_tally(data: dict) -> dict[str, dict[str, int]]:
+    """How often OT merging's loss is lower, higher or not clearly different from each rival's as
+    written (written_comparisons' words)."""
+    tally = {rival: {"lower": 0, "higher": 0, "no clear difference": 0} for rival in RIVALS}
+    for (_, _, _, rival, _), c in written_comparisons(data).items():
+        tally[rival][_word(c)] += 1
+    return tally
 
 
 def _row(cells: list[str]) -> str:
@@ -301,29 +347,10 @@ def _layers(removed: list[int]) -> str:
     return ", ".join(map(str, removed))
 
 
-def written_tally(data: dict) -> dict[str, dict[str, int]]:
-    """Every OT variant against each rival as written, per distinct shrink and text: how often its
-    perplexity interval lies entirely below the rival's, entirely above, or overlaps it."""
-    names = list(data["evals"])
-    rows = [r for r in data["as_written"] if r["count"]]
-    by = {(r["label"], r["select"], r["count"]): r for r in rows}
-    distinct = {(r["count"], tuple(r["removed"])): (r["select"], r["count"]) for r in rows}
-    tally = {rival: {"lower": 0, "higher": 0, "overlapping": 0} for rival in RIVALS}
-    for select, count in distinct.values():
-        for ot in OT_LABELS:
-            for rival in RIVALS:
-                for n in names:
-                    tally[rival][
-                        compare(by[ot, select, count]["losses"][n], by[rival, select, count]["losses"][n])
-                    ] += 1
-    return tally
-
-
 def written_lines(data: dict) -> list[str]:
     """The as-written table and its verdict lines."""
     names = list(data["evals"])
     rows = data["as_written"]
-    by = {(r["label"], r["select"], r["count"]): r["losses"] for r in rows}
     ev = data["evals"]
     lines = [
         f"The bundled stories260K ({data['source_layers']} layers) shrunk by `otdus shrink` with each method "
@@ -331,7 +358,12 @@ def written_lines(data: dict) -> list[str]:
         "token perplexity with a 95% interval (normal approximation over the windows' mean losses), "
         f"windows of {ev[names[0]]['seq_len']} tokens: "
         + "; ".join(f"{n}: {ev[n]['tokens']:,} tokens in {ev[n]['windows']} windows" for n in names)
-        + ". The ot rows use `--ot-variant paper` (the default) and `structured`.",
+        + ". The ot rows use `--ot-variant structured` (the default) and `activation` with `--solver emd` "
+        "(the variants a shrink merges with); `laco` is the paper's formula, `laco official` the released "
+        "notebooks' variant. LaCo's merge of one layer into its kept neighbour is the removed layer itself "
+        "(theta_l + (theta_{l+1} - theta_l)), so with 1 removed the laco row is the model without the kept "
+        "layer, and laco official, whose projections are the removed layer's, differs from it only in the "
+        "kept layer's norms.",
         "",
         f"| method | selection (layers removed) | removed | {' | '.join(names)} |",
         "|---|---|---|" + "---:|" * len(names),
@@ -340,19 +372,22 @@ def written_lines(data: dict) -> list[str]:
         sel = f"{r['select']} ({r['count']})" if r["count"] else ""
         cells = " | ".join(cell(r["losses"][n]) for n in names)
         lines.append(f"| {r['label']} | {sel} | {_layers(r['removed'])} | {cells} |")
+    comparisons = written_comparisons(data)
     lines += [
         "",
-        "Verdict (generated: an interval entirely below the other's is lower, entirely above higher):",
+        "Loss of OT merging minus its rivals' as written (nats; negative: OT lower), paired by window: the "
+        "mean difference over the windows with its 95% interval, p of a paired t test over the windows, "
+        f"Holm-adjusted over all {len(comparisons)} comparisons of this table:",
         "",
+        "| removed | comparison | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
     ]
-    groups = sorted({(r["select"], r["count"]) for r in rows if r["count"]}, key=lambda x: (x[1], x[0]))
-    for select, count in groups:
-        ot = min(OT_LABELS, key=lambda m: interval(by[m, select, count][names[0]])[0])
-        parts = []
-        for other in RIVALS:
-            said = [f"{compare(by[ot, select, count][n], by[other, select, count][n])} on {n}" for n in names]
-            parts.append(f"against {other}: {', '.join(said)}")
-        lines.append(f"- {select}, {count} removed: {ot}'s perplexity is " + "; ".join(parts) + ".")
+    shrinks = dict.fromkeys((count, removed) for count, removed, *_ in comparisons)
+    for count, removed in shrinks:
+        for ot in OT_LABELS:
+            for rival in RIVALS:
+                cells = [_cell(comparisons[count, removed, ot, rival, n]) for n in names]
+                lines.append(f"| {_layers(list(removed))} | {ot} − {rival} | {' | '.join(cells)} |")
     same = [c for c in COUNTS if len({tuple(r["removed"]) for r in rows if r["count"] == c}) == 1]
     if same:
         lines += [
@@ -382,22 +417,29 @@ def _stop_tokens(result, label: str) -> tuple[float, int, int]:
     return tokens, sum(bool(r.plateaued) for r in runs), len(runs)
 
 
+def seed_contrast(result, label: str, rival: str) -> dict:
+    """``label``'s healed loss minus ``rival``'s, tested at the seed level: each seed's mean difference
+    over the windows (the runs of one seed share their batches), a paired t test over the seeds."""
+    from otdus_cli.study.stats import crossed_mean_ci
+
+    final = {(r.label, r.seed): r.final_window_loss for r in result.runs}
+    per_seed = []
+    for seed in (int(x) for x in result.config["seeds"]):
+        diffs = [x - y for x, y in zip(final[label, seed], final[rival, seed], strict=True)]
+        per_seed.append([sum(diffs) / len(diffs)])
+    return crossed_mean_ci(per_seed)
+
+
 def _contrasts(result) -> dict[tuple[str, str], dict]:
-    """Each OT variant's final loss minus each rival's, paired by seed and window, Holm-adjusted over
-    these comparisons (the family the verdict reads)."""
+    """Each OT variant's healed loss minus each rival's (seed_contrast), Holm-adjusted over these
+    comparisons (the family the verdict reads)."""
     from otdus_cli.study.stats import holm
 
     pairs = [(ot, rival) for ot in OT_LABELS for rival in RIVALS]
-    found = {pair: result.contrast(*pair) for pair in pairs}
+    found = {pair: seed_contrast(result, *pair) for pair in pairs}
     for pair, q in zip(pairs, holm([found[p]["p"] for p in pairs]), strict=True):
         found[pair]["p_holm"] = q
     return found
-
-
-def _word(contrast: dict, alpha: float = 0.05) -> str:
-    if contrast["p_holm"] is not None and contrast["p_holm"] < alpha:
-        return "lower" if contrast["mean"] < 0 else "higher"
-    return "no clear difference"
 
 
 def healed_lines(data: dict) -> tuple[list[str], list[str]]:
@@ -410,8 +452,8 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
     names = list(healing["evals"])
     arms = ", ".join(f"`shrink:{m}`" for m in dict.fromkeys(m for _, m, _ in METHODS))
     lines = [
-        f"Each shrink above, healed by `otdus study` with shrink arms ({arms}; the ot arms with the paper "
-        "and structured variants, the selection an arm setting): every parameter trained with AdamW at "
+        f"Each shrink above, healed by `otdus study` with shrink arms ({arms}; the ot and laco arms in the "
+        "variants of the table above, the selection an arm setting): every parameter trained with AdamW at "
         f"learning rate {s['lr']:g} on `{healing['train']}` (windows of {s['seq_len']} tokens, batches of "
         f"{s['batch']}, the same batches for every arm), until the validation loss (the last "
         f"{s['validation_fraction']:.0%} of the training stories, {s['validation_windows']} windows) "
@@ -458,8 +500,10 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
             lines.append(_row([label, *cells, shown, f"{plateaued} of {runs}"]))
         lines += [
             "",
-            "Healed loss of OT merging minus its rivals' (nats; negative: OT lower), paired by seed and "
-            f"window, 95% interval, p Holm-adjusted over these {len(OT_LABELS) * len(RIVALS)} comparisons:",
+            "Healed loss of OT merging minus its rivals' (nats; negative: OT lower), tested at the seed "
+            "level: each seed's mean difference over the windows, the mean over the seeds with its 95% "
+            f"interval, p of a paired t test over the {len(s['seeds'])} seeds, Holm-adjusted over these "
+            f"{len(OT_LABELS) * len(RIVALS)} comparisons:",
             "",
             "| comparison | " + " | ".join(names) + " |",
             "|---|" + "---|" * len(names) + "",
@@ -470,17 +514,15 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
                 cells = []
                 for n in names:
                     c = contrasts[n][ot, rival]
-                    word = _word(c)
-                    tally[rival][word] += 1
-                    p_holm = "n/a" if c["p_holm"] is None else f"{c['p_holm']:.3g}"
-                    cells.append(f"{c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}], p {p_holm}: {word}")
+                    tally[rival][_word(c)] += 1
+                    cells.append(_cell(c))
                 lines.append(f"| {ot} − {rival} | {' | '.join(cells)} |")
     verdict = [
         f"- After healing, OT merging against {rival}: "
         f"{_outcome(rival, words['lower'], words['higher'], sum(words.values()))} "
         f"(OT's loss lower in {words['lower']} of {sum(words.values())} comparisons, higher in "
-        f"{words['higher']}, no clear difference in {words['no clear difference']}; p < 0.05 after Holm's "
-        "adjustment within each table)."
+        f"{words['higher']}, no clear difference in {words['no clear difference']}; paired over the seeds, "
+        "p < 0.05 after Holm's adjustment within each table)."
         for rival, words in tally.items()
     ]
     mean_needed = {label: sum(v) / len(v) for label, v in needed.items()}
@@ -550,8 +592,9 @@ def render(data: dict) -> str:
         *(
             f"- As written, OT merging against {rival}: "
             f"{_outcome(rival, w['lower'], w['higher'], sum(w.values()))} "
-            f"(OT's perplexity interval lower in {w['lower']} of {sum(w.values())} comparisons, higher in "
-            f"{w['higher']}, overlapping in {w['overlapping']})."
+            f"(OT's loss lower in {w['lower']} of {sum(w.values())} comparisons, higher in "
+            f"{w['higher']}, no clear difference in {w['no clear difference']}; paired over the windows, "
+            "p < 0.05 after Holm's adjustment over the table)."
             for rival, w in written_tally(data).items()
         ),
         *verdict,

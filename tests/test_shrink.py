@@ -191,6 +191,7 @@ def test_ignored_options_follow_the_methods_declarations():
     assert "calib" not in drop  # the bi selection scores on it
     emd = ignored_options(ShrinkOptions(method="ot", remove=[2], ot={"solver": "emd"}))
     assert emd == {
+        "laco.variant": "only --method laco uses LaCo options, not ot",
         "ot.calib": "the shrink's calib and calib_tokens apply",
         "ot.calib_tokens": "the shrink's calib and calib_tokens apply",
         "ot.reg": "--solver emd is exact (no Sinkhorn)",
@@ -198,6 +199,10 @@ def test_ignored_options_follow_the_methods_declarations():
         "ot.max_iter": "--solver emd is exact (no Sinkhorn)",
         "calib": "--select explicit scores nothing",
         "calib_tokens": "--select explicit scores nothing",
+        **dict.fromkeys(
+            ("laco_merge", "laco_interval", "laco_threshold", "laco_top", "laco_bottom"),
+            "only --select laco reads it",
+        ),
     }
     activation = ShrinkOptions(method="ot", remove=[2], calib_tokens=512, ot={"variant": "activation"})
     assert "calib" not in ignored_options(activation)  # the activation variant calibrates on it
@@ -301,8 +306,12 @@ def test_shrink_help_shows_the_library_defaults():
     assert defaults.selection == "bi" and "[default: bi; explicit with --remove]" in text
     assert defaults.calib == "bundled:tinystories-sample" and "[default: bundled:tinystories-sample]" in text
     assert defaults.calib_tokens == 4096 and "[default: 4096]" in text
-    assert removal_count(5, defaults.layers, defaults.ratio) == 1 and "removed. [default: 1]" in text
+    assert removal_count(5, defaults.layers, defaults.ratio) == 1 and "[default: 1; laco: no cap]" in text
     assert f"[default: {defaults.ot.variant}]" in text and "--calib-tokens" in text
+    assert f"(LaCo's C). [default: {defaults.laco_merge}]" in text
+    assert f"(LaCo's I). [default: {defaults.laco_interval}]" in text
+    assert f"(LaCo's T). [default: {defaults.laco_threshold}]" in text
+    assert f"(LaCo's L). [default: {defaults.laco_bottom}]" in text and defaults.laco_top is None
 
 
 def test_plan_shrink_shows_what_shrink_writes_and_writes_nothing(tmp_path):

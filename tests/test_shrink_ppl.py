@@ -5,8 +5,23 @@ method, selection and count, as written and healed on both texts."""
 from __future__ import annotations
 
 import json
+import re
 
-from scripts.shrink_ppl import COUNTS, DATA, DOC, HEAL_EVALS, METHODS, SELECTIONS, compare, render
+from scipy.stats import ttest_rel
+
+from scripts.shrink_ppl import (
+    COUNTS,
+    DATA,
+    DOC,
+    HEAL_EVALS,
+    METHODS,
+    OT_LABELS,
+    RIVALS,
+    SELECTIONS,
+    interval,
+    paired,
+    render,
+)
 
 
 def test_the_document_is_what_its_stored_results_render():
@@ -37,6 +52,44 @@ def test_the_stored_results_cover_every_method_selection_and_count_as_written_an
             assert healed[select, count] == removed
 
 
-def test_intervals_compare_as_the_verdict_says():
-    low, high, wide = [1.0, 1.1, 0.9, 1.0], [3.0, 3.1, 2.9, 3.0], [0.0, 4.0, 0.5, 3.5]
-    assert (compare(low, high), compare(high, low), compare(low, wide)) == ("lower", "higher", "overlapping")
+def test_a_paired_test_separates_what_overlapping_intervals_do_not():
+    """Windows differ far more from each other than the two models do: the perplexity intervals overlap,
+    the per-window differences (all near +0.1) do not leave zero in doubt; p is scipy's paired t test."""
+    base = [1.0 + 0.5 * (w % 7) for w in range(40)]
+    worse = [x + 0.1 + 0.01 * (w % 3) for w, x in enumerate(base)]
+    _, low, high = interval(base)
+    assert interval(worse)[1] < high  # the intervals overlap
+    c = paired(worse, base)
+    assert c["low"] > 0 and abs(c["p"] - ttest_rel(worse, base).pvalue) < 1e-12
+
+
+def test_every_as_written_comparison_in_the_document_is_a_paired_test_of_the_stored_losses():
+    """A figure typed into the document, or a comparison made another way, fails: every OT-against-rival
+    cell of the as-written comparisons is recomputed here from the stored window losses (the mean
+    difference, and scipy's paired t test, whose p Holm's adjustment may only raise, by at most the
+    number of comparisons)."""
+    data = json.loads(DATA.read_text())
+    names = list(data["evals"])
+    rows = {(r["label"], r["select"], r["count"]): r for r in data["as_written"] if r["count"]}
+    comparisons = [line for line in DOC.read_text().splitlines() if " − " in line]
+    lines = {" | ".join(line.split(" | ")[:2]): line for line in comparisons}
+    shrinks = {(r["count"], tuple(r["removed"])): select for (_, select, _), r in rows.items()}
+    checked = 0
+    for (count, removed), select in shrinks.items():
+        for ot in OT_LABELS:
+            for rival in RIVALS:
+                line = lines[f"| {', '.join(map(str, removed))} | {ot} − {rival}"]
+                cells = line.strip(" |").split(" | ")[2:]
+                for name, cell in zip(names, cells, strict=True):
+                    mine, theirs = (
+                        rows[ot, select, count]["losses"][name],
+                        rows[rival, select, count]["losses"][name],
+                    )
+                    diff = sum(mine) / len(mine) - sum(theirs) / len(theirs)
+                    assert cell.startswith(f"{diff:+.4f} ["), (ot, rival, name, cell)
+                    shown = float(re.search(r", p ([0-9.e+-]+):", cell).group(1))
+                    p = ttest_rel(mine, theirs).pvalue
+                    family = len(shrinks) * len(OT_LABELS) * len(RIVALS) * len(names)
+                    assert p * 0.995 <= shown <= min(1.0, family * p) * 1.005, (cell, p)  # shown to 3 digits
+                    checked += 1
+    assert checked == len(shrinks) * len(OT_LABELS) * len(RIVALS) * len(names)

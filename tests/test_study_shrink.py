@@ -49,7 +49,7 @@ def test_shrink_arm_specs_carry_the_method_variant_and_selection():
     assert drop.method == "drop" and drop.selection == "bi" and drop.layers is None
     assert isinstance(parse_method("ot:structured", {"layers": 3}).options, ExpandOptions)
     for spec, message in [
-        ("shrink:average:structured", "only ot has variants"),
+        ("shrink:average:structured", "only laco and ot have variants"),
         ("shrink:merge", "shrink arm 'merge'"),
         ("shrink:drop@best", "shrink arm 'drop@best'"),
     ]:

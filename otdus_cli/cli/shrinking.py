@@ -77,7 +77,37 @@ CalibTokens = Annotated[
     int | None,
     typer.Option(help="At most this many calibration tokens (whole windows of 256). [default: 4096]"),
 ]
-ShrinkLayers = Annotated[int | None, typer.Option(help="Number of layers removed. [default: 1]")]
+ShrinkLayers = Annotated[
+    int | None,
+    typer.Option(
+        help="Number of layers removed (--select laco: at most this many). [default: 1; laco: no cap]"
+    ),
+]
+LacoMerge = Annotated[
+    int | None, typer.Option(help="--select laco: layers merged into one per step (LaCo's C). [default: 7]")
+]
+LacoInterval = Annotated[
+    int | None,
+    typer.Option(
+        help="--select laco: how far the loop moves down after a kept merge (LaCo's I). [default: 1]"
+    ),
+]
+LacoThreshold = Annotated[
+    float | None,
+    typer.Option(
+        help="--select laco: a merge is kept while the cosine of the last hidden states with the source's, "
+        "mean over the calibration windows, exceeds this (LaCo's T). [default: 0.45]"
+    ),
+]
+LacoTop = Annotated[
+    int | None,
+    typer.Option(
+        help="--select laco: the first merge ends below this layer (LaCo's H). [default: the last layer]"
+    ),
+]
+LacoBottom = Annotated[
+    int | None, typer.Option(help="--select laco: no merge starts below this layer (LaCo's L). [default: 0]")
+]
 ShrinkRatio = Annotated[
     float | None, typer.Option(help="Layers removed, as a fraction of the depth (instead of --layers).")
 ]
@@ -125,8 +155,22 @@ def shrink_table(plan) -> Table:
     return table
 
 
+def laco_table(trace) -> Table:
+    """Each merge LaCo's loop tried, in order, with its similarity and whether it was kept."""
+    table = Table(title=f"LaCo's merges tried on {trace.tokens} tokens of {trace.text}")
+    for col in ("source layers", "similarity", ""):
+        table.add_column(col)
+    for t in trace.tried:
+        similarity = "over the cap" if t["similarity"] is None else f"{t['similarity']:.4f}"
+        table.add_row(",".join(map(str, t["layers"])), similarity, "[green]kept[/]" if t["accepted"] else "")
+    return table
+
+
 def scores_table(plan) -> Table | None:
-    """Each source layer's scores and whether the shrink removes it (None: explicit selection)."""
+    """Each source layer's scores and whether the shrink removes it (None: explicit selection); LaCo's
+    tried merges for --select laco."""
+    if plan.laco is not None:
+        return laco_table(plan.laco)
     scores = plan.scores
     if scores is None:
         return None
@@ -163,6 +207,7 @@ def shrink_json(plan) -> dict:
         "merged": plan.merged,
         "select": plan.options.selection,
         "scores": None if plan.scores is None else plan.scores.to_json(),
+        "laco": None if plan.laco is None else plan.laco.to_json(),
         "layers": [lay.to_json() for lay in plan.layer_map],
         "options": plan.options.model_dump(),
         "output_bytes": sum(t.nbytes for t in plan.tensors),
@@ -196,6 +241,11 @@ def shrink(
     remove: Remove = None,
     calib: Calib = None,
     calib_tokens: CalibTokens = None,
+    laco_merge: LacoMerge = None,
+    laco_interval: LacoInterval = None,
+    laco_threshold: LacoThreshold = None,
+    laco_top: LacoTop = None,
+    laco_bottom: LacoBottom = None,
     method_flags: dict[str, Any] | None = None,  # the shrink methods' flags (OT's --ot-variant, --reg ...)
     device: Annotated[
         str | None,
@@ -232,6 +282,11 @@ def shrink(
             remove=remove,
             calib=calib,
             calib_tokens=calib_tokens,
+            laco_merge=laco_merge,
+            laco_interval=laco_interval,
+            laco_threshold=laco_threshold,
+            laco_top=laco_top,
+            laco_bottom=laco_bottom,
             device=device,
             dtype=dtype,
             max_shard_size=max_shard_size,

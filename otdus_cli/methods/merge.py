@@ -5,11 +5,17 @@ one layer from each merge group (plan/shrink_map.py: a run of removed layers wit
 beside it), one tensor at a time, from any number of parents:
 
 * ``average``: the plain mean of the group's layers (expand's average builder, any number of parents);
-* ``laco``: LaCo's Reserving-Differences-while-Seeking-Common merge (Yang et al. 2024): the kept
-  layer plus every other layer's difference from it, theta_0 + sum_k (theta_k - theta_0);
-* ``ot``: OT-DUS's transport flow (methods/ot/, every variant; MoE layers through its expert
-  matching) aligns each other layer of the group to one anchor, the group's last layer, and the
-  aligned layers are averaged with it, all with equal weights. The OT builder makes the pair
+* ``laco``: LaCo's Reserving-Differences-while-Seeking-Common merge (Yang et al. 2024; methods/laco.py,
+  with the released notebooks' variant): the kept layer plus every other layer's difference from it,
+  theta_0 + sum_k (theta_k - theta_0);
+* ``ot``: OT-DUS's transport flow (methods/ot/; MoE layers through its expert matching) aligns each
+  other layer of the group to one anchor, the group's last layer, and the aligned layers are averaged
+  with it, all with equal weights. Only the variants that align both sides of every block merge:
+  ``structured`` (the default here) and ``activation`` move a neuron's gate/up rows with its down
+  column and a head's q/k/v rows with its o columns. ``paper`` and ``official`` align the inputs of
+  q/k/v/gate/up but leave those of o_proj and down_proj (the paper's table gives them T_in = I: they
+  are zeroed in an expansion), so the average of a layer and its permuted twin mixes unrelated
+  neurons (docs/ot.md, "Merging layers"); they are refused. The OT builder makes the pair
   average p_j = 1/2 (aligned_j + anchor); for a group of k layers the equal-weight mean is
   (aligned_1 + ... + aligned_{k-1} + anchor) / k = (2 sum_j p_j - (k - 2) anchor) / k.
   Merged layers are never zero-initialised (a merged layer must compute, not be an identity).
@@ -23,30 +29,27 @@ import dataclasses
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from otdus_cli.methods.base import BuildContext, Method, ParentLayer
-from otdus_cli.methods.ot import OT
+from otdus_cli.methods.base import BuildContext, Flag, Method, ParentLayer
+from otdus_cli.methods.ot import OT, OTOptions
+from otdus_cli.methods.ot.options import OTVariant
 from otdus_cli.methods.simple import MeanBuilder
 
 if TYPE_CHECKING:
     import torch
 
+    from otdus_cli.arch.families import Family
     from otdus_cli.plan.layer_map import OutputLayer
 
-
-class LacoBuilder:
-    """LaCo's merge: the first parent (the kept layer) plus the others' differences from it."""
-
-    parents_needed = None
-
-    def build(self, parents: Sequence[ParentLayer], ctx: BuildContext) -> Iterator[tuple[str, torch.Tensor]]:
-        for suffix in parents[0].suffixes():
-            base = parents[0].get(suffix).float()
-            merged = base.clone()
-            for p in parents[1:]:
-                merged += p.get(suffix).float() - base
-            yield suffix, merged
+# the OT variants that align both sides of every block (what a merge without zeroing needs)
+MERGING_VARIANTS = ("structured", "activation")
+_ONE_SIDED = {
+    "paper": "its flow aligns the inputs of q/k/v/gate/up but not those of o_proj and down_proj (the "
+    "paper's table leaves them unaligned, harmless only where they are zeroed, as in an expansion)",
+    "official": "the released script's plans leave the inputs of o_proj and down_proj unaligned and, "
+    "unscaled, shrink the aligned layer's share about n-fold",
+}
 
 
 class OTMergeBuilder:
@@ -121,6 +124,31 @@ class OTMergeBuilder:
         ctx.stats["modules"] = modules
 
 
+class MergeOTOptions(OTOptions):
+    """OT's options in a shrink: the same flags, the variant that merges (structured) by default."""
+
+    variant: Annotated[
+        OTVariant,
+        Flag(
+            "--ot-variant",
+            "OT-DUS variant of the merge: structured (ours: a neuron's gate/up rows and down column, a "
+            "head's q/k/v rows and o columns move together) or activation (structured's flow, plans from "
+            "activations on --calib text); paper and official align only one side of o_proj/down_proj "
+            "and cannot merge. Sources: docs/ot.md.",
+            plan=True,
+        ),
+    ] = "structured"
+
+
+def _merge_refuses(family: Family, ot: OTOptions) -> str | None:
+    if ot.variant not in MERGING_VARIANTS:
+        return (
+            f"--ot-variant {ot.variant} cannot merge layers: {_ONE_SIDED[ot.variant]}; use "
+            f"--ot-variant {' or '.join(MERGING_VARIANTS)}"
+        )
+    return OT.refuses_options(family, ot) if OT.refuses_options is not None else None
+
+
 DROP = Method("drop", "the removed layers are left out (ShortGPT, Gromov et al.)", "shrink", builder="base")
 AVERAGE = Method(
     "average",
@@ -129,18 +157,15 @@ AVERAGE = Method(
     builder="average",
     make_builder=MeanBuilder,
 )
-LACO = Method(
-    "laco",
-    "LaCo: the kept layer plus the removed layers' differences from it",
-    "shrink",
-    builder="laco",
-    make_builder=LacoBuilder,
-)
 OT_MERGE = dataclasses.replace(
     OT,
     summary="OT-DUS's transport flow aligns the group's layers to its last one, then all are averaged",
     layout="shrink",
+    options=MergeOTOptions,
+    refuses_options=_merge_refuses,
     zero_init_default=False,
     pair=False,
     make_builder=OTMergeBuilder,
 )
+
+__all__ = ["MERGING_VARIANTS", "MergeOTOptions", "OTOptions"]

@@ -11,7 +11,7 @@ help text and recipe key is made from these two tables.
 from __future__ import annotations
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.methods import lesa, merge, ot, simple
+from otdus_cli.methods import laco, lesa, merge, ot, simple
 from otdus_cli.methods.base import Method
 
 METHODS: dict[str, Method] = {}  # `otdus expand --method`
@@ -42,7 +42,7 @@ register(simple.SOLAR)
 register(simple.STACK)
 register(merge.DROP)
 register(merge.AVERAGE)
-register(merge.LACO)
+register(laco.LACO)
 register(merge.OT_MERGE)
 
 

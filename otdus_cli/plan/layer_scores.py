@@ -8,9 +8,12 @@ of ``block`` layers is measured without a second pass. Only the two block sizes 
 measured: one layer (Block Influence, and the single-layer angular distance) and ``block``, the
 removal count (the angular selection).
 
-Both scores average over every calibration token: ShortGPT's Block Influence is defined so; Gromov
-et al. measure the angular distance at each sequence's final token, which on a few thousand
-calibration tokens would leave a handful of samples, so otdus averages it over all positions too.
+Every output is a decoder layer's own, the last layer's too: taken before the model's final norm
+(transformers' last hidden state comes after it, so scoring from it would fold the norm into the last
+layer's Block Influence). Both scores average over every calibration token: ShortGPT's Block
+Influence is defined so; Gromov et al. measure the angular distance at each sequence's final token,
+which on a few thousand calibration tokens would leave a handful of samples, so otdus averages it
+over all positions too.
 """
 
 from __future__ import annotations

@@ -7,9 +7,14 @@ when the run starts at layer 0), LaCo's direction: the merged layer takes the ke
 tensor names and per-layer config entries.
 
     bi        ShortGPT (Men et al. 2024): the layers with the lowest Block Influence,
-              BI_i = 1 - mean cosine(layer i's input, its output) over the calibration tokens.
+              BI_i = 1 - mean cosine(layer i's input, its output) over the calibration tokens; the last
+              layer's output is taken before the final norm (ShortGPT's hidden states would put the
+              norm into the last layer's score; otdus scores every layer alike).
     angular   Gromov et al. 2024: the block of n consecutive layers whose input and output are
               closest in angular distance, arccos(cosine) / pi, averaged over the tokens.
+    laco      LaCo (Yang, Cao & Zhao 2024): its top-down loop of tentative merges kept while the last
+              hidden states stay similar to the source's (otdus_cli/laco_select.py runs it; the layers
+              it removed come here as a LacoTrace).
     explicit  the layers given (--remove 3,4), as mergekit's passthrough slices cut them by hand.
 """
 
@@ -27,6 +32,7 @@ from otdus_cli.plan.layer_map import OutputLayer
 SELECTIONS = {
     "bi": "lowest Block Influence (ShortGPT)",
     "angular": "the block of --layers consecutive layers whose input and output are closest (Gromov et al.)",
+    "laco": "LaCo's top-down loop of merges kept while the last hidden states stay similar (--laco-*)",
     "explicit": "--remove",
 }
 Selection = Literal[tuple(SELECTIONS)]  # type: ignore[valid-type]
@@ -71,12 +77,34 @@ class LayerScores:
         }
 
 
+@dataclass(frozen=True)
+class LacoTrace:
+    """What LaCo's selection loop did (otdus_cli/laco_select.py): the layers it removed and each merge
+    it tried, in order (the lowest source layer, the source layers merged, the similarity, accepted)."""
+
+    removed: list[int]
+    tried: list[dict]
+    settings: dict
+    tokens: int
+    text: str
+
+    def to_json(self) -> dict:
+        return {
+            "removed": self.removed,
+            "tried": self.tried,
+            "settings": self.settings,
+            "tokens": self.tokens,
+            "text": self.text,
+        }
+
+
 def select_removed(
     depth: int,
     count: int | None,
     select: str,
     remove: Sequence[int] | None = None,
     scores: LayerScores | None = None,
+    laco: LacoTrace | None = None,
 ) -> list[int]:
     """The source layers to remove, sorted."""
     if select == "explicit" or remove:
@@ -98,6 +126,16 @@ def select_removed(
         return chosen
     if select not in SELECTIONS:
         raise OtdusError(f"unknown selection {select!r}; choose one of {', '.join(SELECTIONS)}")
+    if select == "laco":
+        if laco is None:
+            raise RuntimeError("select_removed: --select laco needs the selection loop's trace")
+        if not laco.removed:
+            raise OtdusError(
+                "--select laco kept no merge: every merge it tried left the last hidden states at or below "
+                f"--laco-threshold {laco.settings['threshold']} of the source's (lower it, or merge fewer "
+                "layers at a time with --laco-merge)"
+            )
+        return list(laco.removed)
     if scores is None or count is None:
         raise RuntimeError("select_removed: scored selections need the scores and the count")
     if select == "bi":
@@ -145,7 +183,8 @@ def shrink_layers(depth: int, removed: Sequence[int], builder: str) -> list[Outp
         if group is None:
             out.append(OutputLayer(len(out), i, False, (i,), "base", False))
         else:
-            # the kept layer first: the layer the others are merged into (LaCo's base, OT's anchor)
+            # the kept layer first: the layer the others are merged into (LaCo's base); OT aligns the
+            # group to its last layer instead (methods/merge.py)
             out.append(OutputLayer(len(out), i, True, group, builder, False))
     return out
 
