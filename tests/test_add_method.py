@@ -70,20 +70,14 @@ def test_the_guide_method_expands_with_its_flag_and_recipe_key(otdus_with_exampl
     manifest = json.loads((tmp_path / "out" / "otdus.json").read_text())
     assert manifest["options"]["scale"] == {"factor": 0.25} and manifest["method"] == "scale"
 
-    recipe = tmp_path / "scale.yaml"
-    recipe.write_text(
-        "model: bundled:stories260k\nexpand:\n  method: scale\n  layers: 1\n  scale:\n    factor: 0.125\n"
+    _recipe_and_bad_flag(
+        otdus_with_examples,
+        tmp_path,
+        "expand",
+        "method: scale\n  layers: 1\n  scale:\n    factor: 0.125\n",
+        ("scale", {"factor": 0.125}),
+        ("--scale-factor", "0", "error: --scale-factor 0.0: Input should be greater than 0"),
     )
-    done = otdus_with_examples("expand", "--recipe", str(recipe), "--out", str(tmp_path / "r"), "--json")
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["options"]["scale"] == {"factor": 0.125}
-
-    bad = otdus_with_examples(
-        "expand", "bundled:stories260k", "--method", "scale", "--scale-factor", "0", "--out", "x"
-    )
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: --scale-factor 0.0: Input should be greater than 0"
-    ]
 
 
 def test_the_guide_methods_are_offered_in_help_plan_and_the_tables(otdus_with_examples):
@@ -145,18 +139,25 @@ def test_the_guide_shrink_method_merges_with_its_flag_and_recipe_key(otdus_with_
         for name in (n for n in out.names if n.startswith(f"model.layers.{i}.")):
             assert torch.equal(out.get(name), src.get(name.replace(f".{i}.", f".{j}.", 1))), name
 
-    recipe = tmp_path / "halfway.yaml"
-    recipe.write_text(
-        "model: bundled:stories260k\nshrink:\n  method: halfway\n  select: explicit\n  remove: [3]\n"
-        "  halfway:\n    weight: 0.125\n"
+    _recipe_and_bad_flag(
+        otdus_with_examples,
+        tmp_path,
+        "shrink",
+        "method: halfway\n  select: explicit\n  remove: [3]\n  halfway:\n    weight: 0.125\n",
+        ("halfway", {"weight": 0.125}),
+        ("--halfway-weight", "2", "error: --halfway-weight 2.0: Input should be less than or equal to 1"),
     )
-    done = otdus_with_examples("shrink", "--recipe", str(recipe), "--out", str(tmp_path / "r"), "--json")
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["options"]["halfway"] == {"weight": 0.125}
 
-    bad = otdus_with_examples(
-        "shrink", "bundled:stories260k", "--method", "halfway", "--halfway-weight", "2", "--out", "x"
-    )
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: --halfway-weight 2.0: Input should be less than or equal to 1"
-    ]
+
+def _recipe_and_bad_flag(otdus, tmp_path, command: str, section: str, option, bad) -> None:
+    """A guide method is a recipe key of ``command`` (its ``section`` under it; the run records the
+    ``option`` group's values) and a flag whose bad value is one error line."""
+    recipe = tmp_path / f"{command}.yaml"
+    recipe.write_text(f"model: bundled:stories260k\n{command}:\n  {section}")
+    done = otdus(command, "--recipe", str(recipe), "--out", str(tmp_path / "r"), "--json")
+    assert done.returncode == 0, done.stderr
+    group, values = option
+    assert json.loads(done.stdout)["options"][group] == values
+    flag, value, message = bad
+    wrong = otdus(command, "bundled:stories260k", "--method", group, flag, value, "--out", "x")
+    assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [message]
