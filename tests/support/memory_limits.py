@@ -42,13 +42,22 @@ def write_random_checkpoint(folder: Path, layers: int, hidden: int, inter: int) 
     return writer.total_size
 
 
-def run_limited(args: list[str], limit: int) -> subprocess.CompletedProcess:
-    """Run Python under an address-space data limit (RLIMIT_DATA: heap and private mappings)."""
+def run_limited(
+    args: list[str], limit: int, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run Python under an address-space data limit (RLIMIT_DATA: heap and private mappings), with
+    ``env`` added to this process's environment."""
+    import os
     import resource
 
     def apply_limit() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
     return subprocess.run(
-        [sys.executable, *args], preexec_fn=apply_limit, capture_output=True, text=True, timeout=600
+        [sys.executable, *args],
+        preexec_fn=apply_limit,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
     )
