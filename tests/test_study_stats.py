@@ -118,6 +118,27 @@ def test_two_way_mean_squares_and_satterthwaite_df():
     assert t_quantile(2) == pytest.approx(stats.t.ppf(0.975, 2))
 
 
+def test_a_seed_mean_square_below_the_residual_keeps_the_seed_term():
+    """Two seeds that happen to agree (seed mean square below the residual's): the seed term stays in
+    the interval, raised to the residual, with its one degree of freedom, so the test does not rest
+    on the windows' 63. Dropping it (as before) gave the windows-alone p of 3e-5 on this table;
+    kept, p is 0.022 (the seeds-only test, blind to the windows, gives 0.014)."""
+    rng = np.random.default_rng(0)
+    d = 0.01 + rng.normal(0, 0.02, (1, 64)) + rng.normal(0, 0.02, (2, 64))
+    d -= d.mean(axis=1, keepdims=True) - d.mean()  # the two seeds' means agree exactly
+    d[1] += 0.0005  # but not quite: a seed mean square far below the residual's
+    s, w = d.shape
+    r = crossed_mean_ci(d)
+    ms_s, ms_w, ms_e = r["ms_seeds"], r["ms_windows"], r["ms_resid"]
+    assert ms_s < ms_e < ms_w
+    var = ms_w / (s * w)  # (max(MS_s, MS_e) + MS_w - MS_e) / (S W)
+    df = ms_w**2 / (ms_e**2 / (s - 1) + ms_w**2 / (w - 1) + ms_e**2 / ((s - 1) * (w - 1)))
+    assert r["se"] == pytest.approx(math.sqrt(var), rel=1e-12) and r["df"] == pytest.approx(df, rel=1e-12)
+    assert r["df"] < 3 and round(r["p"], 3) == 0.022
+    windows_alone = stats.ttest_1samp(d.mean(axis=0), 0.0).pvalue  # what dropping the seed term gave
+    assert windows_alone < 1e-4
+
+
 def test_crossed_interval_covers_when_windows_dominate():
     """Simulated studies with the in-domain shape (5 seeds, 128 shared windows, window effects far
     larger than seed effects): the seeds x windows interval covers the true mean ~95% of the time;

@@ -79,20 +79,19 @@ def crossed_mean_ci(diffs: Sequence[Sequence[float]], confidence: float = 0.95) 
     if s > 1 and w > 1:
         resid = d - seed_means[:, None] - window_means[None, :] + grand
         ms_resid = float((resid**2).sum()) / ((s - 1) * (w - 1))
-        # variance components truncated at zero: a mean square below the residual's contributes
-        # nothing beyond the residual, so the estimate is max(MS_s, MS_e) + max(MS_w, MS_e) - MS_e
-        terms = [(ms_resid, (s - 1) * (w - 1), 1.0)]
-        if ms_seeds >= ms_resid:
-            terms.append((ms_seeds, s - 1, 1.0))
-        if ms_windows >= ms_resid:
-            terms.append((ms_windows, w - 1, 1.0))
-        if len(terms) == 3:
-            terms[0] = (ms_resid, (s - 1) * (w - 1), -1.0)
-        elif len(terms) == 2:
-            terms = terms[1:]
+        # Var(grand mean) = (MS_s + MS_w - MS_e) / (S W), each variance component truncated at zero:
+        # a seed or window mean square below the residual's is raised to it. The seed term stays in
+        # the sum with its own S - 1 degrees of freedom even then: dropping it would rest the interval
+        # on the windows' many degrees of freedom, as if the few seeds had shown that seeds do not
+        # matter (with 2 seeds, a seeds-only p of 0.04 became 1e-7 that way)
+        terms = [
+            (max(ms_seeds, ms_resid), s - 1, 1.0),
+            (max(ms_windows, ms_resid), w - 1, 1.0),
+            (ms_resid, (s - 1) * (w - 1), -1.0),
+        ]
         total = sum(c * m for m, _, c in terms)
         se = math.sqrt(max(total, 0.0) / (s * w))
-        denom = sum((c * m) ** 2 / df for m, df, c in terms)
+        denom = sum(m**2 / df for m, df, _ in terms)
         df = total**2 / denom if denom > 0 else float((s - 1) * (w - 1))
         error = "seeds and windows"
         components = {
