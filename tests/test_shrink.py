@@ -331,6 +331,41 @@ def test_plan_shrink_shows_what_shrink_writes_and_writes_nothing(tmp_path):
     assert shown.exit_code == 0 and "removes layers 1, 3" in shown.stdout
 
 
+def test_plan_shrink_takes_laco_selection_flags_as_shrink_does(tmp_path):
+    """`plan --shrink --select laco` plans with the --laco-* flags shrink takes (without them the
+    released defaults cannot run on a 5-layer model), and plans what shrink then writes; alone,
+    a --laco-* flag is one error line."""
+    args = [
+        "bundled:stories260k",
+        "--select",
+        "laco",
+        "--laco-merge",
+        "2",
+        "--laco-threshold",
+        "0.1",
+        "--layers",
+        "1",
+    ]
+    args += ["--calib-tokens", "1024"]
+    planned = runner.invoke(app, ["plan", args[0], "--shrink", "average", *args[1:], "--json"])
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads(planned.stdout)
+    assert plan["select"] == "laco" and plan["laco"] is not None and len(plan["merged"][0]) == 2
+    done = runner.invoke(
+        app, ["shrink", *args, "--method", "average", "--out", str(tmp_path / "out"), "--json"]
+    )
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["layers"] == plan["layers"]
+    alone = runner.invoke(app, ["plan", "bundled:stories260k", "--laco-merge", "2"])
+    one_error_line(alone, 2, "--laco-merge plans a shrink: give --shrink METHOD too")
+
+
+def test_plan_help_gives_the_ot_variant_default_of_a_shrink_too():
+    """plan's --ot-variant is expand's flag; a merge (--shrink ot) defaults to another variant."""
+    shown = runner.invoke(app, ["plan", "--help"], env={"COLUMNS": "400"})
+    assert "[default: paper; with --shrink: structured]" in " ".join(shown.stdout.split())
+
+
 def test_a_recipe_shrinks_as_its_flags_would(tmp_path):
     recipe = tmp_path / "shrink.yaml"
     recipe.write_text(

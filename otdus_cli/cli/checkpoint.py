@@ -38,7 +38,17 @@ from otdus_cli.cli.flags import (
     with_flags,
     with_method_flags,
 )
-from otdus_cli.cli.shrinking import Calib, CalibTokens, Remove, Select
+from otdus_cli.cli.shrinking import (
+    Calib,
+    CalibTokens,
+    LacoBottom,
+    LacoInterval,
+    LacoMerge,
+    LacoThreshold,
+    LacoTop,
+    Remove,
+    Select,
+)
 from otdus_cli.cli.values import (
     MethodName,
     ShrinkMethodName,
@@ -430,16 +440,31 @@ def plan(
     remove: Remove = None,
     calib: Calib = None,
     calib_tokens: CalibTokens = None,
+    laco_merge: LacoMerge = None,
+    laco_interval: LacoInterval = None,
+    laco_threshold: LacoThreshold = None,
+    laco_top: LacoTop = None,
+    laco_bottom: LacoBottom = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Show the layer map an expansion (or, with --shrink, a shrink) would produce; nothing is written."""
     from otdus_cli.expand import make_plan
     from otdus_cli.source import open_source
 
-    shrinking = {"--select": select, "--remove": remove, "--calib": calib, "--calib-tokens": calib_tokens}
+    shrinking = {
+        "--select": select,
+        "--remove": remove,
+        "--calib": calib,
+        "--calib-tokens": calib_tokens,
+        "--laco-merge": laco_merge,
+        "--laco-interval": laco_interval,
+        "--laco-threshold": laco_threshold,
+        "--laco-top": laco_top,
+        "--laco-bottom": laco_bottom,
+    }
     with user_errors():
         if shrink is not None:
-            _plan_shrink(model, flags, method_flags, shrink, select, remove, calib, calib_tokens, json_out)
+            _plan_shrink(model, flags, method_flags, shrink, shrinking, json_out)
             return
         given = next((flag for flag, value in shrinking.items() if value is not None), None)
         if given:
@@ -463,10 +488,9 @@ def plan(
         out_console.print(roles)
 
 
-def _plan_shrink(
-    model, flags: LayoutFlags, method_flags, method, select, remove, calib, calib_tokens, json_out
-):
-    """`plan --shrink METHOD`: the shrink's selection and layer map (cli/shrinking.py)."""
+def _plan_shrink(model, flags: LayoutFlags, method_flags, method, shrinking: dict[str, Any], json_out):
+    """`plan --shrink METHOD`: the shrink's selection and layer map (cli/shrinking.py); ``shrinking``:
+    the shrink's own flags by name (``{"--select": "bi", ...}``, None where not given)."""
     from otdus_cli.cli.flags import method_flags as method_flag_list
     from otdus_cli.cli.shrinking import quiet_if_scoring, show_shrink_plan, shrink_json, shrink_options
     from otdus_cli.methods.registry import SHRINK_METHODS
@@ -486,10 +510,7 @@ def _plan_shrink(
         method=method,
         layers=flags.layers,
         ratio=flags.ratio,
-        select=select,
-        remove=remove,
-        calib=calib,
-        calib_tokens=calib_tokens,
+        **{flag.removeprefix("--").replace("-", "_"): value for flag, value in shrinking.items()},
         revision=flags.revision,
         allow_unknown_arch=flags.allow_unknown_arch,
     )

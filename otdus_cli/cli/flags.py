@@ -190,11 +190,27 @@ def method_flags(for_plan: bool = False, methods: Mapping[str, Method] | None = 
             flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
             if flag is None or (for_plan and not flag.plan):
                 continue  # set in recipes only
-            shown = flag.default if flag.default is not None else str(info.default)
+            shown = _shown_default(flag, info)
+            if for_plan and methods is METHODS:
+                shown += _shrink_default(group, name, shown)
             option = typer.Option(flag.name, help=f"{flag.help} [default: {shown}]")
             annotation = typing.Annotated[typing.Optional[info.annotation], option]  # noqa: UP045 - a runtime type
             flags.append(MethodFlag(group, name, flag, annotation))
     return flags
+
+
+def _shown_default(flag: Flag, info: Any) -> str:
+    return flag.default if flag.default is not None else str(info.default)
+
+
+def _shrink_default(group: str, name: str, shown: str) -> str:
+    """`otdus plan`'s help for a flag expand and shrink share: shrink's default where it differs
+    (``--ot-variant``: paper for an expansion, structured for a merge)."""
+    method = SHRINK_METHODS.get(group)
+    info = method.options.model_fields.get(name) if method and method.options else None
+    flag = next((m for m in info.metadata if isinstance(m, Flag)), None) if info else None
+    other = _shown_default(flag, info) if flag else shown
+    return "" if other == shown else f"; with --shrink: {other}"
 
 
 def with_method_flags(
