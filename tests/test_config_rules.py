@@ -205,3 +205,32 @@ def test_the_rope_base_is_read_alike_by_transformers_4_and_5(stories, tmp_path):
     }
     rewritten = rewrite_config(gemma, layer_map(2, after=[1]))
     assert rewritten["rope_theta"] == 1000000.0 and rewritten["rope_local_base_freq"] == 10000.0
+
+
+@pytest.mark.compat
+def test_a_scaled_rope_is_read_alike_by_transformers_4_and_5(stories, tmp_path):
+    """Llama 3.1's scaled RoPE saved by transformers 5 lives only in rope_parameters; 4.57 reads
+    rope_scaling and, finding none, would load the output with unscaled rotary frequencies. The
+    output states it in both places, so the rotary embedding is the same in either version."""
+    import json
+
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from otdus_cli.expand import expand
+    from otdus_cli.options import ExpandOptions
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling |= {"original_max_position_embeddings": 64, "rope_type": "llama3"}
+    config = json.loads((stories / "config.json").read_text())
+    del config["rope_theta"]
+    config["rope_parameters"] = {"rope_theta": 500000.0} | scaling
+    (stories / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    expand(str(stories), out, ExpandOptions(method="copy", layers=1))
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_scaling"] == scaling and written["rope_parameters"] == config["rope_parameters"]
+    inv_freq = LlamaRotaryEmbedding(AutoConfig.from_pretrained(out)).inv_freq.tolist()
+    theta = (500000.0 ** (-torch.arange(0, 8, 2, dtype=torch.int64).float() / 8)).tolist()  # head dim 8
+    assert inv_freq[0] == theta[0] and inv_freq[-1] == pytest.approx(theta[-1] / 8, rel=1e-6)  # scaled

@@ -24,6 +24,8 @@ pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 # The real model and its in-domain text are shipped inside the package (see otdus_cli/bundled.py).
 STORIES = Path(STORIES260K)
 SAMPLE = Path(TINYSTORIES_SAMPLE)
+# small_plan's token perplexity of stories260K with RoPE base 500,000 and Llama 3 scaling
+PPL_ROPE_PARAMETERS = 50.0247
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,30 @@ def test_lockstep_parity_with_zero_init_layer(tmp_path, story_plan):
     assert all(c.equal for c in report.checks)
     assert manifest_base_path(expanded) == str(STORIES)
     json.dumps(report.to_dict())  # serialisable for --json
+
+
+def test_a_rope_stated_only_in_rope_parameters_is_read_alike_by_transformers_4_and_5(tmp_path, small_plan):
+    """A source saved by transformers 5 states its RoPE (base, Llama 3 scaling) only in
+    rope_parameters, which 4.57 ignores; the output also states rope_theta and rope_scaling. Read as
+    config.json says, 4.57 would run the base with another RoPE than the output and call a
+    function-preserving expansion BROKEN: both are read with the RoPE rope_parameters states, in
+    either version, with the same figures."""
+    from otdus_cli.expand import expand
+    from otdus_cli.options import ExpandOptions
+
+    source = tmp_path / "src"
+    shutil.copytree(STORIES, source)
+    config = json.loads((source / "config.json").read_text())
+    del config["rope_theta"]
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    config["rope_parameters"] |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config["rope_parameters"] |= {"original_max_position_embeddings": 64}
+    (source / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    expand(str(source), out, ExpandOptions(method="ot", layers=1))
+    report = verify_expansion(source, out, small_plan)
+    assert report.parity and report.verdict.startswith("PARITY")
+    assert report.base.token_perplexity == pytest.approx(PPL_ROPE_PARAMETERS, rel=1e-5)
 
 
 def test_lockstep_names_the_broken_layer(tmp_path, small_plan):

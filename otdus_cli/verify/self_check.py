@@ -18,6 +18,7 @@ bit for bit, with a reference computed by transformers itself:
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Sequence
@@ -40,6 +41,8 @@ def model_bytes(model: Streamed) -> int:
 
 def _whole_model_logits(model: Streamed, ids: Sequence[int]) -> torch.Tensor:
     kwargs = {"attn_implementation": model.attn_implementation} if model.attn_implementation else {}
+    if model.stated_config is not None:  # read as the streamed evaluator reads it
+        kwargs["config"] = copy.deepcopy(model.stated_config)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

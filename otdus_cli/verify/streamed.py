@@ -19,6 +19,7 @@ class Streamed(Protocol):
     device: torch.device
     dtype: torch.dtype
     attn_implementation: str | None
+    stated_config: Any  # the PretrainedConfig from_pretrained must be given (None: config.json as it is)
     head_takes_embeddings: bool | None
     model: Any  # the transformers skeleton (meta tensors but the loaded layer)
     config: Any  # its PretrainedConfig

@@ -22,6 +22,7 @@ forward that takes token ids only (CPM-Ant) is scored a batch at a time, embeddi
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,9 +31,11 @@ import torch
 from torch import nn
 
 from otdus_cli.arch.derived import layer_lists
+from otdus_cli.arch.hf_config import transformers_config
+from otdus_cli.arch.rope_base import with_legacy_rope
 from otdus_cli.device import resolve_device
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.reader import CheckpointReader
+from otdus_cli.io.reader import CheckpointReader, read_json_object
 from otdus_cli.verify import hf_compat
 from otdus_cli.verify.batching import auto_windows_per_batch, group_windows, layer_call_flop
 from otdus_cli.verify.checkpoint_weights import CheckpointWeights
@@ -110,9 +113,17 @@ class StreamedModel:
         self.self_check = self_check
         # whether the head pass can give the forward placeholder embeddings (head_pass.takes_embeddings)
         self.head_takes_embeddings: bool | None = None
+        # the config object transformers must be given (None: config.json read as it is)
+        self.stated_config = None
         self._check_pending = self_check != "off"
         try:
             config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
+            # a config saved by transformers 5 states its RoPE only in rope_parameters, which 4.57
+            # ignores: read with the fields otdus writes beside it, base and output mean the same
+            stated = read_json_object(self.folder / "config.json")
+            if with_legacy_rope(stated) != stated:
+                config = transformers_config(with_legacy_rope(stated))
+                self.stated_config = copy.deepcopy(config)
         except Exception as exc:  # unknown model_type, invalid fields, ...
             raise OtdusError(f"transformers cannot read {self.folder}/config.json: {exc}") from None
         self.attn_implementation = attn_implementation
