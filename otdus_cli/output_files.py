@@ -27,6 +27,7 @@ from otdus_cli.io.output_dir import (
     make_temporary,
     move_into_place,
     staged_output,
+    sweep_stale,
 )
 from otdus_cli.manifest import MANIFEST, created_now
 
@@ -76,13 +77,15 @@ def check_new_file(path: str | os.PathLike[str], what: str) -> None:
 
 
 @contextlib.contextmanager
-def new_file(path: str | os.PathLike[str], what: str) -> Iterator[Path]:
+def new_file(path: str | os.PathLike[str], what: str, report: OutputReport | None = None) -> Iterator[Path]:
     """Yield where to write the new file ``path`` (in a temporary folder beside it); on success it
     is renamed to ``path``, which must still be free (not written: nothing is), and on any failure
-    nothing is left."""
+    nothing is left. The temporary folders of dead runs to ``path`` (a SIGKILL leaves one) are
+    removed first, each said in ``report``."""
     check_new_file(path, what)
     absolute = Path(os.path.abspath(path))
     with held_signals() as arrived:
+        (report or OutputReport()).add(sweep_stale(absolute))
         tmp = make_temporary(absolute)
     try:
         if arrived() is not None:

@@ -6,12 +6,16 @@ before any training."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from otdus_cli.errors import OtdusError
-from otdus_cli.io.output_dir import earlier_output_files
+from otdus_cli.io.output_dir import TMP_TAG, earlier_output_files
 from otdus_cli.manifest import read_manifest
 from otdus_cli.output_files import STUDY
 from otdus_cli.study import StudyResult
@@ -179,3 +183,22 @@ def test_diagnose_png_is_a_new_file_or_refused_before_any_work(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["link.png", "mine.png", *drawn])
     if figures:
         assert (tmp_path / "profile.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_diagnose_png_sweeps_what_a_killed_run_to_it_left(tmp_path):
+    """A SIGKILLed `diagnose --png` leaves its temporary folder beside the file; the next run to the
+    same file removes it (its owner is dead) and says so, and keeps one whose owner still runs."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    left = tmp_path / f".profile.png.{TMP_TAG}{dead.pid}@{host}.abcd"
+    left.mkdir()
+    (left / "profile.png").write_bytes(b"half a png")
+    running = tmp_path / f".profile.png.{TMP_TAG}{os.getpid()}@{host}.efgh"
+    running.mkdir()
+    args = ["diagnose", "bundled:stories260k", "--max-tokens", "64", "--seq-len", "32", "--pair", "3,4"]
+    result = run_cli(*args, "--png", tmp_path / "profile.png", "--json")
+    assert result.exit_code == 0, result.output
+    said = json.loads(result.stdout)["warnings"]
+    assert not os.path.lexists(left) and any(f"removed {left}" in line for line in said)
+    assert running.is_dir() and any(f"{running} belongs to otdus pid {os.getpid()}" in line for line in said)

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from otdus_cli.errors import OtdusError
+from otdus_cli.io.output_dir import OutputReport
 from otdus_cli.output_files import check_new_file, new_file
 from otdus_cli.transport.assignment import assignment
 from otdus_cli.transport.cost import euclidean_distances, unit_rows
@@ -443,9 +444,11 @@ def diagnose(
         warnings=warnings,
     )
     if png is not None:
-        with new_file(png, "--png") as staged:
+        report = OutputReport()
+        with new_file(png, "--png", report) as staged:
             if plot_weight_norms(result, staged) is not None:
                 result.figures.append(str(png))
+        result.warnings.extend(report.notes)
     return result
 
 
