@@ -63,11 +63,13 @@ DOC = ROOT / "docs" / "shrink-smollm2.md"
 DATA = ROOT / "docs" / "shrink-smollm2.json"
 TOY = ROOT / "docs" / "shrink-ppl.json"
 CALIB = "bundled:tinystories-train-2mib"
-CALIB_TOKENS = 4096
-WINDOW = 256  # tokens per window
-# windows per text: 8, not 16, to fit the run in about 45 minutes at one thread on a shared 2-core
-# machine (a SmolLM2 forward measured about 7 ms a token there, not the 4 ms of an idle core)
-WINDOWS = 8
+# The run is cut to fit about 45 minutes at one thread on a 2-core machine shared with other work, where a
+# SmolLM2 forward measured about 15 ms a token, not the 4 ms of an idle core: 8 windows of 128 tokens per
+# text (the paired tests need windows more than length), and 1024 calibration tokens (shrink's default
+# text, the bundled TinyStories sample, gives 512)
+CALIB_TOKENS = 1024
+WINDOW = 128  # tokens per window
+WINDOWS = 8  # windows per text
 HELD_OUT_STORIES = 200  # the TinyStories text: the last stories of the training head
 COUNTS = (1, 2, 4, 6, 8)
 SELECTIONS = ("bi", "angular")
