@@ -182,7 +182,8 @@ merge-twin: setup
 	$(PY) -m scripts.merge_twin
 
 # perplexity of each shrink method and selection on the bundled model, as written and healed by study's
-# shrink arms (docs/shrink-ppl.json and .md; minutes; `python -m scripts.shrink_ppl --render`: the .md alone)
+# shrink arms (docs/shrink-ppl.json and .md; minutes; `python -m scripts.shrink_ppl --render`: the .md alone;
+# scripts.paired_windows: what it shares with shrink-smollm2's page)
 shrink-ppl: setup
 	$(PY) -m scripts.shrink_ppl
 
