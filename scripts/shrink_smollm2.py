@@ -554,28 +554,45 @@ def toy_lines(data: dict, found: dict, toy: dict) -> list[str]:
         "here from the window losses stored in `docs/shrink-ppl.json` by this page's tests and rules (Holm "
         f"over its {len(theirs)} tests), beside this page's, over all counts and only over the counts the "
         "toy has. A verdict holds where both favour the same side, reverses where they favour opposite "
-        "sides, and differs otherwise (one side clear, the other mixed or unclear). The toy's activation "
-        "variant used `--solver emd`, this page's the default solver (sinkhorn); the toy's TinyStories "
-        "text is the bundled sample, this page's held-out stories of the training head.",
+        "sides, is undecided in both where neither favours a side, and differs otherwise (one favours a "
+        "side, the other is mixed or unclear). The toy's activation variant used `--solver emd`, this "
+        "page's the default solver (sinkhorn); the toy's TinyStories text is the bundled sample, this "
+        "page's held-out stories of the training head.",
         "",
         "| comparison | stories260K | SmolLM2-135M, "
-        + f"{' and '.join(map(str, toy_counts))} removed | SmolLM2-135M, all counts | toy against SmolLM2 |",
-        "|---|---|---|---|---|",
+        + f"{' and '.join(map(str, toy_counts))} removed | SmolLM2-135M, all counts | toy against SmolLM2, "
+        f"{' and '.join(map(str, toy_counts))} removed | toy against SmolLM2, all counts |",
+        "|---|---|---|---|---|---|",
     ]
-    statuses: dict[str, list[str]] = {"holds": [], "reverses": [], "differs": []}
+    statuses: dict[str, list[str]] = {status: [] for status in STATUSES}
     for pair in pairs:
         t, few, every = tally(theirs, pair), tally(found, pair, toy_counts), tally(found, pair)
-        a, b = _direction(t), _direction(every)
-        status = "holds" if a == b else "reverses" if {a, b} == {"first", "second"} else "differs"
-        statuses[status].append(f"{pair[0]} − {pair[1]}")
-        lines.append(row([f"{pair[0]} − {pair[1]}", *(_brief(*pair, w) for w in (t, few, every)), status]))
+        both = [_status(_direction(t), _direction(w)) for w in (few, every)]
+        statuses[both[0]].append(f"{pair[0]} − {pair[1]}")
+        lines.append(row([f"{pair[0]} − {pair[1]}", *(_brief(*pair, w) for w in (t, few, every)), *both]))
     lines += [
         "",
-        f"Of these {len(pairs)} verdicts (the toy's against SmolLM2-135M's over all counts), "
+        f"Of these {len(pairs)} verdicts, at the counts both models have: "
         + "; ".join(f"{len(v)} {k}" + (f" ({', '.join(v)})" if v else "") for k, v in statuses.items())
         + ".",
     ]
     return lines
+
+
+STATUSES = ("holds", "reverses", "differs", "undecided in both")
+
+
+def _status(toy: str, real: str) -> str:
+    """How a toy verdict fares on the real network (``_direction`` of each): it holds where both favour
+    the same side, reverses where they favour opposite sides, is undecided in both where neither favours
+    a side, and differs otherwise (one favours a side, the other is mixed or unclear)."""
+    if toy == real and toy in ("first", "second"):
+        return "holds"
+    if {toy, real} == {"first", "second"}:
+        return "reverses"
+    if {toy, real} <= {"mixed", "neither"}:
+        return "undecided in both"
+    return "differs"
 
 
 def _brief(a: str, b: str, w: dict[str, int]) -> str:
