@@ -385,7 +385,17 @@ def table_lines(data: dict) -> list[str]:
 def laco_lines(data: dict) -> list[str]:
     """LaCo's loops: what each tried and kept, and the rows its kept merges make."""
     names = list(data["evals"])
-    lines = []
+    lines = [
+        "LaCo's loop (`--select laco`, docs/shrink.md) with its own merge, the paper's formula, once for "
+        "each merge size C, capped at the most layers this page removes; the released notebook's threshold, "
+        "interval and bounds. Each merge it tries is a pass over the calibration windows and it may try "
+        "every layer, so its similarities are measured on fewer tokens than the scores above. Its first k "
+        "kept merges are what it keeps with the cap those merges reach (below its cap it skips no merge), "
+        "so each such prefix that removes a count of this page is a row, written by `otdus shrink` with its "
+        "layers named (the same layer map) and compared below with dropping as many layers by Block "
+        "Influence. With C = 2 LaCo's formula puts the upper layer of each pair in the lower one's place.",
+        "",
+    ]
     for loop in data["laco_loops"]:
         st, merge = loop["settings"], loop["merge"]
         tried = [t for t in loop["tried"] if t["similarity"] is not None]
