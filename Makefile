@@ -11,7 +11,7 @@ COMPAT_PY := $(COMPAT_VENV)/bin/python
 OLDEST_TRANSFORMERS ?= transformers==4.57.6
 
 .PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint methods-table cli-reference evidence bench bench-copy bench-8b-copy faults coverage \
-	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl merge-twin shrink-ppl synthetic mergekit-outputs \
+	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl merge-twin shrink-ppl shrink-smollm2 synthetic mergekit-outputs \
 	output-hashes device-wheels device-check device-check-dry-run smollm2 setup-smollm2 bench-smollm2 clean
 
 setup: $(VENV)/.installed
@@ -182,9 +182,16 @@ merge-twin: setup
 	$(PY) -m scripts.merge_twin
 
 # perplexity of each shrink method and selection on the bundled model, as written and healed by study's
-# shrink arms (docs/shrink-ppl.json and .md; minutes; `python -m scripts.shrink_ppl --render`: the .md alone)
+# shrink arms (docs/shrink-ppl.json and .md; minutes; `python -m scripts.shrink_ppl --render`: the .md alone;
+# scripts.paired_windows: what it shares with shrink-smollm2's page)
 shrink-ppl: setup
 	$(PY) -m scripts.shrink_ppl
+
+# perplexity of SmolLM2-135M after removing 1-8 layers by every shrink method, selection and LaCo's loop,
+# as written, with paired per-window tests (docs/shrink-smollm2.json and .md; about 45 minutes at one
+# thread; `python -m scripts.shrink_smollm2 --render`: the .md alone)
+shrink-smollm2: smollm2
+	OMP_NUM_THREADS=1 $(PY) -m scripts.shrink_smollm2
 
 # a random-weight checkpoint shaped like a real model: make synthetic SHAPE=llama-3.2-1b SYNTHETIC_OUT=out/l1b
 # (python -m scripts.make_synthetic --list names the shapes)

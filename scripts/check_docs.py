@@ -46,7 +46,7 @@ SKIP = [
     (r"^make check-docs\b", "this check itself"),
     (r"^make ", "a make target: sets up .venv (network) or runs for minutes to hours (make test: the suite)"),
     (
-        r"^make smollm2\b|recipes/smollm2-|out/smollm2-135m",
+        r"^make smollm2\b|recipes/(shrink-)?smollm2-|out/smollm2-135m",
         "needs models/smollm2-135m, which `make smollm2` builds from a PyPI package (the network)",
     ),
     (r"--install-completion", "writes to the shell's start-up file"),

@@ -36,12 +36,25 @@ import json
 import math
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from scripts.paired_windows import (
+    adjust,
+    cell,
+    commit,
+    contrast_cell,
+    interval,  # noqa: F401 - tests/test_shrink_ppl.py reads it here
+    layers,
+    outcome,
+    paired,
+    row,
+    window_losses,
+    word,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "shrink-ppl.md"
@@ -92,21 +105,6 @@ HEAL_EVALS = {
 
 
 # -- measuring ---------------------------------------------------------------------------------------
-
-
-def window_losses(folder: Path, plan) -> list[float]:
-    """Mean token loss of every window (natural log), the model streamed layer by layer."""
-    import torch
-
-    from otdus_cli.verify.streaming import StreamedModel
-
-    model = StreamedModel(folder, device="cpu", dtype=torch.float32, batch_size=16)
-    losses = []
-    for window, logits in zip(plan.windows, model.logits([w.input_ids for w in plan.windows]), strict=True):
-        n = len(window.targets)
-        logp = torch.log_softmax(logits[window.offset : window.offset + n].double(), dim=-1)
-        losses.append(float(-logp[torch.arange(n), torch.tensor(window.targets)].mean()))
-    return losses
 
 
 def eval_sets(wikitext_tokens: int) -> dict:
@@ -221,7 +219,7 @@ def run(wikitext_tokens: int, healing: dict[str, Any], workers: int) -> dict:
     from otdus_cli.study_settings import study_settings
 
     torch.set_num_threads(1)
-    start, commit = time.time(), _commit()  # the code that computes the figures: HEAD when they start
+    start, code = time.time(), commit()  # the code that computes the figures: HEAD when they start
     evals = eval_sets(wikitext_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         rows = measure_as_written(evals, Path(tmp))
@@ -233,7 +231,7 @@ def run(wikitext_tokens: int, healing: dict[str, Any], workers: int) -> dict:
             "cpus": os.cpu_count(),
             "load_average": round(os.getloadavg()[0], 2),
             "minutes": round((time.time() - start) / 60, 1),
-            "commit": commit,
+            "commit": code,
             "torch": torch.__version__,
         },
         "calib": CALIB,
@@ -263,57 +261,12 @@ def _depth() -> int:
     return int(json.loads((Path(STORIES260K) / "config.json").read_text())["num_hidden_layers"])
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 # -- rendering (from the stored JSON alone) ------------------------------------------------------------
-
-
-def interval(losses: list[float]) -> tuple[float, float, float]:
-    """Perplexity exp(mean loss) and its 95% interval from the spread of the window losses."""
-    n = len(losses)
-    mean = sum(losses) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in losses) / (n - 1))
-    half = 1.96 * sd / math.sqrt(n)
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
-
-
-def cell(losses: list[float]) -> str:
-    ppl, low, high = interval(losses)
-    return f"{ppl:.2f} [{low:.2f}, {high:.2f}]"
-
-
-def paired(a: list[float], b: list[float]) -> dict:
-    """Loss ``a`` minus loss ``b`` on the same windows: mean, 95% interval and p of a paired t test over
-    the windows (study.stats with one seed)."""
-    from otdus_cli.study.stats import crossed_mean_ci
-
-    return crossed_mean_ci([[x - y for x, y in zip(a, b, strict=True)]])
-
-
-def _word(contrast: dict, alpha: float = 0.05) -> str:
-    """What a Holm-adjusted comparison says: OT's loss lower, higher, or no clear difference."""
-    if contrast["p_holm"] is not None and contrast["p_holm"] < alpha:
-        return "lower" if contrast["mean"] < 0 else "higher"
-    return "no clear difference"
-
-
-def _cell(c: dict) -> str:
-    p_holm = "n/a" if c["p_holm"] is None else f"{c['p_holm']:.3g}"
-    return f"{c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}], p {p_holm}: {_word(c)}"
 
 
 def written_comparisons(data: dict) -> dict[tuple, dict]:
     """Every OT variant against each rival as written, per distinct shrink (count, removed layers) and
     text, paired over the windows; p Holm-adjusted over all of them (the family the verdict reads)."""
-    from otdus_cli.study.stats import holm
-
     names = list(data["evals"])
     rows = [r for r in data["as_written"] if r["count"]]
     by = {(r["label"], r["select"], r["count"]): r["losses"] for r in rows}
@@ -325,9 +278,7 @@ def written_comparisons(data: dict) -> dict[tuple, dict]:
         for rival in RIVALS
         for n in names
     }
-    for c, q in zip(found.values(), holm([c["p"] for c in found.values()]), strict=True):
-        c["p_holm"] = q
-    return found
+    return adjust(found)
 
 
 def written_tally(data: dict) -> dict[str, dict[str, int]]:
@@ -335,16 +286,8 @@ def written_tally(data: dict) -> dict[str, dict[str, int]]:
     written (written_comparisons' words)."""
     tally = {rival: {"lower": 0, "higher": 0, "no clear difference": 0} for rival in RIVALS}
     for (_, _, _, rival, _), c in written_comparisons(data).items():
-        tally[rival][_word(c)] += 1
+        tally[rival][word(c)] += 1
     return tally
-
-
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def _layers(removed: list[int]) -> str:
-    return ", ".join(map(str, removed))
 
 
 def written_lines(data: dict) -> list[str]:
@@ -371,7 +314,7 @@ def written_lines(data: dict) -> list[str]:
     for r in rows:
         sel = f"{r['select']} ({r['count']})" if r["count"] else ""
         cells = " | ".join(cell(r["losses"][n]) for n in names)
-        lines.append(f"| {r['label']} | {sel} | {_layers(r['removed'])} | {cells} |")
+        lines.append(f"| {r['label']} | {sel} | {layers(r['removed'])} | {cells} |")
     comparisons = written_comparisons(data)
     lines += [
         "",
@@ -386,8 +329,8 @@ def written_lines(data: dict) -> list[str]:
     for count, removed in shrinks:
         for ot in OT_LABELS:
             for rival in RIVALS:
-                cells = [_cell(comparisons[count, removed, ot, rival, n]) for n in names]
-                lines.append(f"| {_layers(list(removed))} | {ot} − {rival} | {' | '.join(cells)} |")
+                cells = [contrast_cell(comparisons[count, removed, ot, rival, n]) for n in names]
+                lines.append(f"| {layers(list(removed))} | {ot} − {rival} | {' | '.join(cells)} |")
     same = [c for c in COUNTS if len({tuple(r["removed"]) for r in rows if r["count"] == c}) == 1]
     if same:
         lines += [
@@ -475,14 +418,14 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
         first = results[names[0]]
         lines += [
             "",
-            f"### {st['count']} removed: layers {_layers(st['removed'])} "
+            f"### {st['count']} removed: layers {layers(st['removed'])} "
             f"({' and '.join(st['selections'])} selection)",
             "",
             "| arm | "
             + " | ".join(f"{n} before | {n} healed" for n in names)
             + " | healing text (tokens, mean over seeds) | runs stopped by the plateau rule |",
             "|---|" + "---:|---:|" * len(names) + "---:|---:|",
-            _row(
+            row(
                 ["source", *(c for n in names for c in (f"{math.exp(results[n].base_loss):.2f}", "")), "", ""]
             ),
         ]
@@ -497,7 +440,7 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
             shown = f"{tokens:,.0f}" if len(set(stops)) == 1 else " / ".join(f"{t:,.0f}" for t in stops)
             needed.setdefault(label, []).append(tokens)
             stopped = (stopped[0] + plateaued, stopped[1] + runs)
-            lines.append(_row([label, *cells, shown, f"{plateaued} of {runs}"]))
+            lines.append(row([label, *cells, shown, f"{plateaued} of {runs}"]))
         lines += [
             "",
             "Healed loss of OT merging minus its rivals' (nats; negative: OT lower), tested at the seed "
@@ -514,12 +457,12 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
                 cells = []
                 for n in names:
                     c = contrasts[n][ot, rival]
-                    tally[rival][_word(c)] += 1
-                    cells.append(_cell(c))
+                    tally[rival][word(c)] += 1
+                    cells.append(contrast_cell(c))
                 lines.append(f"| {ot} − {rival} | {' | '.join(cells)} |")
     verdict = [
         f"- After healing, OT merging against {rival}: "
-        f"{_outcome(rival, words['lower'], words['higher'], sum(words.values()))} "
+        f"{outcome('OT merging', rival, words['lower'], words['higher'], sum(words.values()))} "
         f"(OT's loss lower in {words['lower']} of {sum(words.values())} comparisons, higher in "
         f"{words['higher']}, no clear difference in {words['no clear difference']}; paired over the seeds, "
         "p < 0.05 after Holm's adjustment within each table)."
@@ -537,24 +480,6 @@ def healed_lines(data: dict) -> tuple[list[str], list[str]]:
         "figure is a lower bound)."
     )
     return lines, verdict
-
-
-def _outcome(rival: str, lower: int, higher: int, total: int) -> str:
-    """What a tally of OT-against-rival comparisons says: one side "beats" the other only where it is
-    ahead in most comparisons and behind in none."""
-    if lower and not higher:
-        return (
-            f"OT merging beats {rival}"
-            if 2 * lower > total
-            else f"OT merging is never shown worse than {rival}"
-        )
-    if higher and not lower:
-        if 2 * higher > total:
-            return f"{rival} beats OT merging"
-        return f"{rival} is never shown worse than OT merging"
-    if lower and higher:
-        return "mixed: OT merging is better in some comparisons and worse in others"
-    return "no clear difference"
 
 
 def _study(healing: dict, k: int, name: str):
@@ -591,7 +516,7 @@ def render(data: dict) -> str:
         "",
         *(
             f"- As written, OT merging against {rival}: "
-            f"{_outcome(rival, w['lower'], w['higher'], sum(w.values()))} "
+            f"{outcome('OT merging', rival, w['lower'], w['higher'], sum(w.values()))} "
             f"(OT's loss lower in {w['lower']} of {sum(w.values())} comparisons, higher in "
             f"{w['higher']}, no clear difference in {w['no clear difference']}; paired over the windows, "
             "p < 0.05 after Holm's adjustment over the table)."

@@ -22,6 +22,7 @@ TESTS_OF_SCRIPTS = {
     "test_fault_inject": {"fault_inject"},
     "test_make_synthetic": {"make_synthetic"},
     "test_shrink_ppl": {"shrink_ppl"},
+    "test_shrink_smollm2": {"shrink_smollm2"},
     "test_import_graph": {"import_contracts"},
     "test_methods_table": {"methods_table"},
     "test_cli_reference": {"cli_reference"},

@@ -399,14 +399,31 @@ def test_a_recipe_removing_no_layer_or_one_twice_is_refused(tmp_path, remove, me
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("recipe", sorted((Path(__file__).parent.parent / "recipes").glob("shrink-*.yaml")))
+SHRINK_RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("shrink-*.yaml"))
+SMOLLM2_RECIPES = [
+    r for r in SHRINK_RECIPES if yaml.safe_load(r.read_text())["model"] == "models/smollm2-135m"
+]
+
+
+@pytest.mark.parametrize("recipe", [r for r in SHRINK_RECIPES if r not in SMOLLM2_RECIPES])
 def test_the_shipped_shrink_recipes_plan(recipe):
-    """Every shipped shrink recipe is valid and plans on its model (bundled: offline)."""
+    """Every shipped shrink recipe on a bundled model is valid and plans on it (offline)."""
     from otdus_cli.shrink import load_shrink_recipe, plan_shrink
 
     loaded = load_shrink_recipe(recipe)
     plan = plan_shrink(loaded.model, loaded.shrink)
     assert len(plan.layer_map) == plan.source.depth - len(plan.removed) and plan.removed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", SMOLLM2_RECIPES)
+def test_the_shipped_smollm2_shrink_recipes_plan(recipe, smollm2):
+    """The SmolLM2-135M shrink recipes (models/smollm2-135m, which `make smollm2` builds) plan on it."""
+    from otdus_cli.shrink import load_shrink_recipe, plan_shrink
+
+    loaded = load_shrink_recipe(recipe)
+    plan = plan_shrink(str(smollm2), loaded.shrink)
+    assert plan.source.depth == 30 and len(plan.layer_map) == 30 - loaded.shrink.layers
 
 
 @pytest.mark.parametrize(
