@@ -32,12 +32,19 @@ documents, and the whole test split for one release of each of the three behavio
 figures are recorded, with the versions and the command that produced them, in
 tests/data/lm_eval_reference.json, which the tests read (tests/test_verify_lm_eval_reference.py).
 
+``--bf16`` runs :data:`BF16_RUNS` instead: lm-eval's stock bfloat16 run (``dtype=bfloat16``, batch
+size 1) on SmolLM2-135M (``make smollm2``), against ``otdus ppl --dtype bfloat16 --softmax-dtype model``
+(lm-eval's log-softmax and window sums in bfloat16), with otdus's default float32 log-softmax measured
+beside it; ``--model``, ``--dtype`` and ``--batch-size`` make such runs of ``--versions``. ``--steps``
+runs neither tool but lm-eval's bfloat16 arithmetic one step at a time (docs/perplexity.md).
+
 Usage (from the repository root, with the project's venv; PyPI must be reachable, the Hub need not):
 
     make lm-eval-check                    # the reference runs; fresh lm-eval figures are also compared
                                           # with the recorded ones
     make lm-eval-check LM_EVAL_ARGS=--quick               # without the whole-split runs
     make lm-eval-record                   # the reference runs, written to tests/data/lm_eval_reference.json
+    make lm-eval-check LM_EVAL_ARGS=--bf16                # the bfloat16 run on SmolLM2-135M
     .venv/bin/python -m scripts.check_lm_eval --versions 0.4.5,0.4.11 --max-docs 3 [--max-length 256]
 
 Exit status 0 when every figure agrees within ``--rtol`` (default 1e-6), otdus's split and
