@@ -32,12 +32,19 @@ documents, and the whole test split for one release of each of the three behavio
 figures are recorded, with the versions and the command that produced them, in
 tests/data/lm_eval_reference.json, which the tests read (tests/test_verify_lm_eval_reference.py).
 
+``--bf16`` runs :data:`BF16_RUNS` instead: lm-eval's stock bfloat16 run (``dtype=bfloat16``, batch
+size 1) on SmolLM2-135M (``make smollm2``), against ``otdus ppl --dtype bfloat16 --softmax-dtype model``
+(lm-eval's log-softmax and window sums in bfloat16), with otdus's default float32 log-softmax measured
+beside it; ``--model``, ``--dtype`` and ``--batch-size`` make such runs of ``--versions``. ``--steps``
+runs neither tool but lm-eval's bfloat16 arithmetic one step at a time (docs/perplexity.md).
+
 Usage (from the repository root, with the project's venv; PyPI must be reachable, the Hub need not):
 
     make lm-eval-check                    # the reference runs; fresh lm-eval figures are also compared
                                           # with the recorded ones
     make lm-eval-check LM_EVAL_ARGS=--quick               # without the whole-split runs
     make lm-eval-record                   # the reference runs, written to tests/data/lm_eval_reference.json
+    make lm-eval-check LM_EVAL_ARGS=--bf16                # the bfloat16 run on SmolLM2-135M
     .venv/bin/python -m scripts.check_lm_eval --versions 0.4.5,0.4.11 --max-docs 3 [--max-length 256]
 
 Exit status 0 when every figure agrees within ``--rtol`` (default 1e-6), otdus's split and
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -76,42 +84,67 @@ OLDER_DEPENDENCIES = (
     ("0.4.5", "0.4.9.2", ("transformers==4.57.6",)),  # transformers.AutoModelForVision2Seq
 )
 BATCH_SIZE = 16
+QUICK_MAX_DOCS = 2  # --quick: the runs on at most this many documents
 PACKAGES = ("lm_eval", "transformers", "tokenizers", "torch", "datasets", "accelerate")
 
 
 @dataclass(frozen=True)
 class Run:
-    """One lm-eval run: a release, the first ``max_docs`` documents (None: all 62), a max_length."""
+    """One lm-eval run: a release, the first ``max_docs`` documents (None: all 62), a max_length; by
+    default on the bundled stories260K in float32 at batch size 16, else on ``model`` (a folder,
+    relative to the repository root) in ``dtype`` (lm-eval's ``dtype`` model argument, otdus's
+    ``--dtype``) at ``batch_size``."""
 
     version: str
     max_docs: int | None = None
     max_length: int | None = None
+    model: str | None = None
+    dtype: str | None = None
+    batch_size: int = BATCH_SIZE
 
     @property
     def key(self) -> str:
         docs = "all documents" if self.max_docs is None else f"{self.max_docs} document(s)"
         length = "" if self.max_length is None else f", max_length {self.max_length}"
-        return f"lm-eval {self.version}, {docs}{length}"
+        model = "" if self.model is None else f", {Path(self.model).name}"
+        dtype = "" if self.dtype is None else f", {self.dtype}"
+        batch = "" if self.batch_size == BATCH_SIZE else f", batch size {self.batch_size}"
+        return f"lm-eval {self.version}, {docs}{length}{model}{dtype}{batch}"
+
+    def model_path(self) -> Path:
+        from otdus_cli.bundled import STORIES260K  # the driver's side only: the worker gets a path
+
+        return STORIES260K.resolve() if self.model is None else (ROOT / self.model).resolve()
 
     def model_args(self, model: str) -> str:
-        return f"pretrained={model}" + ("" if self.max_length is None else f",max_length={self.max_length}")
+        args = f"pretrained={model}"
+        args += "" if self.max_length is None else f",max_length={self.max_length}"
+        return args + ("" if self.dtype is None else f",dtype={self.dtype}")
 
     def lm_eval_command(self) -> str:
         """The lm-eval command line this run is (its task's dataset source changed, see above)."""
-        cmd = ["lm_eval", "--model", "hf", "--model_args", self.model_args("<stories260k>")]
-        cmd += ["--tasks", "wikitext", "--batch_size", str(BATCH_SIZE), "--device", "cpu"]
+        placeholder = "<stories260k>" if self.model is None else self.model
+        cmd = ["lm_eval", "--model", "hf", "--model_args", self.model_args(placeholder)]
+        cmd += ["--tasks", "wikitext", "--batch_size", str(self.batch_size), "--device", "cpu"]
         return shlex.join(cmd + ([] if self.max_docs is None else ["--limit", str(self.max_docs)]))
 
-    def otdus_args(self) -> list[str]:
-        args = ["ppl", "bundled:stories260k", "--lm-eval", self.version]
+    def otdus_args(self, *extra: str) -> list[str]:
+        args = ["ppl", self.model or "bundled:stories260k", "--lm-eval", self.version]
         if self.max_docs is not None:
             args += ["--max-docs", str(self.max_docs)]
         if self.max_length is not None:
             args += ["--max-length", str(self.max_length)]
-        return [*args, "--batch-size", str(BATCH_SIZE), "--json"]
+        if self.dtype is not None:
+            args += ["--dtype", self.dtype]
+        return [*args, *extra, "--batch-size", str(self.batch_size), "--json"]
 
-    def otdus_command(self) -> str:
-        return shlex.join(["otdus", *self.otdus_args()])
+    def otdus_command(self, *extra: str) -> str:
+        return shlex.join(["otdus", *self.otdus_args(*extra)])
+
+    def compared_options(self) -> tuple[str, ...]:
+        """otdus's options for lm-eval's figures: in a low-precision dtype, lm-eval's log-softmax and
+        window sums in that dtype (the default float32 log-softmax is measured beside it)."""
+        return () if self.dtype is None else ("--softmax-dtype", "model")
 
 
 # One release per row of otdus's preset table on the first document (the last row's also on two, with
@@ -122,6 +155,12 @@ REFERENCE_RUNS = (
     Run("0.4.13", 2, 128),
     *(Run(v) for v in ("0.4.2", "0.4.9.1", "0.4.13")),
 )
+
+
+# lm-eval's stock bfloat16 run (dtype=bfloat16, its default batch size 1) on SmolLM2-135M (`make smollm2`),
+# first document (--bf16): otdus ppl --softmax-dtype model against it, otdus's default float32
+# log-softmax measured beside it
+BF16_RUNS = (Run("0.4.13", 1, None, "models/smollm2-135m", "bfloat16", 1),)
 
 
 # -- worker (runs inside an lm-eval venv; stdlib + lm_eval only, nothing from otdus) --------------------
@@ -182,7 +221,7 @@ def worker(args: argparse.Namespace) -> None:
     import lm_eval.tasks
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
 
-    run = Run(args.version, args.max_docs, args.max_length)
+    run = Run(args.version, args.max_docs, args.max_length, args.model, args.dtype, args.batch_size)
     pages = document_level_pages(Path(args.raw).read_text(encoding="utf-8"))
     docs = Path(args.out).with_name("wikitext_document_level_test.jsonl")
     docs.write_text("".join(json.dumps({"page": p}) + "\n" for p in pages))
@@ -206,11 +245,15 @@ def worker(args: argparse.Namespace) -> None:
         model_args=run.model_args(args.model),
         tasks=[TASK],
         **registry,
-        batch_size=BATCH_SIZE,
+        batch_size=run.batch_size,
         device="cpu",
         limit=run.max_docs,
+        log_samples=True,
     )
     result = res["results"][TASK]
+    # each document's log-likelihood (the sum over its windows), in document order
+    samples = sorted(res["samples"][TASK], key=lambda s: s["doc_id"])
+    doc_ll = [float(s["filtered_resps"][0]) for s in samples]
     out = {
         "environment": {
             **{p: metadata.version(p) for p in PACKAGES},
@@ -220,6 +263,7 @@ def worker(args: argparse.Namespace) -> None:
         "pages": pages,
         "detokenized": [wikitext_detokenizer({"page": p}) for p in pages],
         "figures": {m: result[f"{m},none"] for m in METRICS},
+        "doc_loglikelihoods": doc_ll,
     }
     Path(args.out).write_text(json.dumps(out))
 
@@ -264,11 +308,13 @@ def ensure_venv(version: str, root: Path, fresh: bool, transformers: str | None)
     return python
 
 
-def run_lm_eval(python: Path, run: Run, model: Path, raw: Path) -> dict:
+def run_lm_eval(python: Path, run: Run, raw: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [str(python), __file__, "--worker", "--version", run.version, "--model", str(model)]
-        cmd += ["--raw", str(raw), "--out", str(out)]
+        cmd = [str(python), __file__, "--worker", "--version", run.version, "--model", str(run.model_path())]
+        cmd += ["--raw", str(raw), "--out", str(out), "--batch-size", str(run.batch_size)]
+        if run.dtype is not None:
+            cmd += ["--dtype", run.dtype]
         if run.max_docs is not None:
             cmd += ["--max-docs", str(run.max_docs)]
         if run.max_length is not None:
@@ -279,18 +325,55 @@ def run_lm_eval(python: Path, run: Run, model: Path, raw: Path) -> dict:
         return json.loads(out.read_text())
 
 
-def run_otdus(run: Run) -> dict:
-    """``otdus ppl ... --json`` in this venv: the figures, counts and settings it reports."""
+def run_otdus(run: Run, *extra: str) -> dict:
+    """``otdus ppl ... [extra] --json`` in this venv: the figures, counts and settings it reports."""
     start = time.time()
-    cmd = [sys.executable, "-c", "from otdus_cli.entry import main; main()", *run.otdus_args()]
+    cmd = [sys.executable, "-c", "from otdus_cli.entry import main; main()", *run.otdus_args(*extra)]
     proc = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     m = json.loads(proc.stdout)["metrics"]
     counts = ("n_docs", "n_windows", "n_tokens", "n_words", "n_bytes")
     return {
         "seconds": round(time.time() - start, 1),
         "settings": m["settings"],
+        "loglikelihood": m["loglikelihood"],
         **{k: m[k] for k in counts},
         "figures": {k: m[k] for k in METRICS},
+    }
+
+
+def lm_eval_steps(run: Run) -> dict:
+    """lm-eval's low-precision arithmetic one step at a time, on otdus's windows (the script checks that
+    they are lm-eval's documents) with the transformers model in ``run.dtype``, one window per forward:
+    each step's log-likelihood and word perplexity. ``float32_softmax``: otdus's default (log-softmax
+    in float32, sums in float64); ``dtype_softmax``: the log-softmax in the model's dtype, sums in
+    float64; ``dtype_softmax_dtype_sums``: each window's sum also in that dtype, as lm-eval."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from otdus_cli.verify.eval_set import make_eval_set
+
+    folder = run.model_path()
+    eval_set = make_eval_set(folder, lm_eval=run.version, max_docs=run.max_docs, max_length=run.max_length)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, run.dtype)).eval()
+    sums: dict[str, list[float]] = {
+        "float32_softmax": [],
+        "dtype_softmax": [],
+        "dtype_softmax_dtype_sums": [],
+    }
+    with torch.inference_mode():
+        for w in eval_set.windows:
+            logits = model(torch.tensor([w.input_ids])).logits[0, w.offset :]
+            targets = torch.tensor(w.targets)[:, None]
+            in_dtype = torch.log_softmax(logits, dim=-1).gather(-1, targets)[:, 0]
+            sums["float32_softmax"].append(
+                float(torch.log_softmax(logits.float(), -1).gather(-1, targets).double().sum())
+            )
+            sums["dtype_softmax"].append(float(in_dtype.double().sum()))
+            sums["dtype_softmax_dtype_sums"].append(float(in_dtype.sum()))
+    words = sum(eval_set.words)
+    return {
+        step: {"window_loglikelihoods": v, "word_perplexity": math.exp(-sum(v) / words)}
+        for step, v in sums.items()
     }
 
 
@@ -312,25 +395,34 @@ def write_reference(path: Path, reference: dict, measured: dict[Run, dict], comm
             "lm_eval": run.version,
             "max_docs": run.max_docs,
             "max_length": run.max_length,
+            "model": run.model,  # None: the bundled stories260K
+            "dtype": run.dtype,  # None: the checkpoint's float32
+            "batch_size": run.batch_size,
             "figures": lm["figures"],  # lm-eval's: what the tests pin
+            "lm_eval_doc_loglikelihoods": lm.get("doc_loglikelihoods"),
             "environment": lm["environment"],
             "lm_eval_command": run.lm_eval_command(),
             "recorded_by": command,
             "recorded_on": date.today().isoformat(),
-            "otdus_command": run.otdus_command(),
+            "otdus_command": run.otdus_command(*run.compared_options()),
+            "otdus_loglikelihood": ours["loglikelihood"],
             "otdus_rel_diff": result["rel_diff"],
             "otdus_counts": {k: ours[k] for k in ("n_docs", "n_windows", "n_tokens", "n_words", "n_bytes")},
             "otdus_settings": ours["settings"],
         }
-    order = {r.key: i for i, r in enumerate(REFERENCE_RUNS)}
+        if "otdus_float32_softmax" in result:  # otdus's default beside lm-eval's arithmetic
+            entries[run.key]["otdus_float32_softmax"] = result["otdus_float32_softmax"]
+    order = {r.key: i for i, r in enumerate((*REFERENCE_RUNS, *BF16_RUNS))}
     runs = sorted(entries.values(), key=lambda e: (order.get(e["run"], len(order)), e["run"]))
     out = {
         "about": (
             "wikitext figures (word perplexity, byte perplexity, bits per byte) of real lm-eval releases "
-            "on the bundled stories260K, float32 CPU, stock hf model and wikitext task with only the "
+            "on the bundled stories260K, float32 CPU (and, where an entry names a model and a dtype, "
+            "on that model folder in that dtype), stock hf model and wikitext task with only the "
             "dataset source changed: the document-level WikiText-2 test split rebuilt from "
             "otdus_cli/data/wikitext-2-raw-test.txt.gz (scripts/check_lm_eval.py). "
-            "tests/test_verify_lm_eval_reference.py pins otdus ppl --lm-eval to them."
+            "tests/test_verify_lm_eval_reference.py pins otdus ppl --lm-eval (with the entry's "
+            "otdus_command options) to them."
         ),
         "runs": runs,
     }
@@ -343,7 +435,18 @@ def main() -> int:
     ap.add_argument("--versions", help="comma-separated lm-eval versions (default: the reference runs)")
     ap.add_argument("--max-docs", type=int, help="with --versions: the first N documents (default all 62)")
     ap.add_argument("--max-length", type=int, help="with --versions: lm-eval's max_length model argument")
-    ap.add_argument("--quick", action="store_true", help="reference runs without the whole-split ones")
+    ap.add_argument("--model", help="with --versions: a model folder (default: the bundled stories260K)")
+    ap.add_argument("--dtype", help="with --versions: lm-eval's dtype model argument, otdus's --dtype")
+    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="with --versions (default 16)")
+    ap.add_argument(
+        "--steps",
+        action="store_true",
+        help="instead of lm-eval and otdus: lm-eval's arithmetic step by step (the runs with a --dtype)",
+    )
+    ap.add_argument("--quick", action="store_true", help="only the runs on one or two documents")
+    ap.add_argument(
+        "--bf16", action="store_true", help="the bfloat16 runs on SmolLM2-135M (make smollm2) instead"
+    )
     ap.add_argument("--record", type=Path, help="write the lm-eval figures here (reference file format)")
     ap.add_argument("--reference", type=Path, default=REFERENCE_FILE, help="recorded figures to compare")
     ap.add_argument("--venv-root", type=Path, default=Path(tempfile.gettempdir()) / "otdus-lm-eval")
@@ -353,7 +456,6 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--version", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--raw", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -366,9 +468,22 @@ def main() -> int:
 
     if args.versions:
         versions = [v.strip() for v in args.versions.split(",") if v.strip()]
-        runs = [Run(v, args.max_docs, args.max_length) for v in versions]
+        options = (args.max_docs, args.max_length, args.model, args.dtype, args.batch_size)
+        runs = [Run(v, *options) for v in versions]
     else:
-        runs = [r for r in REFERENCE_RUNS if not (args.quick and r.max_docs is None)]
+        chosen = BF16_RUNS if args.bf16 else REFERENCE_RUNS
+        runs = [r for r in chosen if not (args.quick and (r.max_docs or QUICK_MAX_DOCS + 1) > QUICK_MAX_DOCS)]
+    if args.steps:
+        steps = {r.key: lm_eval_steps(r) for r in runs if r.dtype is not None}
+        for key, result in steps.items():
+            for step, x in result.items():
+                print(
+                    f"{key}: {step}: window sums {x['window_loglikelihoods']}, "
+                    f"word_perplexity {x['word_perplexity']!r}"
+                )
+        if args.json:
+            args.json.write_text(json.dumps(steps, indent=2) + "\n")
+        return 0
     command = shlex.join(["python", "-m", "scripts.check_lm_eval", *sys.argv[1:]])
     recorded = {e["run"]: e for e in read_reference(args.reference)["runs"]}
     raw_text = load_wikitext_raw()  # sha256-checked
@@ -382,9 +497,12 @@ def main() -> int:
             try:
                 python = ensure_venv(run.version, args.venv_root, args.fresh, args.transformers)
                 print(f"{run.key}: running lm-eval's wikitext task ...", flush=True)
-                theirs = run_lm_eval(python, run, STORIES260K.resolve(), raw)
-                print(f"{run.key}: {run.otdus_command()} ...", flush=True)
-                ours = run_otdus(run)
+                theirs = run_lm_eval(python, run, raw)
+                print(f"{run.key}: {run.otdus_command(*run.compared_options())} ...", flush=True)
+                ours = run_otdus(run, *run.compared_options())
+                if run.compared_options():
+                    print(f"{run.key}: {run.otdus_command()} ...", flush=True)
+                    default = run_otdus(run)
             except subprocess.CalledProcessError as exc:
                 print(f"{run.key} failed: {exc}\n{exc.stderr or ''}", flush=True)
                 failed[run.key] = str(exc)
@@ -394,6 +512,18 @@ def main() -> int:
                 "lm_eval": theirs,
                 "otdus": ours,
                 "rel_diff": rel_diffs(ours["figures"], theirs["figures"]),
+                **(
+                    {
+                        "otdus_float32_softmax": {
+                            "otdus_command": run.otdus_command(),
+                            "figures": default["figures"],
+                            "loglikelihood": default["loglikelihood"],
+                            "rel_diff": rel_diffs(default["figures"], theirs["figures"]),
+                        }
+                    }
+                    if run.compared_options()
+                    else {}
+                ),
                 "split_mismatch": pages != ours_pages,
                 "detokenizer_mismatches": sum(
                     wikitext_detokenize(p) != d for p, d in zip(pages, detok, strict=True)
@@ -410,15 +540,23 @@ def main() -> int:
     if args.record:
         print(f"recorded {len(measured)} run(s) in {args.record}")
 
-    print(f"\n{STORIES260K.name}, WikiText-2 test documents, float32 CPU")
+    print(f"\nWikiText-2 test documents, CPU ({STORIES260K.name} in float32 unless the run names a model)")
     print("| run | transformers | metric | lm-eval | otdus --lm-eval | rel. diff |")
     print("|---|---|---|---|---|---|")
     for run, r in measured.items():
         env, a, b = r["lm_eval"]["environment"], r["lm_eval"]["figures"], r["otdus"]["figures"]
+        options = " ".join(run.compared_options())
         for m in METRICS:
             print(
-                f"| {run.key} | {env['transformers']} | {m} | {a[m]!r} | {b[m]!r} | {r['rel_diff'][m]:.1e} |"
+                f"| {run.key} | {env['transformers']} | {m} | {a[m]!r} | {b[m]!r} {options} | "
+                f"{r['rel_diff'][m]:.1e} |"
             )
+            if "otdus_float32_softmax" in r:
+                f32 = r["otdus_float32_softmax"]
+                print(
+                    f"| {run.key} | {env['transformers']} | {m} | {a[m]!r} | {f32['figures'][m]!r} "
+                    f"--softmax-dtype float32 | {f32['rel_diff'][m]:.1e} |"
+                )
     problems = [f"{key}: lm-eval failed" for key in failed]
     for run, r in measured.items():
         o = r["otdus"]

@@ -90,6 +90,18 @@ def test_ppl_of_one_model(tmp_path):
     assert bad.exit_code == 2 and bad.stderr.startswith("error:")
 
 
+def test_ppl_takes_lm_eval_s_softmax_dtype():
+    """--softmax-dtype model: the log-softmax in --dtype and each window summed in it, as lm-eval (its
+    figures are checked in tests/test_verify_perplexity.py); an unknown value is one error line."""
+    args = ["ppl", "bundled:stories260k", "--max-docs", "1", "--dtype", "bfloat16", "--device", "cpu"]
+    result = runner.invoke(app, [*args, "--softmax-dtype", "model", "--json"])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(result.stdout)["metrics"]
+    assert metrics["settings"]["softmax_dtype"] == "bfloat16"
+    assert metrics["loglikelihood"] == int(metrics["loglikelihood"])  # sums of whole bfloat16 numbers
+    one_error_line(runner.invoke(app, [*args, "--softmax-dtype", "bfloat16"]), message="softmax-dtype")
+
+
 SMALL = ["--protocol", "token", "--token-mode", "documents", "--text", str(TINYSTORIES), "--seq-len", "64"]
 SMALL += ["--max-tokens", "128", "--device", "cpu"]
 

@@ -13,11 +13,13 @@ from otdus_cli.verify.lm_eval_presets import wikitext_tokenization
 from otdus_cli.verify.metrics import (
     EvalSet,
     Window,
+    batch_target_logprobs,
     metrics_from_logprobs,
     rolling_eval_set,
     rolling_windows,
     target_logprobs,
     token_eval_set,
+    window_loglikelihood,
 )
 from otdus_cli.verify.text import Corpus
 
@@ -134,6 +136,26 @@ def test_metric_formulas():
     assert m.byte_perplexity == pytest.approx(math.exp(4 / 16))
     assert m.bits_per_byte == pytest.approx(4 / 16 / math.log(2))
     assert m.headline() == ("word_perplexity", m.word_perplexity)
+
+
+def test_window_sums_in_bfloat16_round_as_lm_eval_s_do():
+    """lm-eval sums a window's log-softmax output in its dtype: one rounding to bfloat16, whose values
+    between 256 and 512 are 2 apart."""
+    lps = torch.tensor([-100.0, -100.0, -100.0, -0.75], dtype=torch.float64)
+    assert window_loglikelihood(lps) == -300.75
+    assert window_loglikelihood(lps, torch.bfloat16) == -300.0
+    assert window_loglikelihood(lps, torch.float32) == -300.75
+    plan = EvalSet("wikitext", "c", [Window([1] * 4, [2] * 4, 0, 0)] * 2, words=[10], bytes=[40], context=8)
+    assert metrics_from_logprobs(plan, [lps, lps], torch.bfloat16).loglikelihood == -600.0
+    assert metrics_from_logprobs(plan, [lps, lps]).loglikelihood == -601.5
+
+
+def test_target_logprobs_in_the_logits_dtype_are_lm_eval_s():
+    logits = torch.randn(1, 5, 11).bfloat16()
+    w = Window([3, 4, 5, 6, 7], [6, 7], 3, 0)
+    ref = torch.gather(torch.log_softmax(logits, -1)[:, 3:], 2, torch.tensor([[[6], [7]]]))[0, :, 0]
+    assert torch.equal(batch_target_logprobs(logits, [w], 0, torch.bfloat16)[0], ref.double())
+    assert not torch.equal(batch_target_logprobs(logits, [w], 0)[0], ref.double())  # float32 by default
 
 
 def test_target_logprobs_uses_the_right_positions():

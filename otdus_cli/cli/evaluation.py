@@ -27,7 +27,15 @@ from otdus_cli.cli.console import (
     user_errors,
 )
 from otdus_cli.cli.flags import with_flags
-from otdus_cli.cli.values import EvalDtype, TokenMode, device_parser, lm_eval_version, model_name, text_spec
+from otdus_cli.cli.values import (
+    EvalDtype,
+    SoftmaxDtype,
+    TokenMode,
+    device_parser,
+    lm_eval_version,
+    model_name,
+    text_spec,
+)
 from otdus_cli.cli.values import Protocol as ProtocolName
 from otdus_cli.errors import OtdusError
 from otdus_cli.verify.lm_eval_presets import LM_EVAL_NEWEST
@@ -89,7 +97,8 @@ EvalDevice = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", pars
 Dtype = Annotated[
     EvalDtype,
     typer.Option(
-        help="Compute dtype: float32 (bitwise parity) or bfloat16/float16 (parity within 1e-3).",
+        help="Compute dtype. verify's parity rule: bitwise equal logits in float32/float64; in "
+        "bfloat16/float16 every perplexity figure of the expansion within 1e-3 relative of the base's.",
         case_sensitive=False,
     ),
 ]
@@ -230,8 +239,10 @@ def _evaluate(
     layer_map: str | None = None,
     static: bool = False,
     card: bool = False,
+    softmax_dtype: str = "float32",
 ) -> None:
-    """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model."""
+    """Shared body of verify and ppl: a lockstep comparison when there is a base, else one model
+    (``softmax_dtype``: ppl's, see verify.perplexity)."""
     from otdus_cli.device import resolve_device
     from otdus_cli.distributed import current_world
     from otdus_cli.manifest import manifest_source
@@ -289,7 +300,7 @@ def _evaluate(
         eval_set = make_eval_set(base_dir or model_dir, corpus=corpus, **eval_options)
         run["progress"], run["cpu_sample"] = on_tick, cpu_sample
         if base_dir is None:
-            report = perplexity(model_dir, eval_set, **run)
+            report = perplexity(model_dir, eval_set, softmax_dtype=softmax_dtype, **run)
         else:
             report = verify_expansion(base_dir, model_dir, eval_set, layer_map=claimed, **run)
     if not world.is_main:
@@ -487,8 +498,17 @@ def ppl(
     model: Annotated[
         str, typer.Argument(help="A model folder, hub id or bundled:stories260k.", parser=model_name)
     ],
+    softmax_dtype: Annotated[
+        SoftmaxDtype,
+        typer.Option(
+            help="float32: log-softmax in float32, log-probs summed in float64 (as verify). model: "
+            "log-softmax in --dtype and each window's log-likelihood summed in it, as lm-eval's hf model "
+            "does unless given its softmax_dtype argument: lm-eval's stock figures for a bfloat16 run "
+            "(on SmolLM2-135M 1e-3 to 6e-3 below the float32 ones; docs/perplexity.md).",
+        ),
+    ] = "float32",
     flags: EvalFlags = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Perplexity of one model, streamed layer by layer (same protocols as verify)."""
-    _evaluate(model, None, False, flags, json_out)
+    _evaluate(model, None, False, flags, json_out, softmax_dtype=softmax_dtype)

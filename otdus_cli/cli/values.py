@@ -24,6 +24,8 @@ Protocol = Literal["wikitext", "token"]
 TokenMode = Literal["joined", "documents"]
 # compute dtypes of verify/ppl (the names verify.streaming.DTYPES maps to torch dtypes)
 EvalDtype = Literal["float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16"]
+# ppl's log-softmax: float32, or the compute dtype as lm-eval takes it (verify.perplexity.SOFTMAX_DTYPES)
+SoftmaxDtype = Literal["float32", "model"]
 
 _DEVICE = re.compile(r"cpu|mps|cuda(:\d+)?")
 

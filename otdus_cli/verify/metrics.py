@@ -287,10 +287,12 @@ def _scored_span(window: Window, first: int, positions: int) -> tuple[int, int]:
     return lo, hi
 
 
-def batch_target_logprobs(logits: torch.Tensor, windows: Sequence[Window], first: int) -> list[torch.Tensor]:
+def batch_target_logprobs(
+    logits: torch.Tensor, windows: Sequence[Window], first: int, softmax_dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
     """Log-probabilities (float64, CPU) of each window's targets predicted at positions ``first`` ..
     ``first + c - 1`` (logits [B, c, V], row b for ``windows[b]``), one log-softmax over the whole chunk
-    in float32; an empty tensor for a window the chunk predicts none of."""
+    in ``softmax_dtype``; an empty tensor for a window the chunk predicts none of."""
     batch, positions = logits.shape[0], logits.shape[1]
     spans = [_scored_span(w, first, positions) for w in windows]
     # target id at each position (0 where the position predicts nothing of its window: gathered, unused)
@@ -299,7 +301,8 @@ def batch_target_logprobs(logits: torch.Tensor, windows: Sequence[Window], first
         if hi > lo:
             start = window.offset + lo - first
             ids[row, start : start + hi - lo] = torch.as_tensor(window.targets[lo:hi], dtype=torch.long)
-    picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.to(logits.device)[..., None])[..., 0]
+    logprobs = torch.log_softmax(logits.to(softmax_dtype), dim=-1)
+    picked = logprobs.gather(-1, ids.to(logits.device)[..., None])[..., 0]
     picked = picked.double().cpu()
     out = []
     for row, (window, (lo, hi)) in enumerate(zip(windows, spans, strict=True)):
@@ -326,12 +329,13 @@ def score_activations(
     on_chunk: Callable[[torch.Tensor], None] | None = None,
     progress: Progress | None = None,
     label: str = "",
+    softmax_dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
     """Target log-probs for every window from a :class:`StreamedModel`'s finished activations.
 
     The logits come chunk by chunk (``head_pass.iter_logits``); ``on_chunk`` sees each chunk
     before it is dropped (verify digests them); ``progress`` gets a "scoring" tick per chunk (``label``
-    names the model). The model's head is freed afterwards.
+    names the model). The log-softmax is taken in ``softmax_dtype``. The model's head is freed afterwards.
     """
     keep = [logits_to_keep(w) for w in windows]
     pieces: list[list[torch.Tensor]] = [[] for _ in windows]
@@ -343,7 +347,7 @@ def score_activations(
     for group, first, logits in iter_logits(model, acts, keep):
         if on_chunk is not None:
             on_chunk(logits)
-        parts = batch_target_logprobs(logits, [windows[i] for i in group], first)
+        parts = batch_target_logprobs(logits, [windows[i] for i in group], first, softmax_dtype)
         for i, part in zip(group, parts, strict=True):
             pieces[i].append(part)
             done += part.numel()
@@ -359,10 +363,22 @@ def score_activations(
     return out
 
 
-def metrics_from_logprobs(eval_set: EvalSet, logprobs: Sequence[torch.Tensor]) -> PerplexityMetrics:
+def window_loglikelihood(logprobs: torch.Tensor, sum_dtype: torch.dtype | None = None) -> float:
+    """One window's log-likelihood: its log-probs summed in float64, or by torch in ``sum_dtype`` (one
+    rounding to that dtype: lm-eval sums each window's log-softmax output in the dtype it has)."""
+    if sum_dtype is None:
+        return float(logprobs.sum())
+    return float(logprobs.to(sum_dtype).sum())
+
+
+def metrics_from_logprobs(
+    eval_set: EvalSet, logprobs: Sequence[torch.Tensor], sum_dtype: torch.dtype | None = None
+) -> PerplexityMetrics:
+    """The protocol's figures from every window's target log-probs; each window's sum in float64 or,
+    with ``sum_dtype``, in that dtype (:func:`window_loglikelihood`), and the windows' sums in float64."""
     if len(logprobs) != len(eval_set.windows):
         raise OtdusError("internal: one log-prob vector per window expected")
-    ll = float(sum(float(lp.sum()) for lp in logprobs))
+    ll = float(sum(window_loglikelihood(lp, sum_dtype) for lp in logprobs))
     n_tokens = eval_set.n_tokens
     token_ppl = math.exp(-ll / n_tokens) if n_tokens else math.nan
     m = PerplexityMetrics(

@@ -9,6 +9,7 @@ import torch
 
 from otdus_cli.device import device_kind
 from otdus_cli.distributed import World, current_world
+from otdus_cli.errors import OtdusError
 from otdus_cli.quiet import quiet_transformers
 from otdus_cli.verify.compute import (
     ComputeSettings,
@@ -22,6 +23,9 @@ from otdus_cli.verify.metrics import EvalSet, PerplexityMetrics, metrics_from_lo
 from otdus_cli.verify.progress import LayerTicks, Progress
 from otdus_cli.verify.streaming import StreamedModel, dtype_name
 from otdus_cli.verify.threads import CpuSample, intra_op_threads
+
+# "float32": log-softmax in float32, sums in float64; "model": both in the compute dtype, as lm-eval
+SOFTMAX_DTYPES = ("float32", "model")
 
 
 @dataclass
@@ -53,13 +57,20 @@ def perplexity(
     cpu_sample: CpuSample | None = None,
     progress: Progress | None = None,
     world: World | None = None,
+    softmax_dtype: str = "float32",
 ) -> PerplexityReport:
     """Single-model perplexity (``otdus ppl``), streamed layer by layer.
 
     ``batch_size``: windows per forward pass (None: automatic); ``threads``: intra-op threads (None:
     the policy of verify/threads.py, with other processes' CPU use measured since ``cpu_sample``).
+    ``softmax_dtype``: "float32" (log-softmax in float32, log-probs summed in float64), or "model" (as
+    lm-eval's hf model without its ``softmax_dtype`` argument: log-softmax in ``dtype`` and each
+    window's log-likelihood summed in ``dtype``; its figures for a bfloat16 run, see
+    docs/perplexity.md).
     ``world`` (default: this process's, see distributed.py): its ranks split the windows and every
     rank returns the same figures, those of a single process."""
+    if softmax_dtype not in SOFTMAX_DTYPES:
+        raise OtdusError(f"softmax dtype must be one of {', '.join(SOFTMAX_DTYPES)}, not {softmax_dtype!r}")
     model_dir = model_folder(model_dir)
     clock = PhaseClock()
     world = current_world() if world is None else world
@@ -89,13 +100,16 @@ def perplexity(
             for i in range(model.num_layers):
                 model.apply_layer(i, acts, on_batch=ticks.layer(i))
             clock.lap("layers")
-            logprobs = score_activations(model, acts, windows, progress=progress)
+            scored_in = model.dtype if softmax_dtype == "model" else torch.float32
+            logprobs = score_activations(model, acts, windows, progress=progress, softmax_dtype=scored_in)
             clock.lap("scoring")
         return list(zip(mine, logprobs, strict=True))
 
     logprobs = in_window_order(world.exchange(work), len(eval_set.windows))
-    metrics = metrics_from_logprobs(eval_set, logprobs)
     model = local["model"]
+    metrics = metrics_from_logprobs(eval_set, logprobs, model.dtype if softmax_dtype == "model" else None)
+    # how the log-probs were taken and summed: "float32" or the model's dtype
+    metrics.settings["softmax_dtype"] = dtype_name(model.dtype) if softmax_dtype == "model" else "float32"
     return PerplexityReport(
         str(model_dir),
         device_kind(model.device),
