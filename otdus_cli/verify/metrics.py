@@ -390,7 +390,8 @@ def metrics_from_logprobs(
         n_tokens=n_tokens,
         loglikelihood=ll,
         token_perplexity=token_ppl,
-        settings=dict(eval_set.settings),
+        # how the log-probs were taken and summed: "float32" (log-softmax; sums in float64) or a dtype
+        settings=dict(eval_set.settings) | {"softmax_dtype": str(sum_dtype or torch.float32).split(".")[-1]},
         reproduces=eval_set.reproduces,
     )
     if eval_set.protocol == "wikitext":

@@ -108,8 +108,6 @@ def perplexity(
     logprobs = in_window_order(world.exchange(work), len(eval_set.windows))
     model = local["model"]
     metrics = metrics_from_logprobs(eval_set, logprobs, model.dtype if softmax_dtype == "model" else None)
-    # how the log-probs were taken and summed: "float32" or the model's dtype
-    metrics.settings["softmax_dtype"] = dtype_name(model.dtype) if softmax_dtype == "model" else "float32"
     return PerplexityReport(
         str(model_dir),
         device_kind(model.device),
