@@ -12,7 +12,7 @@ OLDEST_TRANSFORMERS ?= transformers==4.57.6
 
 .PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint methods-table cli-reference evidence bench bench-copy bench-8b-copy faults coverage \
 	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl merge-twin shrink-ppl synthetic mergekit-outputs \
-	output-hashes device-wheels device-check device-check-dry-run smollm2 setup-smollm2 bench-smollm2 clean
+	output-hashes device-wheels device-check device-check-dry-run smollm2 setup-smollm2 bench-smollm2 init-smollm2 clean
 
 setup: $(VENV)/.installed
 
@@ -185,6 +185,12 @@ merge-twin: setup
 # shrink arms (docs/shrink-ppl.json and .md; minutes; `python -m scripts.shrink_ppl --render`: the .md alone)
 shrink-ppl: setup
 	$(PY) -m scripts.shrink_ppl
+
+# SmolLM2-135M grown by each expansion without zero-init: its distance to the base right after expansion
+# and short healing runs (recipes/study-smollm2-init.yaml; docs/init-smollm2.json and .md; about 50 minutes
+# at one thread; `python -m scripts.init_smollm2 --render`: the .md alone)
+init-smollm2: smollm2
+	OMP_NUM_THREADS=1 $(PY) -m scripts.init_smollm2
 
 # a random-weight checkpoint shaped like a real model: make synthetic SHAPE=llama-3.2-1b SYNTHETIC_OUT=out/l1b
 # (python -m scripts.make_synthetic --list names the shapes)
