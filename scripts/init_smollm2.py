@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         keep = args.data.with_name(args.data.stem + ".study-only.json")
         data = run(args.settings, args.runs.split(",") if args.runs else None, keep)
         args.data.write_text(json.dumps(data, indent=1) + "\n")
+        keep.unlink()  # the study's result is in the data now
         print(f"wrote {args.data}", flush=True)
     args.out.write_text(render(json.loads(args.data.read_text())))
     print(f"wrote {args.out}")
