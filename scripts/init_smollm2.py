@@ -42,10 +42,14 @@ def _commit() -> str:
 
 
 def run(
-    overrides: dict[str, Any] | None = None, runs: list[str] | None = None, keep: Path | None = None
+    overrides: dict[str, Any] | None = None,
+    runs: list[str] | None = None,
+    keep: Path | None = None,
+    alone: bool = False,
 ) -> dict[str, Any]:
     """The recipe's study with its expansions kept, then every arm's distance to the base; ``keep``:
-    where the study's result is written as soon as it is done (kept should the distances fail)."""
+    where the study's result is written as soon as it is done (kept should the distances fail);
+    ``runs``: only these arms, with the reference unless ``alone`` (then :func:`merge` joins them)."""
     import torch
 
     from otdus_cli.source import resolve_source
@@ -59,7 +63,8 @@ def run(
     recipe = load_study_recipe(RECIPE)
     (spec,) = recipe.studies
     settings = recipe.study_settings(spec.name, overrides)
-    arms = [r for r in recipe.run_specs() if runs is None or r.label in runs or r.label == recipe.reference]
+    ref = None if alone else recipe.reference
+    arms = [r for r in recipe.run_specs() if runs is None or r.label in runs or r.label == ref]
     base_dir = resolve_source(recipe.base).folder
 
     def progress(event) -> None:
@@ -72,7 +77,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="otdus-init-smollm2-") as tmp:
         cache = ExpansionCache(recipe.base, Path(tmp))
         result = study(recipe.base, spec.train_text, spec.eval_text, methods=arms, settings=settings,
-                       reference=recipe.reference, progress=progress, expansions=cache)  # fmt: skip
+                       reference=ref, progress=progress, expansions=cache)  # fmt: skip
         study_minutes = (time.time() - start) / 60
         if keep is not None:
             keep.write_text(result.to_json() + "\n")
@@ -97,6 +102,7 @@ def run(
             "torch": torch.__version__,
             "threads": settings.threads or 1,
             "overrides": overrides or {},
+            "processes": 1,
         },
         "recipe": str(RECIPE.relative_to(ROOT)),
         "base": recipe.base,
@@ -142,11 +148,15 @@ def _concordance(a: dict[str, float], b: dict[str, float]) -> tuple[int, int]:
     return same, len(pairs)
 
 
-def _arm(options: dict[str, Any]) -> str:
+def _arm(options: dict[str, Any], f: _Figures) -> str:
+    """The expand flags of an arm (the options that change what it writes)."""
     method = options["method"]
-    variant = {"ot": options.get("ot", {}).get("variant"), "lesa": options.get("lesa", {}).get("variant")}
-    v = variant.get(method)
-    return f"`--method {method}" + (f" --{method}-variant {v}" if v else "") + "`"
+    group = options.get(method)
+    variant = group.get("variant") if isinstance(group, dict) else None
+    flags = [f"--method {method}", *([f"--{method}-variant {variant}"] if variant else [])]
+    flags += [f"--layers {f(options['layers'])}", f"--position {options['position']}"]
+    flags += ["--zero-init" if options["zero_init"] else "--no-zero-init"]
+    return "`" + " ".join(flags) + "`"
 
 
 def render(data: dict[str, Any], mark: bool = False) -> str:
@@ -187,7 +197,7 @@ def render(data: dict[str, Any], mark: bool = False) -> str:
         "",
         "| arm | expansion |",
         "|---|---|",
-        *(f"| `{m.label}` | {_arm(m.options)} |" for m in r.methods),
+        *(f"| `{m.label}` | {_arm(m.options, f)} |" for m in r.methods),
         "",
         f"Training: {f(d['train'])} ({f(d['train_windows'], ',')} windows of {f(cfg['seq_len'])} tokens), "
         f"{f(cfg['steps'])} steps of {f(cfg['batch'])} windows per run ({f(tokens_per_run, ',')} tokens), "
@@ -364,6 +374,38 @@ def _healing_verdicts(r, initial, final, f: _Figures, alpha: float) -> list[str]
     ]
 
 
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from parts run side by side (each a :func:`run` of some arms; the first with the
+    reference): StudyResult.with_arms checks they are the same study, the base's held-out loss
+    agreeing bit for bit."""
+    from otdus_cli.study import StudyResult, load_study_recipe
+
+    recipe = load_study_recipe(RECIPE)
+    order = [r.name for r in recipe.runs]
+    first, *rest = parts
+    result = StudyResult.from_dict(first["study"])
+    for part in rest:
+        if part["conditions"]["commit"] != first["conditions"]["commit"]:
+            raise SystemExit("the parts were run by different code")
+        later = StudyResult.from_dict(part["study"])
+        labels = [m.label for m in result.methods] + [m.label for m in later.methods]
+        result = result.with_arms(later, order=[x for x in order if x in labels], shared_run=False)
+    conditions = [p["conditions"] for p in parts]
+    merged = dict(first)
+    merged["conditions"] = {
+        **first["conditions"],
+        "load_average_start": max(c["load_average_start"] for c in conditions),
+        "load_average_end": max(c["load_average_end"] for c in conditions),
+        "study_minutes": max(c["study_minutes"] for c in conditions),
+        "minutes": max(c["minutes"] for c in conditions),
+        "processes": sum(c["processes"] for c in conditions),
+    }
+    distances = {k: v for p in parts for k, v in p["distances"].items()}
+    merged["distances"] = {x: distances[x] for x in order if x in distances}
+    merged["study"] = result.to_dict()
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--render", action="store_true", help="only render the page from the stored JSON")
@@ -372,17 +414,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--settings", type=json.loads, help="study settings over the recipe's, as JSON (smoke runs)"
     )
-    ap.add_argument("--runs", help="comma-separated arms (with the reference), for smoke runs")
+    ap.add_argument("--runs", help="comma-separated arms (with the reference unless --alone)")
+    ap.add_argument("--alone", action="store_true", help="with --runs: without the reference")
+    ap.add_argument("--merge", type=Path, nargs="+", help="join parts run side by side into --data")
     args = ap.parse_args(argv)
     partial = args.settings is not None or args.runs is not None
     if partial and not args.render and (args.out == DOC or args.data == DATA):
-        ap.error("--settings and --runs change the declared study: give --out and --data elsewhere")
-    if not args.render:
+        ap.error("--settings and --runs run part of the declared study: give --out and --data elsewhere")
+    if args.merge:
+        data = merge([json.loads(p.read_text()) for p in args.merge])
+        args.data.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.data}", flush=True)
+    elif not args.render:
         keep = args.data.with_name(args.data.stem + ".study-only.json")
-        data = run(args.settings, args.runs.split(",") if args.runs else None, keep)
+        data = run(args.settings, args.runs.split(",") if args.runs else None, keep, args.alone)
         args.data.write_text(json.dumps(data, indent=1) + "\n")
         keep.unlink()  # the study's result is in the data now
         print(f"wrote {args.data}", flush=True)
+        if args.runs is not None:  # a part: rendered once merged
+            return 0
     args.out.write_text(render(json.loads(args.data.read_text())))
     print(f"wrote {args.out}")
     return 0
