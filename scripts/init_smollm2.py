@@ -250,7 +250,7 @@ def render(data: dict[str, Any], mark: bool = False) -> str:
     if data["primary"] is not None:
         family = PrimaryFamily.model_validate(data["primary"])
         block = primary_markdown({"wikitext": r}, family, data["recipe"])
-        lines.append(f"{OPEN}{block}{CLOSE}" if mark else block)
+        lines += [f"{OPEN}{block}{CLOSE}" if mark else block, "", *_seed_level(r, family, f)]
     lines += [
         "",
         *_healing_verdicts(r, initial, final, f, (data["primary"] or {}).get("alpha", ALPHA)),
@@ -322,6 +322,22 @@ def _distance_verdicts(r, dist, initial, kl, f: _Figures) -> list[str]:
             f"* `{ref}` starts {f(abs(gap), '.4f')} nats {word} `{rival}` on the held-out windows, and moves "
             f"the next-token distributions {'less' if kl[ref] < kl[rival] else 'more'} (KL "
             f"{f(kl[ref], '.4f')} against {f(kl[rival], '.4f')})."
+        )
+    return lines
+
+
+def _seed_level(r, family, f: _Figures) -> list[str]:
+    """The primary contrasts with seeds as the only unit: each seed's difference and the exact
+    sign-flip p over them (its smallest possible value, two over 2^seeds, bounds what they can show)."""
+    lines = []
+    for against in family.against:
+        vs = r.contrast(family.reference, against)
+        n = len(vs["diffs"])
+        lines.append(
+            f"* Seed by seed, `{family.reference}` - `{against}`: "
+            + ", ".join(f(x, "+.4f") for x in vs["diffs"])
+            + f"; sign-flip p over the {f(n)} seeds {f(_p(vs['sign_flip_p']))} (the smallest it can be "
+            f"with {f(n)} seeds: {f(2 / 2**n, '.3f')})."
         )
     return lines
 
