@@ -12,7 +12,7 @@ OLDEST_TRANSFORMERS ?= transformers==4.57.6
 
 .PHONY: setup setup-compat demo test test-main test-long test-compat check-docs lint methods-table cli-reference evidence bench bench-copy bench-8b-copy faults coverage \
 	lm-eval-check lm-eval-record bench-verify bench-moe bench-transport ot-plan-scale widen-ppl merge-twin shrink-ppl shrink-smollm2 synthetic mergekit-outputs \
-	output-hashes device-wheels device-check device-check-dry-run smollm2 setup-smollm2 bench-smollm2 clean
+	output-hashes device-wheels device-check device-check-dry-run smollm2 setup-smollm2 bench-smollm2 init-smollm2 clean
 
 setup: $(VENV)/.installed
 
@@ -192,6 +192,20 @@ shrink-ppl: setup
 # thread; `python -m scripts.shrink_smollm2 --render`: the .md alone)
 shrink-smollm2: smollm2
 	OMP_NUM_THREADS=1 $(PY) -m scripts.shrink_smollm2
+
+# SmolLM2-135M grown by each expansion without zero-init: its distance to the base right after expansion
+# and short healing runs (recipes/study-smollm2-init.yaml; docs/init-smollm2.json and .md). The arms run in
+# two processes of one thread each, side by side (parts under out/, then joined: StudyResult.with_arms);
+# about 50 minutes of CPU in all. `python -m scripts.init_smollm2` runs them in one process,
+# `python -m scripts.init_smollm2 --render` renders the .md alone.
+INIT_PART_A ?= average,copy,ot:official,ot:structured
+INIT_PART_B ?= ot:activation,lesa:published,random
+init-smollm2: smollm2
+	mkdir -p out
+	OMP_NUM_THREADS=1 $(PY) -m scripts.init_smollm2 --runs $(INIT_PART_A) --data out/init-smollm2-a.json & a=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m scripts.init_smollm2 --runs $(INIT_PART_B) --alone --data out/init-smollm2-b.json; \
+	b=$$?; wait $$a && test $$b = 0
+	$(PY) -m scripts.init_smollm2 --merge out/init-smollm2-a.json out/init-smollm2-b.json
 
 # a random-weight checkpoint shaped like a real model: make synthetic SHAPE=llama-3.2-1b SYNTHETIC_OUT=out/l1b
 # (python -m scripts.make_synthetic --list names the shapes)

@@ -21,6 +21,7 @@ TESTS_OF_SCRIPTS = {
     "test_tiny_configs": {"coverage", "tiny_configs"},
     "test_fault_inject": {"fault_inject"},
     "test_make_synthetic": {"make_synthetic"},
+    "test_init_smollm2": {"init_smollm2"},
     "test_shrink_ppl": {"shrink_ppl"},
     "test_shrink_smollm2": {"shrink_smollm2"},
     "test_import_graph": {"import_contracts"},

@@ -258,3 +258,26 @@ def test_interpose_stack_recipe_grows_the_same_copies_in_two_places():
         layouts[spec.label] = [(layer.source, layer.new) for layer in plan]
     assert layouts["interpose"] == [(i, new) for i in range(5) for new in (False, True)]
     assert layouts["stack"] == [(i, False) for i in range(5)] + [(i, True) for i in range(5)]
+
+
+def test_a_cache_the_caller_owns_keeps_the_arms_checkpoints(tmp_path):
+    """study(expansions=...) trains the checkpoints the caller's cache holds, and leaves them there
+    (scripts/init_smollm2.py measures them after the study)."""
+    from otdus_cli.study.arms import ExpansionCache, resolve_runs
+
+    cache = ExpansionCache("bundled:stories260k", tmp_path)
+    r = study(
+        "bundled:stories260k",
+        "bundled:tinystories-sample",
+        methods=["copy"],
+        reference=None,
+        expansions=cache,
+        **SMALL,
+    )
+    (spec,) = resolve_runs(["copy"], SMALL["expand_options"])
+    folder, manifest = cache.get(spec.options, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # made by the study, not now
+    assert (
+        json.loads((folder / "config.json").read_text())["num_hidden_layers"] == r.runs[0].num_hidden_layers
+    )
+    assert manifest["new_parameters"]

@@ -312,6 +312,7 @@ def study(
     force: bool = False,
     protected: Sequence[str | os.PathLike[str]] = (),
     on_note: Callable[[str], None] | None = None,
+    expansions: ExpansionCache | None = None,
     **overrides: Any,
 ) -> StudyResult:
     """Expand ``base`` with each method, train the new layers, compare held-out loss over seeds.
@@ -329,7 +330,9 @@ def study(
     output (output_files.py) claimed before any work: never a link, the base, or a folder otdus did
     not write; ``force`` replaces only an unchanged earlier study output there; ``protected``:
     folders besides the base's that it may not touch; ``on_note`` hears of stale temporary folders
-    beside it (removed or kept) as they are found.
+    beside it (removed or kept) as they are found; ``expansions``: a cache the caller owns (its
+    folder and what it holds outlive the study, e.g. to measure the arms' checkpoints after it),
+    instead of one in a temporary folder removed at the end.
     """
     s = study_settings(settings, **overrides)
     notify = progress or (lambda event: None)
@@ -377,7 +380,8 @@ def study(
         )
         result = _run(base, base_dir, train_text, eval_text, specs, s, dev, reference=ref, notes=notes,
                       notify=notify, expand_options=expand_options, shrink_options=shrink_options,
-                      work_dir=staged if work_dir is None else work_dir)  # fmt: skip
+                      work_dir=staged if work_dir is None else work_dir,
+                      expansions=expansions)  # fmt: skip
         if staged is not None:
             result.write_files(staged)
     return result
@@ -398,6 +402,7 @@ def _run(
     expand_options: dict[str, Any] | None,
     shrink_options: dict[str, Any] | None,
     work_dir: str | os.PathLike[str] | None,
+    expansions: ExpansionCache | None = None,
 ) -> StudyResult:
     """The study itself: the data, every arm's runs, the summaries."""
     from otdus_cli.verify.metrics import load_tokenizer
@@ -420,7 +425,8 @@ def _run(
     results: list[RunResult] = []
     sweeps: dict[str, list[dict[str, Any]]] = {}
     try:
-        runs = _Runs(s, data, ExpansionCache(base, tmp), dev, notify, len(specs) * per_arm)
+        cache = ExpansionCache(base, tmp) if expansions is None else expansions
+        runs = _Runs(s, data, cache, dev, notify, len(specs) * per_arm)
         runs.score_base(base_dir)
         for spec in specs:
             arm_runs, sweep = runs.arm(spec, s.seeds)
