@@ -16,7 +16,7 @@ from scripts.init_smollm2 import CLOSE, DATA, DOC, OPEN, RECIPE, merge, render
 
 # names that carry digits and are no figures (step 0: the expansion as written, before any training)
 NAMES = re.compile(
-    r"SmolLM2-135M(-Instruct)?|smollm2(-135m)?|stories260K|WikiText-2|Q4_1|L2|float32|init-smollm2"
+    r"SmolLM2-135M(-Instruct)?|smollm2(-135m)?|stories260K|WikiText-2|Q4_1|L2|float32|bfloat16|init-smollm2"
     r"|study-smollm2-init|[Ss]tep[- ]0\b"
 )
 MARKED = re.compile(re.escape(OPEN) + r".*?" + re.escape(CLOSE), re.S)

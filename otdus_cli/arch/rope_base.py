@@ -17,25 +17,26 @@ _BY_LAYER_TYPE = {"full_attention": "rope_theta", "sliding_attention": "rope_loc
 
 def legacy_rope_fields(stack: dict) -> dict[str, Any]:
     """The top-level RoPE fields a stack's config lacks and its ``rope_parameters`` state: the bases,
-    and ``rope_scaling`` for a scaled RoPE (the full-attention layers' where types differ, which is
-    where 4.57 applies it)."""
+    and ``rope_scaling`` for a scaled RoPE stated for every layer (not one stated by attention type,
+    as Gemma's: transformers 5 would take a top-level rope_scaling for every type's)."""
     params = stack.get("rope_parameters")
     if not isinstance(params, dict):
         return {}
     if "rope_theta" in params:
         found: dict[str, Any] = {"rope_theta": params["rope_theta"]}
-        scaled = params
-    else:
+        if params.get("rope_type", "default") != "default":
+            found["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:  # by attention type: no rope_scaling, which transformers 5 would read over rope_parameters
         found = {
             field: params[kind]["rope_theta"]
             for kind, field in _BY_LAYER_TYPE.items()
             if isinstance(params.get(kind), dict) and "rope_theta" in params[kind]
         }
-        scaled = params.get("full_attention") if isinstance(params.get("full_attention"), dict) else {}
-    found = {k: v for k, v in found.items() if isinstance(v, int | float)}
-    if scaled.get("rope_type", "default") != "default":
-        found["rope_scaling"] = {k: v for k, v in scaled.items() if k != "rope_theta"}
-    return {k: v for k, v in found.items() if k not in stack}
+    return {
+        k: v
+        for k, v in found.items()
+        if k not in stack and (k == "rope_scaling" or isinstance(v, int | float))
+    }
 
 
 def with_legacy_rope(config: dict) -> dict:
