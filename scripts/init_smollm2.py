@@ -18,27 +18,19 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from scripts import measuring
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "study-smollm2-init.yaml"
 DATA = ROOT / "docs" / "init-smollm2.json"
 DOC = ROOT / "docs" / "init-smollm2.md"
 DISTANCE_STRIDE = 3  # every third held-out window of the study's
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(
@@ -59,7 +51,7 @@ def run(
     from otdus_cli.study.runner import prepare_data
     from otdus_cli.verify.metrics import load_tokenizer
 
-    start, commit, load_start = time.time(), _commit(), os.getloadavg()[0]
+    start, commit, load_start = time.time(), measuring.commit(), os.getloadavg()[0]
     recipe = load_study_recipe(RECIPE)
     (spec,) = recipe.studies
     settings = recipe.study_settings(spec.name, overrides)

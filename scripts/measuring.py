@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -30,3 +31,17 @@ def cpu_model() -> str:
         (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
         platform.processor() or "unknown",
     )
+
+
+def commit() -> str:
+    """HEAD of the checkout the figures are computed by ("unknown" outside a git checkout)."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

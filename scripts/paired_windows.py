@@ -9,10 +9,7 @@ one model minus another is a per-window loss difference, tested by a paired t te
 from __future__ import annotations
 
 import math
-import subprocess
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def window_losses(folder: Path, plan) -> list[float]:
@@ -99,13 +96,3 @@ def row(cells: list[str]) -> str:
 
 def layers(removed: list[int]) -> str:
     return ", ".join(map(str, removed))
-
-
-def commit() -> str:
-    """HEAD of the checkout the figures are computed by."""
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"

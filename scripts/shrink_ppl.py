@@ -42,10 +42,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from scripts.measuring import commit
 from scripts.paired_windows import (
     adjust,
     cell,
-    commit,
     contrast_cell,
     interval,  # noqa: F401 - tests/test_shrink_ppl.py reads it here
     layers,

@@ -44,10 +44,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from scripts.measuring import commit
 from scripts.paired_windows import (
     adjust,
     cell,
-    commit,
     contrast_cell,
     layers,
     outcome,
