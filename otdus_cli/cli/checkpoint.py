@@ -452,23 +452,23 @@ def plan(
     from otdus_cli.source import open_source
 
     shrinking = {
-        "--select": select,
-        "--remove": remove,
-        "--calib": calib,
-        "--calib-tokens": calib_tokens,
-        "--laco-merge": laco_merge,
-        "--laco-interval": laco_interval,
-        "--laco-threshold": laco_threshold,
-        "--laco-top": laco_top,
-        "--laco-bottom": laco_bottom,
+        "select": select,
+        "remove": remove,
+        "calib": calib,
+        "calib_tokens": calib_tokens,
+        "laco_merge": laco_merge,
+        "laco_interval": laco_interval,
+        "laco_threshold": laco_threshold,
+        "laco_top": laco_top,
+        "laco_bottom": laco_bottom,
     }
     with user_errors():
         if shrink is not None:
             _plan_shrink(model, flags, method_flags, shrink, shrinking, json_out)
             return
-        given = next((flag for flag, value in shrinking.items() if value is not None), None)
+        given = next((name for name, value in shrinking.items() if value is not None), None)
         if given:
-            raise OtdusError(f"{given} plans a shrink: give --shrink METHOD too")
+            raise OtdusError(f"--{given.replace('_', '-')} plans a shrink: give --shrink METHOD too")
         model, options, _ = _options(model, flags, method_flags)
         the_plan = make_plan(open_source(model, options.revision, options.allow_unknown_arch), options)
     if json_out:
@@ -490,7 +490,7 @@ def plan(
 
 def _plan_shrink(model, flags: LayoutFlags, method_flags, method, shrinking: dict[str, Any], json_out):
     """`plan --shrink METHOD`: the shrink's selection and layer map (cli/shrinking.py); ``shrinking``:
-    the shrink's own flags by name (``{"--select": "bi", ...}``, None where not given)."""
+    the shrink's own options by parameter (``{"select": "bi", ...}``, None where not given)."""
     from otdus_cli.cli.flags import method_flags as method_flag_list
     from otdus_cli.cli.shrinking import quiet_if_scoring, show_shrink_plan, shrink_json, shrink_options
     from otdus_cli.methods.registry import SHRINK_METHODS
@@ -510,7 +510,7 @@ def _plan_shrink(model, flags: LayoutFlags, method_flags, method, shrinking: dic
         method=method,
         layers=flags.layers,
         ratio=flags.ratio,
-        **{flag.removeprefix("--").replace("-", "_"): value for flag, value in shrinking.items()},
+        **shrinking,
         revision=flags.revision,
         allow_unknown_arch=flags.allow_unknown_arch,
     )

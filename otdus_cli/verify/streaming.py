@@ -117,13 +117,14 @@ class StreamedModel:
         self.stated_config = None
         self._check_pending = self_check != "off"
         try:
-            config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
             # a config saved by transformers 5 states its RoPE only in rope_parameters, which 4.57
             # ignores: read with the fields otdus writes beside it, base and output mean the same
             stated = read_json_object(self.folder / "config.json")
             if with_legacy_rope(stated) != stated:
                 config = transformers_config(with_legacy_rope(stated))
                 self.stated_config = copy.deepcopy(config)
+            else:
+                config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
         except Exception as exc:  # unknown model_type, invalid fields, ...
             raise OtdusError(f"transformers cannot read {self.folder}/config.json: {exc}") from None
         self.attn_implementation = attn_implementation
